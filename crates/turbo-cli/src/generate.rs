@@ -1,0 +1,102 @@
+//! `turbo generate`: one completion, streamed or as JSON.
+
+use crate::runtime::{chat_template, ModelArgs, SamplingArgs};
+use anyhow::{Context, Result};
+use clap::Args;
+use serde::Serialize;
+use std::io::Write;
+use std::path::PathBuf;
+use turbo_llama::chat::ChatMessage;
+use turbo_scheduler::{FinishReason, GenerationRequest, Session, Timings};
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt text.
+    #[arg(
+        long,
+        short = 'p',
+        conflicts_with = "prompt_file",
+        required_unless_present = "prompt_file"
+    )]
+    prompt: Option<String>,
+    /// Read the prompt from a file.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Stop when this text is generated (repeatable); it is not included in the output.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Output<'a> {
+    prompt_token_ids: &'a [u32],
+    token_ids: &'a [u32],
+    text: &'a str,
+    finish_reason: FinishReason,
+    timings: &'a Timings,
+}
+
+pub fn run(args: GenerateArgs) -> Result<()> {
+    let prompt = match (&args.prompt, &args.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .with_context(|| format!("cannot read prompt file {}", f.display()))?,
+        (None, None) => unreachable!("clap requires one of them"),
+    };
+    let (mut engine, info) = args.model.engine()?;
+    let ids = if args.chat {
+        let template = chat_template(&engine, info.chat_template.as_deref())?;
+        let text = template.render(&[ChatMessage::new("user", prompt)], true)?;
+        engine.tokenizer().encode(&text)?
+    } else {
+        engine.tokenizer().encode_with_bos(&prompt)?
+    };
+    let request = GenerationRequest {
+        sampling: args.sampling.params(),
+        max_tokens: args.max_tokens,
+        stop_strings: args.stop.clone(),
+        ignore_eos: args.ignore_eos,
+    };
+    let mut session = Session::new();
+    let stdout = std::io::stdout();
+    let json = args.json;
+    let completion = engine.generate(&mut session, &ids, &request, |text| {
+        if !json {
+            let mut out = stdout.lock();
+            // A closed stdout (e.g. `| head`) cancels generation.
+            return out
+                .write_all(text.as_bytes())
+                .and_then(|_| out.flush())
+                .is_ok();
+        }
+        true
+    })?;
+    if json {
+        let out = Output {
+            prompt_token_ids: &ids,
+            token_ids: &completion.token_ids,
+            text: &completion.text,
+            finish_reason: completion.finish_reason,
+            timings: &completion.timings,
+        };
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        println!();
+    }
+    Ok(())
+}

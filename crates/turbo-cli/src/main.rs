@@ -1,0 +1,61 @@
+//! `turbo`: chat with, run, inspect and benchmark LLaMA-family models.
+
+mod bench;
+mod chat;
+mod generate;
+mod info;
+mod runtime;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "turbo",
+    version,
+    about = "Turbo: fast inference for LLaMA-family models"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Options of `chat`, which runs when no subcommand is given.
+    #[command(flatten)]
+    chat: chat::ChatArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Interactive multi-turn chat (the default).
+    Chat(chat::ChatArgs),
+    /// Complete one prompt.
+    Generate(generate::GenerateArgs),
+    /// Show a model's configuration, tensor types and parameter count.
+    Info(info::InfoArgs),
+    /// Measure prefill and decode throughput.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TURBO_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        None => chat::run(cli.chat),
+        Some(Command::Chat(args)) => chat::run(args),
+        Some(Command::Generate(args)) => generate::run(args),
+        Some(Command::Info(args)) => info::run(args),
+        Some(Command::Bench(args)) => bench::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

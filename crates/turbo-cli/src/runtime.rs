@@ -1,0 +1,126 @@
+//! What every model-running subcommand shares: finding the model, the device, the engine.
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+use turbo_core::cpu::CpuBackend;
+use turbo_llama::{Llama, LoadedModel};
+use turbo_models::DEFAULT_MODEL;
+use turbo_scheduler::{Engine, SamplingParams};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Device {
+    Cpu,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// A GGUF file, an HF model directory, or a native directory from `cargo xtask convert`.
+    /// Without it, the default model (SmolLM2-135M-Instruct) is used, downloaded on first use.
+    #[arg(long, short = 'm')]
+    pub model: Option<PathBuf>,
+    /// Where to compute.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: Device,
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Tokens per KV cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// 0 is greedy decoding.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+        }
+    }
+}
+
+impl ModelArgs {
+    /// The model's path, fetching the default model if none was given.
+    pub fn resolve(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(p) => Ok(p.clone()),
+            None => Ok(DEFAULT_MODEL.ensure(true)?),
+        }
+    }
+
+    pub fn load(&self) -> Result<LoadedModel> {
+        if let Some(n) = self.threads {
+            anyhow::ensure!(n > 0, "--threads must be positive");
+            // Only fails if the pool already exists, which it cannot at this point.
+            let _ = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build_global();
+        }
+        anyhow::ensure!(self.block_size > 0, "--block-size must be positive");
+        let path = self.resolve()?;
+        LoadedModel::load(&path).with_context(|| format!("cannot load model {}", path.display()))
+    }
+
+    /// Loads the model onto the chosen device and wraps it in an engine sized for one
+    /// full-context sequence.
+    pub fn engine(&self) -> Result<(Engine<CpuBackend>, LoadedModelInfo)> {
+        let loaded = self.load()?;
+        let info = LoadedModelInfo {
+            context_length: loaded.config.context_length,
+            chat_template: loaded.chat_template.clone(),
+        };
+        let model = match self.device {
+            Device::Cpu => Llama::new(CpuBackend, &loaded.config, &loaded.weights)?,
+        };
+        let engine = Engine::for_context(model, loaded.tokenizer, self.block_size)?;
+        Ok((engine, info))
+    }
+}
+
+/// What a subcommand still needs to know after the weights moved into the engine.
+pub struct LoadedModelInfo {
+    pub context_length: usize,
+    pub chat_template: Option<String>,
+}
+
+/// Renders a conversation with the model's chat template (ChatML when it has none).
+pub fn chat_template(
+    engine: &Engine<CpuBackend>,
+    source: Option<&str>,
+) -> Result<turbo_llama::chat::ChatTemplate> {
+    let tok = engine.tokenizer();
+    let bos = tok
+        .bos_id()
+        .and_then(|id| tok.id_to_token(id))
+        .unwrap_or_default();
+    let eos = tok
+        .eos_ids()
+        .first()
+        .and_then(|&id| tok.id_to_token(id))
+        .unwrap_or_default();
+    Ok(match source {
+        Some(src) => turbo_llama::chat::ChatTemplate::new(src, &bos, &eos)?,
+        None => turbo_llama::chat::ChatTemplate::chatml(),
+    })
+}

@@ -1,0 +1,92 @@
+//! The interface every compute backend implements, so that a model's forward pass is written once.
+
+use crate::cpu::KvCacheSpec;
+use crate::WeightMatrix;
+use thiserror::Error;
+use turbo_attention::QuerySpan;
+
+#[derive(Debug, Error)]
+pub enum BackendError {
+    #[error("out of device memory: {0}")]
+    OutOfMemory(String),
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+pub type Result<T> = std::result::Result<T, BackendError>;
+
+/// The operations of a LLaMA-style decoder, over the backend's own buffers.
+///
+/// Activations are row-major `[tokens, features]` f32 tensors. A batch is a concatenation of
+/// sequences' new tokens; `positions` and `slots` give, per token, its position in its sequence and
+/// the KV-cache slot its key and value go to, and [`QuerySpan`]s tell attention which rows belong to
+/// which sequence and which blocks hold its history.
+pub trait Backend: Send + Sync {
+    /// Activations resident on the device.
+    type Tensor;
+    /// A weight matrix resident on the device.
+    type Matrix;
+    /// Paged KV storage for all layers.
+    type KvCache;
+
+    /// Human-readable device name, for logs and benchmark records.
+    fn name(&self) -> String;
+
+    fn upload_matrix(&self, w: &WeightMatrix) -> Result<Self::Matrix>;
+    /// A `[rows, cols]` tensor filled from host data.
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
+    /// A `[rows, cols]` tensor whose contents are unspecified until written.
+    fn tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
+    fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
+    fn kv_cache(&self, spec: KvCacheSpec) -> Result<Self::KvCache>;
+    fn kv_spec(&self, cache: &Self::KvCache) -> KvCacheSpec;
+
+    /// Rows `ids` of the embedding table, decoded to f32.
+    fn embed(&self, table: &Self::Matrix, ids: &[u32], out: &mut Self::Tensor) -> Result<()>;
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// `out = x · wᵀ`.
+    fn linear(&self, x: &Self::Tensor, w: &Self::Matrix, out: &mut Self::Tensor) -> Result<()>;
+    /// Rotary embedding of every head of `x` (`[tokens, heads · head_dim]`), interleaved pairs.
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        head_dim: usize,
+        positions: &[u32],
+        inv_freq: &[f32],
+    ) -> Result<()>;
+    /// `gate = silu(gate) · up`.
+    fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor) -> Result<()>;
+    /// `x += y`.
+    fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// `out[i] = x[rows[i]]`.
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor) -> Result<()>;
+    /// Stores keys and values of the batch's tokens at `slots` of `layer`.
+    fn write_kv(
+        &self,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        slots: &[u32],
+    ) -> Result<()>;
+    /// Causal attention of the batch's queries over each sequence's cached KV.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        cache: &Self::KvCache,
+        layer: usize,
+        n_heads: usize,
+        spans: &[QuerySpan],
+        scale: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+}

@@ -1,0 +1,12 @@
+//! Turbo's foundation: element types, quantized block formats, weight storage, and the compute
+//! backends (the [`Backend`] trait and its CPU implementation).
+
+pub mod backend;
+pub mod cpu;
+pub mod dtype;
+pub mod quant;
+pub mod storage;
+
+pub use backend::{Backend, BackendError};
+pub use dtype::DType;
+pub use storage::{Bytes, WeightMatrix};

@@ -1,0 +1,154 @@
+//! Tensor bytes that are either memory-mapped from a model file or owned, and weight matrices over them.
+
+use crate::{quant, DType};
+use memmap2::Mmap;
+use std::ops::Range;
+use std::sync::Arc;
+
+#[derive(Clone)]
+enum Backing {
+    Mapped(Arc<Mmap>),
+    Owned(Arc<Vec<u8>>),
+}
+
+/// A cheap-to-clone window of bytes; model weights stay in the page cache instead of being copied.
+#[derive(Clone)]
+pub struct Bytes {
+    backing: Backing,
+    range: Range<usize>,
+}
+
+impl Bytes {
+    /// A window of a memory map; `range` must lie inside it.
+    pub fn mapped(map: Arc<Mmap>, range: Range<usize>) -> Bytes {
+        assert!(range.end <= map.len(), "window past the end of the mapping");
+        Bytes {
+            backing: Backing::Mapped(map),
+            range,
+        }
+    }
+
+    pub fn owned(bytes: Vec<u8>) -> Bytes {
+        let range = 0..bytes.len();
+        Bytes {
+            backing: Backing::Owned(Arc::new(bytes)),
+            range,
+        }
+    }
+
+    pub fn from_f32(values: &[f32]) -> Bytes {
+        Bytes::owned(bytemuck::cast_slice(values).to_vec())
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        match &self.backing {
+            Backing::Mapped(m) => &m[self.range.clone()],
+            Backing::Owned(v) => &v[self.range.clone()],
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+
+    /// True when the bytes live in a memory-mapped file rather than on the heap.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.backing, Backing::Mapped(_))
+    }
+}
+
+impl std::fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Bytes({} bytes, mapped: {})",
+            self.len(),
+            self.is_mapped()
+        )
+    }
+}
+
+/// A row-major `[rows, cols]` matrix as stored in the model file: `rows` output features, each a row
+/// of `cols` input features in `dtype` encoding.
+#[derive(Clone, Debug)]
+pub struct WeightMatrix {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Bytes,
+}
+
+impl WeightMatrix {
+    /// Checks that `data` holds exactly `rows` rows of `cols` elements.
+    pub fn new(dtype: DType, rows: usize, cols: usize, data: Bytes) -> Result<Self, String> {
+        let row_bytes = dtype.row_bytes(cols).ok_or_else(|| {
+            format!(
+                "a row of {cols} elements is not a whole number of {dtype} blocks of {}",
+                dtype.block_len()
+            )
+        })?;
+        if row_bytes * rows != data.len() {
+            return Err(format!(
+                "{rows}x{cols} {dtype} needs {} bytes, found {}",
+                row_bytes * rows,
+                data.len()
+            ));
+        }
+        Ok(WeightMatrix {
+            dtype,
+            rows,
+            cols,
+            data,
+        })
+    }
+
+    pub fn from_f32(rows: usize, cols: usize, values: &[f32]) -> Self {
+        assert_eq!(values.len(), rows * cols);
+        WeightMatrix {
+            dtype: DType::F32,
+            rows,
+            cols,
+            data: Bytes::from_f32(values),
+        }
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.data.len() / self.rows.max(1)
+    }
+
+    pub fn row(&self, r: usize) -> &[u8] {
+        let n = self.row_bytes();
+        &self.data.as_slice()[r * n..(r + 1) * n]
+    }
+
+    /// Decodes row `r` into `out` (`cols` floats).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        quant::dequantize_row(self.dtype, self.row(r), out);
+    }
+
+    /// Decodes the whole matrix; for tests and conversions, not hot paths.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        for (r, o) in out.chunks_exact_mut(self.cols.max(1)).enumerate() {
+            self.dequantize_row(r, o);
+        }
+        out
+    }
+
+    /// A new matrix with rows taken in the order `order` (`order[i]` is the source row of row `i`).
+    pub fn permute_rows(&self, order: &[usize]) -> WeightMatrix {
+        assert_eq!(order.len(), self.rows);
+        let mut bytes = Vec::with_capacity(self.data.len());
+        for &src in order {
+            bytes.extend_from_slice(self.row(src));
+        }
+        WeightMatrix {
+            data: Bytes::owned(bytes),
+            ..self.clone()
+        }
+    }
+}

@@ -1,0 +1,15 @@
+//! The LLaMA model family: configuration, weights from GGUF, HF safetensors or Turbo's native
+//! directories, the forward pass over any backend, the tokenizer and the chat template.
+
+pub mod chat;
+pub mod config;
+mod error;
+pub mod model;
+pub mod native;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::{LlamaConfig, RopeScaling};
+pub use error::{LlamaError, Result};
+pub use model::{Llama, Logits, SequenceChunk};
+pub use weights::{HostWeights, LoadedModel, ModelFormat};

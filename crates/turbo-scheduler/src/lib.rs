@@ -1,0 +1,11 @@
+//! Running requests through a model: sampling, stop conditions, text streaming, and sessions whose
+//! KV outlives a request so that the next turn of a conversation prefills only its new tokens.
+
+pub mod engine;
+pub mod sampling;
+pub mod stop;
+
+pub use engine::{
+    Completion, Engine, EngineError, FinishReason, GenerationRequest, Session, Timings,
+};
+pub use sampling::{Sampler, SamplingParams};
