@@ -34,12 +34,17 @@ enum Command {
 }
 
 fn convert(from: From, input: PathBuf, out: PathBuf) -> Result<()> {
-    let model = LoadedModel::load(&input).with_context(|| format!("cannot load {}", input.display()))?;
+    let model =
+        LoadedModel::load(&input).with_context(|| format!("cannot load {}", input.display()))?;
     match (from, model.format) {
         (From::Hf, ModelFormat::HfSafetensors) | (From::Gguf, ModelFormat::Gguf) => {}
-        (_, found) => bail!("{} is a {found} model, not what --from says", input.display()),
+        (_, found) => bail!(
+            "{} is a {found} model, not what --from says",
+            input.display()
+        ),
     }
-    turbo_llama::native::write(&model, &out).with_context(|| format!("cannot write {}", out.display()))?;
+    turbo_llama::native::write(&model, &out)
+        .with_context(|| format!("cannot write {}", out.display()))?;
     println!(
         "wrote {} ({} layers, {} tensor types: {:?})",
         out.display(),

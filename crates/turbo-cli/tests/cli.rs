@@ -1,0 +1,578 @@
+//! The real `turbo` binary on tiny models written to temporary directories: bad inputs must give
+//! a non-zero exit and a one-line `error: ...` that says what is wrong (never a panic), and the
+//! happy paths must produce what scripts rely on.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use turbo_tests::files::{gguf_metadata, gguf_tensors, gguf_writer};
+use turbo_tests::{write_gguf, write_hf, DType, TinySpec, TinyWeights};
+
+fn turbo(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_turbo"))
+        .args(args)
+        .env_remove("TURBO_LOG")
+        .env("RAYON_NUM_THREADS", "2")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the turbo binary runs");
+    let mut input = child.stdin.take().unwrap();
+    if let Some(text) = stdin {
+        input.write_all(text.as_bytes()).unwrap();
+    }
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs `turbo args` and checks it fails with a single `error:` line containing `phrase`.
+#[track_caller]
+fn expect_error(args: &[&str], phrase: &str) -> String {
+    let out = turbo(args, None);
+    let stderr = text(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "turbo {args:?} succeeded; stderr: {stderr}"
+    );
+    assert!(
+        !stderr.contains("panicked"),
+        "turbo {args:?} panicked: {stderr}"
+    );
+    let line = stderr.trim_end_matches('\n');
+    assert!(
+        !line.contains('\n'),
+        "turbo {args:?}: stderr is not one line:\n{stderr}"
+    );
+    assert!(
+        line.starts_with("error: "),
+        "turbo {args:?}: stderr does not start with 'error: ': {stderr}"
+    );
+    assert!(
+        line.contains(phrase),
+        "turbo {args:?}: stderr does not mention {phrase:?}: {stderr}"
+    );
+    eprintln!("{line}");
+    line.to_string()
+}
+
+/// A failure whose message clap owns (usage errors): non-zero and no panic is all we ask.
+#[track_caller]
+fn expect_usage_error(args: &[&str]) {
+    let out = turbo(args, None);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "turbo {args:?} succeeded");
+    assert!(!stderr.contains("panicked"), "turbo {args:?}: {stderr}");
+    assert!(!stderr.trim().is_empty(), "turbo {args:?}: no message");
+}
+
+fn spec(context: usize) -> TinySpec {
+    TinySpec {
+        context,
+        seed: 3,
+        ..TinySpec::default()
+    }
+}
+
+/// A temporary directory holding `tiny.gguf` (Q8_0, the given context).
+fn gguf_fixture(context: usize) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    let s = spec(context);
+    write_gguf(&path, &s, &TinyWeights::random(&s), DType::Q8_0);
+    (dir, path)
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+fn generate_args<'a>(model: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["generate", "--model", model, "--prompt", "hi"];
+    args.extend_from_slice(extra);
+    args
+}
+
+#[test]
+fn missing_model_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.gguf");
+    let line = expect_error(&generate_args(p(&missing), &[]), "No such file");
+    assert!(line.contains("nope.gguf"), "{line}");
+    expect_error(&["info", "--model", p(&missing)], "No such file");
+}
+
+#[test]
+fn directory_that_is_not_a_model() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("README.md"), "not a model").unwrap();
+    expect_error(&generate_args(p(dir.path()), &[]), "not a model");
+}
+
+#[test]
+fn bad_gguf_magic() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.gguf");
+    std::fs::write(
+        &path,
+        b"GGML\x03\x00\x00\x00 and then some more bytes of nothing",
+    )
+    .unwrap();
+    expect_error(&generate_args(p(&path), &[]), "not a GGUF file");
+    std::fs::write(&path, b"").unwrap();
+    expect_error(&["info", "--model", p(&path)], "truncated");
+}
+
+#[test]
+fn truncated_gguf() {
+    let (dir, path) = gguf_fixture(64);
+    let bytes = std::fs::read(&path).unwrap();
+    let file = turbo_gguf::GgufFile::open(&path).unwrap();
+    let data_start = file.data_offset() as usize;
+    // The tensor directory starts with the first tensor's name, after its u64 length.
+    let name = b"token_embd.weight";
+    let dir_start = bytes.windows(name.len()).position(|w| w == name).unwrap() - 8;
+    // The metadata: halfway through the token list.
+    let tokens = bytes
+        .windows(b"<|im_end|>".len())
+        .position(|w| w == b"<|im_end|>")
+        .unwrap();
+    let last = file.tensors().last().unwrap();
+    let last_end = data_start + last.offset as usize + 300 * 68; // output.weight, Q8_0
+    assert!(last_end <= bytes.len() && bytes.len() - last_end < 32);
+    assert!(tokens > 24 && tokens < dir_start && dir_start < data_start);
+    for (what, cut) in [
+        ("header", 10),
+        ("header", 20),
+        ("metadata", tokens + 300),
+        ("metadata", dir_start - 3),
+        ("tensor directory", dir_start + 5),
+        ("tensor directory", data_start - 20),
+        ("tensor data", data_start + 100),
+        ("tensor data", data_start + last.offset as usize + 1),
+        // The last byte of the last tensor (the file may end in padding after it).
+        ("tensor data", last_end - 1),
+    ] {
+        let cut_path = dir.path().join(format!("cut{cut}.gguf"));
+        std::fs::write(&cut_path, &bytes[..cut]).unwrap();
+        let line = expect_error(&generate_args(p(&cut_path), &[]), "truncated");
+        eprintln!("{what} at {cut}: {line}");
+    }
+}
+
+#[test]
+fn unsupported_tensor_type() {
+    // Rows of 256 elements, so a Q4_K tensor (144-byte blocks of 256) has a plausible size.
+    let s = TinySpec {
+        ffn: 256,
+        ..spec(64)
+    };
+    let (mut tensors, _) = gguf_tensors(&s, &TinyWeights::random(&s), DType::F16);
+    let down = tensors
+        .iter_mut()
+        .find(|t| t.name == "blk.0.ffn_down.weight")
+        .unwrap();
+    assert_eq!(down.dims, [256, 64]);
+    down.ggml_type = 12; // GGML_TYPE_Q4_K
+    down.data = (0..64 * 144).map(|i| (i * 7 % 251) as u8).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("k.gguf");
+    gguf_writer(&gguf_metadata(&s), &tensors)
+        .write(&path)
+        .unwrap();
+    let line = expect_error(&generate_args(p(&path), &[]), "Q4_K");
+    assert!(line.contains("blk.0.ffn_down.weight"), "{line}");
+    expect_error(&["info", "--model", p(&path)], "Q4_K");
+}
+
+#[test]
+fn unsupported_architecture() {
+    let s = spec(64);
+    let mut meta = gguf_metadata(&s);
+    for (k, v) in &mut meta {
+        if k == "general.architecture" {
+            *v = "gpt2".into();
+        }
+    }
+    let (tensors, _) = gguf_tensors(&s, &TinyWeights::random(&s), DType::F32);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gpt2.gguf");
+    gguf_writer(&meta, &tensors).write(&path).unwrap();
+    let line = expect_error(&generate_args(p(&path), &[]), "architecture");
+    assert!(line.contains("gpt2"), "{line}");
+}
+
+fn hf_fixture() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let s = spec(64);
+    write_hf(dir.path(), &s, &TinyWeights::random(&s), DType::BF16);
+    dir
+}
+
+#[test]
+fn hf_happy_path() {
+    let dir = hf_fixture();
+    let out = turbo(&["info", "--model", p(dir.path())], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("HF safetensors"));
+    let out = turbo(
+        &generate_args(p(dir.path()), &["--max-tokens", "3", "--json"]),
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn hf_malformed_config() {
+    let dir = hf_fixture();
+    std::fs::write(dir.path().join("config.json"), "{\"hidden_size\": 64,").unwrap();
+    expect_error(&generate_args(p(dir.path()), &[]), "config.json");
+    std::fs::write(
+        dir.path().join("config.json"),
+        r#"{"model_type": "llama", "hidden_size": "big"}"#,
+    )
+    .unwrap();
+    expect_error(&generate_args(p(dir.path()), &[]), "config.json");
+}
+
+#[test]
+fn hf_missing_tokenizer() {
+    let dir = hf_fixture();
+    std::fs::remove_file(dir.path().join("tokenizer.json")).unwrap();
+    expect_error(&generate_args(p(dir.path()), &[]), "tokenizer.json");
+}
+
+#[test]
+fn hf_truncated_safetensors() {
+    let dir = hf_fixture();
+    let st = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    for cut in [4, 8 + header / 2, 8 + header + 10, bytes.len() - 1] {
+        std::fs::write(&st, &bytes[..cut]).unwrap();
+        let line = expect_error(&generate_args(p(dir.path()), &[]), "safetensors");
+        eprintln!("cut at {cut}: {line}");
+    }
+}
+
+#[test]
+fn prompt_longer_than_context() {
+    let (_dir, path) = gguf_fixture(32);
+    let prompt = vec!["word"; 100].join(" ");
+    let args = ["generate", "--model", p(&path), "--prompt", &prompt];
+    expect_error(&args, "context");
+}
+
+#[test]
+fn missing_prompt_file() {
+    let (dir, path) = gguf_fixture(64);
+    let missing = dir.path().join("prompt.txt");
+    let args = [
+        "generate",
+        "--model",
+        p(&path),
+        "--prompt-file",
+        p(&missing),
+    ];
+    let line = expect_error(&args, "prompt file");
+    assert!(line.contains("prompt.txt"), "{line}");
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let args = ["generate", "--model", p(&path), "--prompt-file", p(&empty)];
+    expect_error(&args, "empty");
+}
+
+#[test]
+fn bad_flags() {
+    let (_dir, path) = gguf_fixture(64);
+    let model = p(&path);
+    expect_usage_error(&generate_args(model, &["--temperature", "abc"]));
+    expect_usage_error(&generate_args(model, &["--frobnicate"]));
+    expect_usage_error(&generate_args(model, &["--max-tokens", "-1"]));
+    expect_usage_error(&["generate", "--model", model]); // no prompt
+    expect_usage_error(&["frobnicate"]);
+    let out = turbo(&generate_args(model, &["--temperature", "abc"]), None);
+    assert_eq!(out.status.code(), Some(2), "clap's usage-error status");
+}
+
+#[test]
+fn invalid_sampling_parameters() {
+    let (_dir, path) = gguf_fixture(64);
+    let model = p(&path);
+    expect_error(&generate_args(model, &["--top-p", "0"]), "top_p");
+    expect_error(&generate_args(model, &["--temperature=-1"]), "temperature");
+    expect_error(&generate_args(model, &["--min-p", "2"]), "min_p");
+}
+
+#[test]
+fn invalid_model_options() {
+    let (_dir, path) = gguf_fixture(64);
+    let model = p(&path);
+    expect_error(&generate_args(model, &["--block-size", "0"]), "block-size");
+    expect_error(&generate_args(model, &["--threads", "0"]), "threads");
+}
+
+fn generate_json(args: &[&str]) -> serde_json::Value {
+    let out = turbo(args, None);
+    assert!(
+        out.status.success(),
+        "turbo {args:?} failed: {}",
+        text(&out.stderr)
+    );
+    let stdout = text(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 1, "one JSON line expected: {stdout}");
+    serde_json::from_str(lines[0]).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+#[test]
+fn generate_json_output() {
+    let (_dir, path) = gguf_fixture(64);
+    let v = generate_json(&generate_args(p(&path), &["--max-tokens", "5", "--json"]));
+    let ids = |k: &str| -> Vec<u64> {
+        v[k].as_array()
+            .unwrap_or_else(|| panic!("{k} is not an array: {v}"))
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect()
+    };
+    let tok = turbo_tests::vocab::tiny_tokenizer(spec(64).vocab);
+    let prompt: Vec<u64> = tok
+        .encode_with_bos("hi")
+        .unwrap()
+        .into_iter()
+        .map(u64::from)
+        .collect();
+    assert_eq!(ids("prompt_token_ids"), prompt);
+    let generated = ids("token_ids");
+    assert!(!generated.is_empty() && generated.len() <= 5, "{v}");
+    assert!(generated.iter().all(|&t| t < spec(64).vocab as u64));
+    assert!(v["text"].is_string(), "{v}");
+    let reason = v["finish_reason"].as_str().unwrap();
+    match reason {
+        "length" => assert_eq!(generated.len(), 5),
+        "stop" => assert_eq!(
+            *generated.last().unwrap(),
+            u64::from(turbo_tests::vocab::EOS_ID)
+        ),
+        other => panic!("finish_reason {other}"),
+    }
+    for k in ["prefill_ms", "decode_ms"] {
+        let ms = v["timings"][k]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{k}: {v}"));
+        assert!(ms >= 0.0 && ms.is_finite(), "{k} = {ms}");
+    }
+    // Greedy decoding is the default: the same command gives the same tokens.
+    let again = generate_json(&generate_args(p(&path), &["--max-tokens", "5", "--json"]));
+    assert_eq!(again["token_ids"], v["token_ids"]);
+}
+
+#[test]
+fn sampling_is_deterministic_for_a_seed() {
+    let (_dir, path) = gguf_fixture(64);
+    let run = |seed: &str| {
+        let v = generate_json(&generate_args(
+            p(&path),
+            &[
+                "--max-tokens",
+                "12",
+                "--temperature",
+                "0.8",
+                "--seed",
+                seed,
+                "--ignore-eos",
+                "--json",
+            ],
+        ));
+        (v["token_ids"].clone(), v["text"].clone())
+    };
+    let a = run("7");
+    assert_eq!(a, run("7"), "same seed, same output");
+    assert_eq!(a.0.as_array().unwrap().len(), 12);
+    // Another seed samples something else (12 tokens from a flat-ish distribution).
+    assert_ne!(a.0, run("8").0);
+}
+
+#[test]
+fn generate_streams_text() {
+    let (dir, path) = gguf_fixture(64);
+    let prompt = dir.path().join("prompt.txt");
+    std::fs::write(&prompt, "the heart").unwrap();
+    let out = turbo(
+        &[
+            "generate",
+            "--model",
+            p(&path),
+            "--prompt-file",
+            p(&prompt),
+            "--max-tokens",
+            "4",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).ends_with('\n'));
+    assert!(!text(&out.stderr).contains("error"));
+}
+
+#[test]
+fn info_describes_the_model() {
+    let (_dir, path) = gguf_fixture(64);
+    let out = turbo(&["info", "--model", p(&path)], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    for want in [
+        "GGUF",
+        "layers       2",
+        "vocab        300",
+        "context      64",
+        "Q8_0",
+    ] {
+        assert!(stdout.contains(want), "{want:?} not in:\n{stdout}");
+    }
+}
+
+#[test]
+fn chat_reads_stdin_until_exit() {
+    let (_dir, path) = gguf_fixture(64);
+    let out = turbo(
+        &["chat", "--model", p(&path), "--max-tokens", "6"],
+        Some("hello\n/reset\nhi\n/exit\n"),
+    );
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "chat failed: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("[conversation cleared]"), "{stderr}");
+    // One prompt per line read: two turns were answered, then /reset and /exit.
+    assert_eq!(
+        text(&out.stdout).matches(">>> ").count(),
+        4,
+        "{}",
+        text(&out.stdout)
+    );
+
+    // End of input ends the chat as /exit does; so does it with no subcommand.
+    let out = turbo(&["--model", p(&path), "--max-tokens", "3"], Some("hello\n"));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn chat_survives_a_prompt_too_long_for_the_context() {
+    let (_dir, path) = gguf_fixture(32);
+    let long = vec!["word"; 100].join(" ");
+    let input = format!("{long}\nhi\n/exit\n");
+    let out = turbo(
+        &["chat", "--model", p(&path), "--max-tokens", "2"],
+        Some(&input),
+    );
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("context"), "{stderr}");
+}
+
+#[test]
+fn bench_runs_on_a_tiny_model() {
+    let (_dir, path) = gguf_fixture(64);
+    let args = [
+        "bench",
+        "--model",
+        p(&path),
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--repeats",
+        "1",
+        "--json",
+    ];
+    let out = turbo(&args, None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(v["prompt_tokens"], 8);
+    assert!(v["decode_tok_s_median"].as_f64().unwrap() > 0.0, "{v}");
+    expect_error(&["bench", "--model", p(&path), "--repeats", "0"], "repeats");
+    // The default prompt of 512 tokens does not fit a 64-token context.
+    expect_error(&["bench", "--model", p(&path)], "context");
+}
+
+#[test]
+fn info_on_a_native_directory() {
+    let (dir, path) = gguf_fixture(64);
+    let native = dir.path().join("native");
+    let loaded = turbo_llama::LoadedModel::load(&path).unwrap();
+    turbo_llama::native::write(&loaded, &native).unwrap();
+    let out = turbo(&["info", "--model", p(&native)], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("Turbo native") && stdout.contains("Q8_0"),
+        "{stdout}"
+    );
+    let gen = generate_json(&generate_args(p(&native), &["--max-tokens", "4", "--json"]));
+    let from_gguf = generate_json(&generate_args(p(&path), &["--max-tokens", "4", "--json"]));
+    assert_eq!(gen["token_ids"], from_gguf["token_ids"]);
+}
+
+/// Each part of an error message should say something new. Today the causes of most load errors
+/// are printed twice ("...: file is truncated: X: file is truncated: X"), because
+/// `turbo_llama::LlamaError` (and `TokenizerError`) both format their source into their own
+/// message and return it from `source()`, and `main` prints the whole chain with `{:#}`.
+#[test]
+fn error_messages_do_not_repeat_themselves() {
+    let (dir, path) = gguf_fixture(64);
+    let bytes = std::fs::read(&path).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &bytes[..10]).unwrap();
+    let bad = dir.path().join("bad.gguf");
+    std::fs::write(&bad, b"GGML and more").unwrap();
+    let hf = hf_fixture();
+    std::fs::remove_file(hf.path().join("tokenizer.json")).unwrap();
+    let missing = dir.path().join("missing.gguf");
+    for (model, phrase) in [
+        (p(&missing), "No such file"),
+        (p(&cut), "truncated"),
+        (p(&bad), "not a GGUF file"),
+        (p(hf.path()), "tokenizer.json"),
+    ] {
+        let line = expect_error(&generate_args(model, &[]), phrase);
+        let parts: Vec<&str> = line.split(": ").collect();
+        for (i, part) in parts.iter().enumerate() {
+            assert!(
+                !parts[i + 1..].contains(part),
+                "{part:?} appears twice in: {line}"
+            );
+        }
+    }
+}
+
+/// A GGUF whose chat template does not compile.
+fn broken_template_fixture() -> (tempfile::TempDir, PathBuf) {
+    let s = spec(64);
+    let mut meta = gguf_metadata(&s);
+    meta.push((
+        "tokenizer.chat_template".into(),
+        "{% for message in messages %}{{ message['content'] }".into(),
+    ));
+    let (tensors, _) = gguf_tensors(&s, &TinyWeights::random(&s), DType::Q8_0);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("template.gguf");
+    gguf_writer(&meta, &tensors).write(&path).unwrap();
+    (dir, path)
+}
+
+/// Today the message spans several lines: `ChatError` formats minijinja's error with `{:#}`, which
+/// adds a framed excerpt of the template, and also returns it as its source, so `main` prints it
+/// twice.
+#[test]
+fn broken_chat_template() {
+    let (_dir, path) = broken_template_fixture();
+    expect_error(&generate_args(p(&path), &["--chat"]), "chat template");
+    // Without --chat the template is not needed.
+    let out = turbo(&generate_args(p(&path), &["--max-tokens", "2"]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
