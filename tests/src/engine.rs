@@ -6,7 +6,7 @@ use turbo_llama::{Llama, LoadedModel, Logits, SequenceChunk};
 
 /// Places a loaded model on the CPU backend.
 pub fn cpu_model(loaded: &LoadedModel) -> Llama<CpuBackend> {
-    Llama::new(CpuBackend, &loaded.config, &loaded.weights).expect("model placed on the CPU")
+    Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).expect("model placed on the CPU")
 }
 
 /// Splits row-major `[rows, vocab]` logits into rows.

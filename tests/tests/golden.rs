@@ -313,7 +313,7 @@ fn tokenizer_matches_golden() {
 fn greedy_generation_matches_golden() {
     let g = greedy_golden();
     let loaded = load_model();
-    let model = Llama::new(CpuBackend, &loaded.config, &loaded.weights).unwrap();
+    let model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
     let mut engine = Engine::for_context(model, loaded.tokenizer.clone(), 16).unwrap();
     let request = GenerationRequest {
         max_tokens: N_GENERATE,
@@ -420,7 +420,7 @@ fn argmax(row: &[f32]) -> u32 {
 fn teacher_forced_logits_match_golden() {
     let g = greedy_golden();
     let loaded = load_model();
-    let model = Llama::new(CpuBackend, &loaded.config, &loaded.weights).unwrap();
+    let model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
     let vocab = loaded.config.vocab_size;
     let block = 16;
 

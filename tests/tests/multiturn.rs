@@ -65,7 +65,7 @@ fn chat_template(loaded: &LoadedModel) -> ChatTemplate {
 }
 
 fn model(loaded: &LoadedModel) -> Llama<CpuBackend> {
-    Llama::new(CpuBackend, &loaded.config, &loaded.weights).unwrap()
+    Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap()
 }
 
 /// An engine with room for one full-context sequence.

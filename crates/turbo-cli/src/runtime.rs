@@ -70,13 +70,7 @@ impl ModelArgs {
     }
 
     pub fn load(&self) -> Result<LoadedModel> {
-        if let Some(n) = self.threads {
-            anyhow::ensure!(n > 0, "--threads must be positive");
-            // Only fails if the pool already exists, which it cannot at this point.
-            let _ = rayon::ThreadPoolBuilder::new()
-                .num_threads(n)
-                .build_global();
-        }
+        anyhow::ensure!(self.threads != Some(0), "--threads must be positive");
         anyhow::ensure!(self.block_size > 0, "--block-size must be positive");
         let path = self.resolve()?;
         LoadedModel::load(&path).with_context(|| format!("cannot load model {}", path.display()))
@@ -91,7 +85,13 @@ impl ModelArgs {
             chat_template: loaded.chat_template.clone(),
         };
         let model = match self.device {
-            Device::Cpu => Llama::new(CpuBackend, &loaded.config, &loaded.weights)?,
+            Device::Cpu => {
+                let backend = match self.threads {
+                    Some(n) => CpuBackend::with_threads(n)?,
+                    None => CpuBackend::new(),
+                };
+                Llama::new(backend, &loaded.config, &loaded.weights)?
+            }
         };
         let engine = Engine::for_context(model, loaded.tokenizer, self.block_size)?;
         Ok((engine, info))

@@ -25,14 +25,20 @@ pub type Result<T> = std::result::Result<T, BackendError>;
 /// which sequence and which blocks hold its history.
 pub trait Backend: Send + Sync {
     /// Activations resident on the device.
-    type Tensor;
+    type Tensor: Send + Sync;
     /// A weight matrix resident on the device.
-    type Matrix;
+    type Matrix: Send + Sync;
     /// Paged KV storage for all layers.
-    type KvCache;
+    type KvCache: Send + Sync;
 
     /// Human-readable device name, for logs and benchmark records.
     fn name(&self) -> String;
+
+    /// Runs `f`, a sequence of this backend's operations, in the backend's execution context (for
+    /// the CPU: on its worker threads, so that the ops' parallel sections start without a wake-up).
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
 
     fn upload_matrix(&self, w: &WeightMatrix) -> Result<Self::Matrix>;
     /// A `[rows, cols]` tensor filled from host data.

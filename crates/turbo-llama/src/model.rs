@@ -99,6 +99,15 @@ impl<B: Backend> Llama<B> {
         cache: &mut B::KvCache,
         which: Logits,
     ) -> Result<Vec<f32>> {
+        self.backend.run(|| self.forward_inner(batch, cache, which))
+    }
+
+    fn forward_inner(
+        &self,
+        batch: &[SequenceChunk],
+        cache: &mut B::KvCache,
+        which: Logits,
+    ) -> Result<Vec<f32>> {
         let b = &self.backend;
         let c = &self.config;
         let block_size = b.kv_spec(cache).block_size;

@@ -15,6 +15,8 @@ use std::sync::OnceLock;
 const GEMV_MAX_TOKENS: usize = 4;
 /// Fewest output rows per parallel task of the GEMV.
 const GEMV_MIN_ROWS_PER_TASK: usize = 16;
+/// How far ahead of the current row the GEMV prefetches.
+const PREFETCH_ROWS_AHEAD: usize = 4;
 /// Rows decoded per GEMM panel: bounds the f32 scratch for large matrices.
 const GEMM_PANEL_ROWS: usize = 2048;
 
@@ -317,7 +319,19 @@ unsafe fn rows_for<G: Group32, I: Isa, const M: usize>(
 ) {
     let data = w.data.as_slice();
     let row_bytes = w.row_bytes();
+    let end = rows.end;
     for r in rows {
+        // Rows are short (hundreds of bytes): ask for a later row early so its loads overlap
+        // this row's arithmetic instead of stalling at the start of every row.
+        #[cfg(target_arch = "x86_64")]
+        if r + PREFETCH_ROWS_AHEAD < end {
+            let ahead = data.as_ptr().add((r + PREFETCH_ROWS_AHEAD) * row_bytes);
+            for line in (0..row_bytes).step_by(64) {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    ahead.add(line) as *const i8,
+                );
+            }
+        }
         let sums = row_dots::<G, I, M>(&data[r * row_bytes..(r + 1) * row_bytes], x, w.cols);
         for (t, s) in sums.iter().enumerate() {
             *out.add(t * w.rows + r) = *s;
@@ -329,7 +343,8 @@ unsafe fn rows_for<G: Group32, I: Isa, const M: usize>(
 #[inline(always)]
 fn row_dots<G: Group32, I: Isa, const M: usize>(row: &[u8], x: &[f32], cols: usize) -> [f32; M] {
     let mut sums = [0f32; M];
-    let mut acc = [[0f32; 16]; M];
+    // Two accumulator sets, for even and odd groups, halve the FMA dependency chain.
+    let mut acc = [[[0f32; 16]; M]; 2];
     let (mut lo, mut hi) = ([0f32; 16], [0f32; 16]);
     let groups = cols / 32;
     assert!(row.len() >= groups * G::BYTES && x.len() >= (M - 1) * cols + groups * 32);
@@ -342,7 +357,7 @@ fn row_dots<G: Group32, I: Isa, const M: usize>(row: &[u8], x: &[f32], cols: usi
                 &mut lo,
                 &mut hi,
             );
-            for (t, acc) in acc.iter_mut().enumerate() {
+            for (t, acc) in acc[g & 1].iter_mut().enumerate() {
                 let xs = x.get_unchecked(t * cols + g * 32..t * cols + g * 32 + 32);
                 for l in 0..16 {
                     acc[l] = I::mul_add(
@@ -352,6 +367,12 @@ fn row_dots<G: Group32, I: Isa, const M: usize>(row: &[u8], x: &[f32], cols: usi
                     );
                 }
             }
+        }
+    }
+    let [mut acc, odd] = acc;
+    for (a, b) in acc.iter_mut().zip(odd) {
+        for l in 0..16 {
+            a[l] += b[l];
         }
     }
     for (t, acc) in acc.iter().enumerate() {

@@ -6,8 +6,9 @@ pub mod ops;
 
 pub use kv::{CpuKvCache, KvCacheSpec};
 
-use crate::backend::{Backend, Result};
+use crate::backend::{Backend, BackendError, Result};
 use crate::WeightMatrix;
+use std::sync::Arc;
 use turbo_attention::{paged_attention, QuerySpan};
 
 /// A row-major `[rows, cols]` f32 tensor in host memory.
@@ -18,8 +19,42 @@ pub struct HostTensor {
     pub cols: usize,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CpuBackend;
+/// f32 compute on a thread pool of its own. Work is run inside the pool ([`Backend::run`]), so
+/// the thread issuing a forward pass is itself a worker and the many short parallel sections of a
+/// decode step do not each pay for waking a sleeping thread.
+#[derive(Clone, Debug)]
+pub struct CpuBackend {
+    pool: Arc<rayon::ThreadPool>,
+}
+
+impl CpuBackend {
+    /// A backend using every core.
+    pub fn new() -> Self {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self::with_threads(threads).expect("a thread pool of the machine's size")
+    }
+
+    pub fn with_threads(threads: usize) -> Result<Self> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(1))
+            .thread_name(|i| format!("turbo-cpu-{i}"))
+            .build()
+            .map_err(|e| BackendError::Device(format!("cannot start CPU threads: {e}")))?;
+        Ok(CpuBackend {
+            pool: Arc::new(pool),
+        })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl Backend for CpuBackend {
     type Tensor = HostTensor;
@@ -27,7 +62,11 @@ impl Backend for CpuBackend {
     type KvCache = CpuKvCache;
 
     fn name(&self) -> String {
-        format!("cpu ({} threads)", rayon::current_num_threads())
+        format!("cpu ({} threads)", self.threads())
+    }
+
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
     }
 
     fn upload_matrix(&self, w: &WeightMatrix) -> Result<WeightMatrix> {
