@@ -28,15 +28,6 @@ pub struct PagedKv<'a> {
     pub head_dim: usize,
 }
 
-impl PagedKv<'_> {
-    #[inline]
-    fn offset(&self, block_table: &[u32], pos: usize, kv_head: usize) -> usize {
-        let block = block_table[pos / self.block_size] as usize;
-        ((block * self.block_size + pos % self.block_size) * self.n_kv_heads + kv_head)
-            * self.head_dim
-    }
-}
-
 /// The queries of one sequence in a batch: rows `q_start..q_start + n_q` of the query tensor are
 /// its newest tokens, at positions `kv_len - n_q..kv_len`, and attend causally to its first `kv_len`
 /// cached tokens (history plus themselves).
@@ -89,24 +80,130 @@ pub fn paged_attention(
             &mut lse_scratch
         }
     };
+    let kernel = head_kernel();
     out.par_chunks_mut(d)
         .zip(lse.par_iter_mut())
         .enumerate()
-        .for_each(|(i, (o, l))| {
+        .for_each_init(Vec::new, |scores, (i, (o, l))| {
             let (token, head) = (i / n_heads, i % n_heads);
             let (s, pos) = rows[token];
-            let span = &spans[s];
-            let kv_head = head / group;
             let qh = &q[i * d..(i + 1) * d];
-            let keys = (0..=pos).map(|p| {
-                let at = kv.offset(span.block_table, p, kv_head);
-                (&kv.keys[at..at + d], &kv.values[at..at + d])
-            });
-            *l = attend_rows(qh, keys, scale, o);
+            // SAFETY: the dispatcher only returns kernels whose CPU features were detected.
+            *l = unsafe {
+                kernel(
+                    qh,
+                    kv,
+                    spans[s].block_table,
+                    head / group,
+                    pos + 1,
+                    scale,
+                    scores,
+                    o,
+                )
+            };
         });
 }
 
-#[inline]
+type HeadKernel =
+    unsafe fn(&[f32], &PagedKv, &[u32], usize, usize, f32, &mut Vec<f32>, &mut [f32]) -> f32;
+
+fn head_kernel() -> HeadKernel {
+    static KERNEL: std::sync::OnceLock<HeadKernel> = std::sync::OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
+                return head_attention_avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return head_attention_avx2;
+            }
+        }
+        head_attention_portable
+    })
+}
+
+macro_rules! head_attention_for {
+    ($name:ident $(, $features:literal)?) => {
+        $(#[target_feature(enable = $features)])?
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $name(
+            q: &[f32],
+            kv: &PagedKv,
+            table: &[u32],
+            kv_head: usize,
+            n_keys: usize,
+            scale: f32,
+            scores: &mut Vec<f32>,
+            o: &mut [f32],
+        ) -> f32 {
+            head_attention(q, kv, table, kv_head, n_keys, scale, scores, o)
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+head_attention_for!(head_attention_avx512, "avx512f,avx2,fma");
+#[cfg(target_arch = "x86_64")]
+head_attention_for!(head_attention_avx2, "avx2,fma");
+head_attention_for!(head_attention_portable);
+
+/// Two-pass softmax attention of one query head over the first `n_keys` tokens of a paged
+/// sequence: all scores, then one exponential each, then the weighted sum of values.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn head_attention(
+    q: &[f32],
+    kv: &PagedKv,
+    table: &[u32],
+    kv_head: usize,
+    n_keys: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    o: &mut [f32],
+) -> f32 {
+    let d = kv.head_dim;
+    let slot_stride = kv.n_kv_heads * d;
+    let blocks = n_keys.div_ceil(kv.block_size);
+    // Visits this head's key (or value) rows in token order, block by block.
+    let for_each_row = |f: &mut dyn FnMut(usize, usize)| {
+        for (b, &block) in table[..blocks].iter().enumerate() {
+            let first = block as usize * kv.block_size * slot_stride + kv_head * d;
+            let p0 = b * kv.block_size;
+            for slot in 0..kv.block_size.min(n_keys - p0) {
+                f(p0 + slot, first + slot * slot_stride);
+            }
+        }
+    };
+    scores.resize(n_keys, 0.0);
+    let mut max = f32::NEG_INFINITY;
+    for_each_row(&mut |p, at| {
+        let s = dot(q, &kv.keys[at..at + d]) * scale;
+        scores[p] = s;
+        max = max.max(s);
+    });
+    if n_keys == 0 || max == f32::NEG_INFINITY {
+        o.fill(0.0);
+        return f32::NEG_INFINITY;
+    }
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    o.fill(0.0);
+    for_each_row(&mut |p, at| {
+        let w = scores[p];
+        for (x, v) in o.iter_mut().zip(&kv.values[at..at + d]) {
+            *x += w * v;
+        }
+    });
+    let inv = 1.0 / sum;
+    o.iter_mut().for_each(|x| *x *= inv);
+    max + sum.ln()
+}
+
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
