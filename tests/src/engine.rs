@@ -17,7 +17,7 @@ pub fn rows(logits: &[f32], vocab: usize) -> Vec<Vec<f32>> {
 
 /// Logits at every position of `tokens`, run in one forward pass over a fresh cache with
 /// contiguous blocks of 16 tokens.
-pub fn engine_logits(model: &Llama<CpuBackend>, tokens: &[u32]) -> Vec<Vec<f32>> {
+pub fn engine_logits<B: Backend>(model: &Llama<B>, tokens: &[u32]) -> Vec<Vec<f32>> {
     let block_size = 16;
     let blocks = tokens.len().div_ceil(block_size);
     let mut cache = model

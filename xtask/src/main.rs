@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use turbo_llama::{LoadedModel, ModelFormat};
 
+mod kernels;
+
 #[derive(Parser)]
 #[command(name = "cargo xtask")]
 struct Cli {
@@ -21,6 +23,12 @@ enum From {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Compile kernels/*.cu to PTX (kernels/ptx/) with nvcc and record the sources' hashes.
+    /// nvcc: $NVCC, else `nvcc` on PATH, else /usr/local/cuda/bin/nvcc.
+    Kernels,
+    /// Build the GPU test and bench binaries into .gpu/ with a run.sh that runs them all, for the
+    /// GPU machine (which has no Rust toolchain).
+    GpuBundle,
     /// Write a model as a native Turbo directory (safetensors in the native W_q/W_k layout), which
     /// the engine loads by memory-mapping, with no re-layout.
     Convert {
@@ -58,6 +66,8 @@ fn convert(from: From, input: PathBuf, out: PathBuf) -> Result<()> {
 fn main() -> ExitCode {
     let result = match Cli::parse().command {
         Command::Convert { from, input, out } => convert(from, input, out),
+        Command::Kernels => kernels::compile(),
+        Command::GpuBundle => kernels::gpu_bundle(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

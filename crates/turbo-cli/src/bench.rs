@@ -1,11 +1,12 @@
 //! `turbo bench`: prefill and decode throughput, measured like llama-bench's pp and tg tests.
 
 use crate::runtime::ModelArgs;
+use crate::runtime::{EngineTask, LoadedModelInfo};
 use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
 use turbo_core::Backend;
-use turbo_scheduler::{GenerationRequest, Session};
+use turbo_scheduler::{Engine, GenerationRequest, Session};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -54,76 +55,91 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "token counts must be positive"
     );
     let path = args.model.resolve()?;
-    let (mut engine, info) = args.model.engine()?;
-    anyhow::ensure!(
-        args.prompt_tokens < info.context_length && args.gen_tokens < info.context_length,
-        "the model's context is {} tokens",
-        info.context_length
-    );
-    let mut prompt = Vec::new();
-    while prompt.len() < args.prompt_tokens {
-        prompt.extend(engine.tokenizer().encode(TEXT)?);
-    }
-    prompt.truncate(args.prompt_tokens);
+    let model = args.model.clone();
+    model.run(Bench { args, path })
+}
 
-    let mut run_once = |prompt: &[u32], max_tokens: usize| -> Result<turbo_scheduler::Completion> {
-        let mut session = Session::new();
-        let request = GenerationRequest {
-            max_tokens,
-            ignore_eos: true,
-            ..Default::default()
+struct Bench {
+    args: BenchArgs,
+    path: std::path::PathBuf,
+}
+
+impl EngineTask for Bench {
+    type Output = ();
+
+    fn run<B: Backend>(self, mut engine: Engine<B>, info: LoadedModelInfo) -> Result<()> {
+        let Bench { args, path } = self;
+        anyhow::ensure!(
+            args.prompt_tokens < info.context_length && args.gen_tokens < info.context_length,
+            "the model's context is {} tokens",
+            info.context_length
+        );
+        let mut prompt = Vec::new();
+        while prompt.len() < args.prompt_tokens {
+            prompt.extend(engine.tokenizer().encode(TEXT)?);
+        }
+        prompt.truncate(args.prompt_tokens);
+
+        let mut run_once =
+            |prompt: &[u32], max_tokens: usize| -> Result<turbo_scheduler::Completion> {
+                let mut session = Session::new();
+                let request = GenerationRequest {
+                    max_tokens,
+                    ignore_eos: true,
+                    ..Default::default()
+                };
+                let c = engine.generate(&mut session, prompt, &request, |_| true)?;
+                engine.release(&mut session)?;
+                Ok(c)
+            };
+        run_once(&prompt[..prompt.len().min(16)], 2)?; // warm-up: page in the weights
+        let mut prefill = Vec::new();
+        let mut decode = Vec::new();
+        for _ in 0..args.repeats {
+            let c = run_once(&prompt, 1)?;
+            prefill.push(args.prompt_tokens as f64 / (c.timings.prefill_ms / 1e3));
+            // One prompt token, then gen_tokens forward passes after the first sampled token.
+            let c = run_once(&prompt[..1], args.gen_tokens + 1)?;
+            decode.push(args.gen_tokens as f64 / (c.timings.decode_ms / 1e3));
+        }
+        let report = Report {
+            device: engine.model().backend().name(),
+            model: path.display().to_string(),
+            prompt_tokens: args.prompt_tokens,
+            gen_tokens: args.gen_tokens,
+            prefill_tok_s_median: median(&prefill),
+            decode_tok_s_median: median(&decode),
+            prefill_tok_s: prefill,
+            decode_tok_s: decode,
         };
-        let c = engine.generate(&mut session, prompt, &request, |_| true)?;
-        engine.release(&mut session)?;
-        Ok(c)
-    };
-    run_once(&prompt[..prompt.len().min(16)], 2)?; // warm-up: page in the weights
-    let mut prefill = Vec::new();
-    let mut decode = Vec::new();
-    for _ in 0..args.repeats {
-        let c = run_once(&prompt, 1)?;
-        prefill.push(args.prompt_tokens as f64 / (c.timings.prefill_ms / 1e3));
-        // One prompt token, then gen_tokens forward passes after the first sampled token.
-        let c = run_once(&prompt[..1], args.gen_tokens + 1)?;
-        decode.push(args.gen_tokens as f64 / (c.timings.decode_ms / 1e3));
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            println!("device   {}", report.device);
+            println!("model    {}", report.model);
+            println!(
+                "pp{:<6} {:8.1} tok/s (median of {}; runs {:?})",
+                report.prompt_tokens,
+                report.prefill_tok_s_median,
+                args.repeats,
+                report
+                    .prefill_tok_s
+                    .iter()
+                    .map(|x| (x * 10.0).round() / 10.0)
+                    .collect::<Vec<_>>()
+            );
+            println!(
+                "tg{:<6} {:8.1} tok/s (median of {}; runs {:?})",
+                report.gen_tokens,
+                report.decode_tok_s_median,
+                args.repeats,
+                report
+                    .decode_tok_s
+                    .iter()
+                    .map(|x| (x * 10.0).round() / 10.0)
+                    .collect::<Vec<_>>()
+            );
+        }
+        Ok(())
     }
-    let report = Report {
-        device: engine.model().backend().name(),
-        model: path.display().to_string(),
-        prompt_tokens: args.prompt_tokens,
-        gen_tokens: args.gen_tokens,
-        prefill_tok_s_median: median(&prefill),
-        decode_tok_s_median: median(&decode),
-        prefill_tok_s: prefill,
-        decode_tok_s: decode,
-    };
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        println!("device   {}", report.device);
-        println!("model    {}", report.model);
-        println!(
-            "pp{:<6} {:8.1} tok/s (median of {}; runs {:?})",
-            report.prompt_tokens,
-            report.prefill_tok_s_median,
-            args.repeats,
-            report
-                .prefill_tok_s
-                .iter()
-                .map(|x| (x * 10.0).round() / 10.0)
-                .collect::<Vec<_>>()
-        );
-        println!(
-            "tg{:<6} {:8.1} tok/s (median of {}; runs {:?})",
-            report.gen_tokens,
-            report.decode_tok_s_median,
-            args.repeats,
-            report
-                .decode_tok_s
-                .iter()
-                .map(|x| (x * 10.0).round() / 10.0)
-                .collect::<Vec<_>>()
-        );
-    }
-    Ok(())
 }

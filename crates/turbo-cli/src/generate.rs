@@ -1,13 +1,15 @@
 //! `turbo generate`: one completion, streamed or as JSON.
 
 use crate::runtime::{chat_template, ModelArgs, SamplingArgs};
+use crate::runtime::{EngineTask, LoadedModelInfo};
 use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
 use std::io::Write;
 use std::path::PathBuf;
+use turbo_core::Backend;
 use turbo_llama::chat::ChatMessage;
-use turbo_scheduler::{FinishReason, GenerationRequest, Session, Timings};
+use turbo_scheduler::{Engine, FinishReason, GenerationRequest, Session, Timings};
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -58,45 +60,59 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             .with_context(|| format!("cannot read prompt file {}", f.display()))?,
         (None, None) => unreachable!("clap requires one of them"),
     };
-    let (mut engine, info) = args.model.engine()?;
-    let ids = if args.chat {
-        let template = chat_template(&engine, info.chat_template.as_deref())?;
-        let text = template.render(&[ChatMessage::new("user", prompt)], true)?;
-        engine.tokenizer().encode(&text)?
-    } else {
-        engine.tokenizer().encode_with_bos(&prompt)?
-    };
-    let request = GenerationRequest {
-        sampling: args.sampling.params(),
-        max_tokens: args.max_tokens,
-        stop_strings: args.stop.clone(),
-        ignore_eos: args.ignore_eos,
-    };
-    let mut session = Session::new();
-    let stdout = std::io::stdout();
-    let json = args.json;
-    let completion = engine.generate(&mut session, &ids, &request, |text| {
-        if !json {
-            let mut out = stdout.lock();
-            // A closed stdout (e.g. `| head`) cancels generation.
-            return out
-                .write_all(text.as_bytes())
-                .and_then(|_| out.flush())
-                .is_ok();
-        }
-        true
-    })?;
-    if json {
-        let out = Output {
-            prompt_token_ids: &ids,
-            token_ids: &completion.token_ids,
-            text: &completion.text,
-            finish_reason: completion.finish_reason,
-            timings: &completion.timings,
+    let model = args.model.clone();
+    model.run(Generate { args, prompt })
+}
+
+struct Generate {
+    args: GenerateArgs,
+    prompt: String,
+}
+
+impl EngineTask for Generate {
+    type Output = ();
+
+    fn run<B: Backend>(self, mut engine: Engine<B>, info: LoadedModelInfo) -> Result<()> {
+        let Generate { args, prompt } = self;
+        let ids = if args.chat {
+            let template = chat_template(&engine, info.chat_template.as_deref())?;
+            let text = template.render(&[ChatMessage::new("user", prompt)], true)?;
+            engine.tokenizer().encode(&text)?
+        } else {
+            engine.tokenizer().encode_with_bos(&prompt)?
         };
-        println!("{}", serde_json::to_string(&out)?);
-    } else {
-        println!();
+        let request = GenerationRequest {
+            sampling: args.sampling.params(),
+            max_tokens: args.max_tokens,
+            stop_strings: args.stop.clone(),
+            ignore_eos: args.ignore_eos,
+        };
+        let mut session = Session::new();
+        let stdout = std::io::stdout();
+        let json = args.json;
+        let completion = engine.generate(&mut session, &ids, &request, |text| {
+            if !json {
+                let mut out = stdout.lock();
+                // A closed stdout (e.g. `| head`) cancels generation.
+                return out
+                    .write_all(text.as_bytes())
+                    .and_then(|_| out.flush())
+                    .is_ok();
+            }
+            true
+        })?;
+        if json {
+            let out = Output {
+                prompt_token_ids: &ids,
+                token_ids: &completion.token_ids,
+                text: &completion.text,
+                finish_reason: completion.finish_reason,
+                timings: &completion.timings,
+            };
+            println!("{}", serde_json::to_string(&out)?);
+        } else {
+            println!();
+        }
+        Ok(())
     }
-    Ok(())
 }

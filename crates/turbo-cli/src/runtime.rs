@@ -1,16 +1,45 @@
 //! What every model-running subcommand shares: finding the model, the device, the engine.
 
 use anyhow::{Context, Result};
-use clap::{Args, ValueEnum};
+use clap::Args;
 use std::path::PathBuf;
 use turbo_core::cpu::CpuBackend;
+use turbo_core::Backend;
+use turbo_kernels::CudaBackend;
 use turbo_llama::{Llama, LoadedModel};
 use turbo_models::DEFAULT_MODEL;
 use turbo_scheduler::{Engine, SamplingParams};
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
+/// Where to compute: `auto` (CUDA when a GPU is present, else the CPU), `cpu`, `cuda` or `cuda:N`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Device {
+    Auto,
     Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Device::Auto),
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| {
+                    format!("unknown device '{s}' (expected auto, cpu, cuda or cuda:N)")
+                }),
+        }
+    }
+}
+
+/// Work that needs an engine, whichever backend it runs on.
+pub trait EngineTask {
+    type Output;
+    fn run<B: Backend>(self, engine: Engine<B>, info: LoadedModelInfo) -> Result<Self::Output>;
 }
 
 #[derive(Args, Clone, Debug)]
@@ -19,8 +48,8 @@ pub struct ModelArgs {
     /// Without it, the default model (SmolLM2-135M-Instruct) is used, downloaded on first use.
     #[arg(long, short = 'm')]
     pub model: Option<PathBuf>,
-    /// Where to compute.
-    #[arg(long, value_enum, default_value = "cpu")]
+    /// Where to compute: auto (a GPU when present), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
     pub device: Device,
     /// CPU threads (default: all cores).
     #[arg(long)]
@@ -76,25 +105,36 @@ impl ModelArgs {
         LoadedModel::load(&path).with_context(|| format!("cannot load model {}", path.display()))
     }
 
-    /// Loads the model onto the chosen device and wraps it in an engine sized for one
-    /// full-context sequence.
-    pub fn engine(&self) -> Result<(Engine<CpuBackend>, LoadedModelInfo)> {
+    /// Loads the model onto the chosen device, wraps it in an engine sized for one full-context
+    /// sequence, and runs `task` with it.
+    pub fn run<T: EngineTask>(&self, task: T) -> Result<T::Output> {
         let loaded = self.load()?;
         let info = LoadedModelInfo {
             context_length: loaded.config.context_length,
             chat_template: loaded.chat_template.clone(),
         };
-        let model = match self.device {
-            Device::Cpu => {
+        let device = match self.device {
+            Device::Auto if turbo_kernels::cuda_available() => Device::Cuda(0),
+            Device::Auto => Device::Cpu,
+            d => d,
+        };
+        match device {
+            Device::Cuda(ordinal) => {
+                let backend = CudaBackend::new(ordinal)?;
+                let model = Llama::new(backend, &loaded.config, &loaded.weights)?;
+                let engine = Engine::for_context(model, loaded.tokenizer, self.block_size)?;
+                task.run(engine, info)
+            }
+            _ => {
                 let backend = match self.threads {
                     Some(n) => CpuBackend::with_threads(n)?,
                     None => CpuBackend::new(),
                 };
-                Llama::new(backend, &loaded.config, &loaded.weights)?
+                let model = Llama::new(backend, &loaded.config, &loaded.weights)?;
+                let engine = Engine::for_context(model, loaded.tokenizer, self.block_size)?;
+                task.run(engine, info)
             }
-        };
-        let engine = Engine::for_context(model, loaded.tokenizer, self.block_size)?;
-        Ok((engine, info))
+        }
     }
 }
 
@@ -105,8 +145,8 @@ pub struct LoadedModelInfo {
 }
 
 /// Renders a conversation with the model's chat template (ChatML when it has none).
-pub fn chat_template(
-    engine: &Engine<CpuBackend>,
+pub fn chat_template<B: Backend>(
+    engine: &Engine<B>,
     source: Option<&str>,
 ) -> Result<turbo_llama::chat::ChatTemplate> {
     let tok = engine.tokenizer();

@@ -17,6 +17,19 @@ pub enum BackendError {
 
 pub type Result<T> = std::result::Result<T, BackendError>;
 
+/// What a forward pass tells the backend about its batch, once, before the layers run.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchLayout<'a> {
+    /// Position of each token in its sequence (for RoPE).
+    pub positions: &'a [u32],
+    /// KV-cache slot of each token (`block * block_size + offset`).
+    pub slots: &'a [u32],
+    /// Which rows belong to which sequence, and the blocks holding its history.
+    pub spans: &'a [QuerySpan<'a>],
+    /// RoPE inverse frequencies, one per rotated pair.
+    pub inv_freq: &'a [f32],
+}
+
 /// The operations of a LLaMA-style decoder, over the backend's own buffers.
 ///
 /// Activations are row-major `[tokens, features]` f32 tensors. A batch is a concatenation of
@@ -30,6 +43,8 @@ pub trait Backend: Send + Sync {
     type Matrix: Send + Sync;
     /// Paged KV storage for all layers.
     type KvCache: Send + Sync;
+    /// A [`BatchLayout`] made resident (e.g. uploaded once per forward pass, not once per layer).
+    type Batch: Send + Sync;
 
     /// Human-readable device name, for logs and benchmark records.
     fn name(&self) -> String;
@@ -48,6 +63,7 @@ pub trait Backend: Send + Sync {
     fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
     fn kv_cache(&self, spec: KvCacheSpec) -> Result<Self::KvCache>;
     fn kv_spec(&self, cache: &Self::KvCache) -> KvCacheSpec;
+    fn prepare_batch(&self, layout: &BatchLayout) -> Result<Self::Batch>;
 
     /// Rows `ids` of the embedding table, decoded to f32.
     fn embed(&self, table: &Self::Matrix, ids: &[u32], out: &mut Self::Tensor) -> Result<()>;
@@ -60,28 +76,23 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// `out = x · wᵀ`.
     fn linear(&self, x: &Self::Tensor, w: &Self::Matrix, out: &mut Self::Tensor) -> Result<()>;
-    /// Rotary embedding of every head of `x` (`[tokens, heads · head_dim]`), interleaved pairs.
-    fn rope(
-        &self,
-        x: &mut Self::Tensor,
-        head_dim: usize,
-        positions: &[u32],
-        inv_freq: &[f32],
-    ) -> Result<()>;
+    /// Rotary embedding of every head of `x` (`[tokens, heads · head_dim]`), interleaved pairs,
+    /// at the batch's positions.
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, batch: &Self::Batch) -> Result<()>;
     /// `gate = silu(gate) · up`.
     fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor) -> Result<()>;
     /// `x += y`.
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor) -> Result<()>;
-    /// Stores keys and values of the batch's tokens at `slots` of `layer`.
+    /// Stores keys and values of the batch's tokens at their slots of `layer`.
     fn write_kv(
         &self,
         cache: &mut Self::KvCache,
         layer: usize,
         k: &Self::Tensor,
         v: &Self::Tensor,
-        slots: &[u32],
+        batch: &Self::Batch,
     ) -> Result<()>;
     /// Causal attention of the batch's queries over each sequence's cached KV.
     #[allow(clippy::too_many_arguments)]
@@ -91,7 +102,7 @@ pub trait Backend: Send + Sync {
         cache: &Self::KvCache,
         layer: usize,
         n_heads: usize,
-        spans: &[QuerySpan],
+        batch: &Self::Batch,
         scale: f32,
         out: &mut Self::Tensor,
     ) -> Result<()>;

@@ -4,6 +4,7 @@ use crate::config::LlamaConfig;
 use crate::error::Result;
 use crate::weights::{HostWeights, LayerWeights, LlamaWeights};
 use turbo_attention::QuerySpan;
+use turbo_core::backend::BatchLayout;
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::Backend;
 
@@ -116,15 +117,6 @@ impl<B: Backend> Llama<B> {
         let (d, hd) = (c.hidden_size, c.head_dim);
         let scale = 1.0 / (hd as f32).sqrt();
 
-        let mut x = b.tensor(n, d)?;
-        b.embed(&self.weights.embed, &ids, &mut x)?;
-        let mut h = b.tensor(n, d)?;
-        let mut q = b.tensor(n, c.q_dim())?;
-        let mut k = b.tensor(n, c.kv_dim())?;
-        let mut v = b.tensor(n, c.kv_dim())?;
-        let mut attn = b.tensor(n, c.q_dim())?;
-        let mut gate = b.tensor(n, c.intermediate_size)?;
-        let mut up = b.tensor(n, c.intermediate_size)?;
         let spans: Vec<QuerySpan> = spans
             .iter()
             .zip(batch)
@@ -135,6 +127,21 @@ impl<B: Backend> Llama<B> {
                 block_table: &s.block_table,
             })
             .collect();
+        let batch_layout = b.prepare_batch(&BatchLayout {
+            positions: &positions,
+            slots: &slots,
+            spans: &spans,
+            inv_freq: &self.inv_freq,
+        })?;
+        let mut x = b.tensor(n, d)?;
+        b.embed(&self.weights.embed, &ids, &mut x)?;
+        let mut h = b.tensor(n, d)?;
+        let mut q = b.tensor(n, c.q_dim())?;
+        let mut k = b.tensor(n, c.kv_dim())?;
+        let mut v = b.tensor(n, c.kv_dim())?;
+        let mut attn = b.tensor(n, c.q_dim())?;
+        let mut gate = b.tensor(n, c.intermediate_size)?;
+        let mut up = b.tensor(n, c.intermediate_size)?;
 
         for (i, layer) in self.weights.layers.iter().enumerate() {
             // Attention block.
@@ -142,10 +149,10 @@ impl<B: Backend> Llama<B> {
             b.linear(&h, &layer.wq, &mut q)?;
             b.linear(&h, &layer.wk, &mut k)?;
             b.linear(&h, &layer.wv, &mut v)?;
-            b.rope(&mut q, hd, &positions, &self.inv_freq)?;
-            b.rope(&mut k, hd, &positions, &self.inv_freq)?;
-            b.write_kv(cache, i, &k, &v, &slots)?;
-            b.attention(&q, cache, i, c.n_heads, &spans, scale, &mut attn)?;
+            b.rope(&mut q, hd, &batch_layout)?;
+            b.rope(&mut k, hd, &batch_layout)?;
+            b.write_kv(cache, i, &k, &v, &batch_layout)?;
+            b.attention(&q, cache, i, c.n_heads, &batch_layout, scale, &mut attn)?;
             b.linear(&attn, &layer.wo, &mut h)?;
             b.add(&mut x, &h)?;
             // Feed-forward block (SwiGLU).

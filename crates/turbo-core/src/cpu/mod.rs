@@ -6,7 +6,7 @@ pub mod ops;
 
 pub use kv::{CpuKvCache, KvCacheSpec};
 
-use crate::backend::{Backend, BackendError, Result};
+use crate::backend::{Backend, BackendError, BatchLayout, Result};
 use crate::WeightMatrix;
 use std::sync::Arc;
 use turbo_attention::{paged_attention, QuerySpan};
@@ -17,6 +17,15 @@ pub struct HostTensor {
     pub data: Vec<f32>,
     pub rows: usize,
     pub cols: usize,
+}
+
+/// A batch layout owned by the CPU backend.
+pub struct CpuBatch {
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    /// `(q_start, n_q, kv_len, block table)` per sequence.
+    spans: Vec<(usize, usize, usize, Vec<u32>)>,
+    inv_freq: Vec<f32>,
 }
 
 /// f32 compute on a thread pool of its own. Work is run inside the pool ([`Backend::run`]), so
@@ -60,6 +69,7 @@ impl Backend for CpuBackend {
     type Tensor = HostTensor;
     type Matrix = WeightMatrix;
     type KvCache = CpuKvCache;
+    type Batch = CpuBatch;
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", self.threads())
@@ -102,6 +112,19 @@ impl Backend for CpuBackend {
         *cache.spec()
     }
 
+    fn prepare_batch(&self, layout: &BatchLayout) -> Result<CpuBatch> {
+        Ok(CpuBatch {
+            positions: layout.positions.to_vec(),
+            slots: layout.slots.to_vec(),
+            spans: layout
+                .spans
+                .iter()
+                .map(|s| (s.q_start, s.n_q, s.kv_len, s.block_table.to_vec()))
+                .collect(),
+            inv_freq: layout.inv_freq.to_vec(),
+        })
+    }
+
     fn embed(&self, table: &WeightMatrix, ids: &[u32], out: &mut HostTensor) -> Result<()> {
         for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(ids) {
             table.dequantize_row(id as usize, row);
@@ -125,14 +148,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn rope(
-        &self,
-        x: &mut HostTensor,
-        head_dim: usize,
-        positions: &[u32],
-        inv_freq: &[f32],
-    ) -> Result<()> {
-        ops::rope_interleaved(&mut x.data, head_dim, positions, inv_freq);
+    fn rope(&self, x: &mut HostTensor, head_dim: usize, batch: &CpuBatch) -> Result<()> {
+        ops::rope_interleaved(&mut x.data, head_dim, &batch.positions, &batch.inv_freq);
         Ok(())
     }
 
@@ -159,9 +176,9 @@ impl Backend for CpuBackend {
         layer: usize,
         k: &HostTensor,
         v: &HostTensor,
-        slots: &[u32],
+        batch: &CpuBatch,
     ) -> Result<()> {
-        cache.write(layer, &k.data, &v.data, slots);
+        cache.write(layer, &k.data, &v.data, &batch.slots);
         Ok(())
     }
 
@@ -171,15 +188,25 @@ impl Backend for CpuBackend {
         cache: &CpuKvCache,
         layer: usize,
         n_heads: usize,
-        spans: &[QuerySpan],
+        batch: &CpuBatch,
         scale: f32,
         out: &mut HostTensor,
     ) -> Result<()> {
+        let spans: Vec<QuerySpan> = batch
+            .spans
+            .iter()
+            .map(|(q_start, n_q, kv_len, table)| QuerySpan {
+                q_start: *q_start,
+                n_q: *n_q,
+                kv_len: *kv_len,
+                block_table: table,
+            })
+            .collect();
         paged_attention(
             &q.data,
             n_heads,
             &cache.layer(layer),
-            spans,
+            &spans,
             scale,
             &mut out.data,
             None,

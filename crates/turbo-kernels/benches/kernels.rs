@@ -1,0 +1,183 @@
+//! GPU kernels at Llama-3-8B sizes, timed with CUDA events (criterion's `iter_custom`). Without a
+//! GPU the bench prints a skip message and measures nothing.
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+use std::sync::Arc;
+use std::time::Duration;
+use turbo_attention::QuerySpan;
+use turbo_kernels::ops::{attention, elementwise, linear, norm};
+use turbo_kernels::CudaDevice;
+
+fn random_bf16(stream: &Arc<CudaStream>, n: usize, seed: u64) -> CudaSlice<bf16> {
+    // A cheap deterministic pattern in [-1, 1): never zeros, different per buffer.
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let host: Vec<bf16> = (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            bf16::from_f32((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        })
+        .collect();
+    stream.clone_htod(&host).expect("upload")
+}
+
+/// Times `iters` runs of `f` between two CUDA events.
+fn time_gpu(dev: &CudaDevice, iters: u64, mut f: impl FnMut()) -> Duration {
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = dev.ctx.new_event(flags).unwrap();
+    let end = dev.ctx.new_event(flags).unwrap();
+    start.record(&dev.stream).unwrap();
+    for _ in 0..iters {
+        f();
+    }
+    end.record(&dev.stream).unwrap();
+    end.synchronize().unwrap();
+    Duration::from_secs_f64(start.elapsed_ms(&end).unwrap() as f64 / 1e3)
+}
+
+fn bench(c: &mut Criterion) {
+    if !turbo_kernels::cuda_available() {
+        eprintln!("skipping GPU kernel benches: no CUDA device");
+        return;
+    }
+    let dev = CudaDevice::new(0).expect("CUDA device");
+    let s = dev.stream.clone();
+    let mut g = c.benchmark_group("cuda");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+
+    // Decode attention: batch 64, context 4096, 32 query / 8 KV heads, d 128, bf16, block 16.
+    {
+        let (batch, ctx, heads, kv_heads, d, bs) =
+            (64usize, 4096usize, 32usize, 8usize, 128usize, 16usize);
+        let blocks_per_seq = ctx / bs;
+        let cache_len = batch * blocks_per_seq * bs * kv_heads * d;
+        let k = random_bf16(&s, cache_len, 1);
+        let v = random_bf16(&s, cache_len, 2);
+        let q = random_bf16(&s, batch * heads * d, 3);
+        let mut out = s.alloc_zeros::<bf16>(batch * heads * d).unwrap();
+        let tables: Vec<Vec<u32>> = (0..batch)
+            .map(|b| {
+                (0..blocks_per_seq as u32)
+                    .map(|i| (b * blocks_per_seq) as u32 + i)
+                    .collect()
+            })
+            .collect();
+        let spans: Vec<QuerySpan> = tables
+            .iter()
+            .enumerate()
+            .map(|(b, t)| QuerySpan {
+                q_start: b,
+                n_q: 1,
+                kv_len: ctx,
+                block_table: t,
+            })
+            .collect();
+        let layout = attention::KvLayout {
+            block_size: bs,
+            n_kv_heads: kv_heads,
+            head_dim: d,
+        };
+        // Bytes of K and V read.
+        g.throughput(Throughput::Bytes((2 * cache_len * 2) as u64));
+        g.bench_function("decode_attention_b64_ctx4096_gqa32x8_d128", |b| {
+            b.iter_custom(|iters| {
+                time_gpu(&dev, iters, || {
+                    attention::paged_attention(
+                        &dev, &q, &k, &v, layout, heads, &spans, 0.088, &mut out, None,
+                    )
+                    .unwrap()
+                })
+            })
+        });
+    }
+
+    // Prefill attention: one causal sequence of 2048 tokens, 32 heads, d 128.
+    {
+        let (n, heads, d, bs) = (2048usize, 32usize, 128usize, 16usize);
+        let table: Vec<u32> = (0..(n / bs) as u32).collect();
+        let k = random_bf16(&s, n * heads * d, 4);
+        let v = random_bf16(&s, n * heads * d, 5);
+        let q = random_bf16(&s, n * heads * d, 6);
+        let mut out = s.alloc_zeros::<bf16>(n * heads * d).unwrap();
+        let spans = [QuerySpan {
+            q_start: 0,
+            n_q: n,
+            kv_len: n,
+            block_table: &table,
+        }];
+        let layout = attention::KvLayout {
+            block_size: bs,
+            n_kv_heads: heads,
+            head_dim: d,
+        };
+        // Causal: half of full attention's 4·n²·d·heads FLOP ("elements" below are FLOP).
+        g.throughput(Throughput::Elements((2 * n * n * d * heads) as u64));
+        g.bench_function("prefill_attention_causal_s2048_h32_d128", |b| {
+            b.iter_custom(|iters| {
+                time_gpu(&dev, iters, || {
+                    attention::paged_attention(
+                        &dev, &q, &k, &v, layout, heads, &spans, 0.088, &mut out, None,
+                    )
+                    .unwrap()
+                })
+            })
+        });
+    }
+
+    // cuBLAS: the 8B FFN up-projection (14336 x 4096) at batch 1 (bandwidth) and 2048 tokens (FLOP).
+    {
+        let (m, k_dim) = (14336usize, 4096usize);
+        let w = random_bf16(&s, m * k_dim, 7);
+        for n in [1usize, 2048] {
+            let x = random_bf16(&s, n * k_dim, 8);
+            let mut out = s.alloc_zeros::<bf16>(n * m).unwrap();
+            if n == 1 {
+                g.throughput(Throughput::Bytes((m * k_dim * 2) as u64));
+            } else {
+                g.throughput(Throughput::Elements((2 * n * m * k_dim) as u64));
+            }
+            g.bench_function(format!("linear_14336x4096_n{n}"), |b| {
+                b.iter_custom(|iters| {
+                    time_gpu(&dev, iters, || {
+                        linear::linear(&dev, &x, &w, n, k_dim, m, &mut out).unwrap()
+                    })
+                })
+            });
+        }
+    }
+
+    // Row ops over 2048 tokens.
+    {
+        let (rows, cols, ffn) = (2048usize, 4096usize, 14336usize);
+        let x = random_bf16(&s, rows * cols, 9);
+        let w = random_bf16(&s, cols, 10);
+        let mut out = s.alloc_zeros::<bf16>(rows * cols).unwrap();
+        g.throughput(Throughput::Bytes((2 * rows * cols * 2) as u64));
+        g.bench_function("rms_norm_2048x4096", |b| {
+            b.iter_custom(|iters| {
+                time_gpu(&dev, iters, || {
+                    norm::rms_norm(&dev, &x, &w, rows, cols, 1e-5, &mut out).unwrap()
+                })
+            })
+        });
+        let up = random_bf16(&s, rows * ffn, 11);
+        let mut gate = random_bf16(&s, rows * ffn, 12);
+        g.throughput(Throughput::Bytes((3 * rows * ffn * 2) as u64));
+        g.bench_function("silu_mul_2048x14336", |b| {
+            b.iter_custom(|iters| {
+                time_gpu(&dev, iters, || {
+                    elementwise::silu_mul(&dev, &mut gate, &up, rows * ffn).unwrap()
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

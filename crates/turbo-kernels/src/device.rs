@@ -1,0 +1,130 @@
+//! A CUDA device with its stream, cuBLAS handle and loaded kernel modules.
+
+use crate::error::{CudaError, Result};
+use crate::ptx::{KernelModule, MODULES};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Whether a CUDA driver library is loadable and reports at least one device. Never panics on a
+/// machine without CUDA.
+pub fn device_count() -> usize {
+    // SAFETY: only probes for the shared library; touches no driver state.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
+pub fn cuda_available() -> bool {
+    device_count() > 0
+}
+
+/// One GPU: a context, the single stream all work is issued on, a cuBLAS handle bound to it, and
+/// kernel modules loaded on first use.
+pub struct CudaDevice {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
+}
+
+impl CudaDevice {
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let count = device_count();
+        if ordinal >= count {
+            return Err(CudaError::NoDevice(if count == 0 {
+                "no CUDA driver or GPU found on this machine".into()
+            } else {
+                format!("device {ordinal} requested, {count} present")
+            }));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone())?;
+        Ok(CudaDevice {
+            ctx,
+            stream,
+            blas,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "CUDA device".into())
+    }
+
+    /// A kernel function, loading its module on first use (the committed PTX, else NVRTC).
+    pub fn function(&self, module: &'static str, name: &'static str) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.lock().unwrap().get(&(module, name)) {
+            return Ok(f.clone());
+        }
+        let m = self.module(module)?;
+        let f = m.load_function(name).map_err(|e| CudaError::Module {
+            module: module.into(),
+            reason: format!("no kernel '{name}': {e}"),
+        })?;
+        self.functions
+            .lock()
+            .unwrap()
+            .insert((module, name), f.clone());
+        Ok(f)
+    }
+
+    fn module(&self, name: &'static str) -> Result<Arc<CudaModule>> {
+        if let Some(m) = self.modules.lock().unwrap().get(name) {
+            return Ok(m.clone());
+        }
+        let spec = MODULES
+            .iter()
+            .find(|m| m.name == name)
+            .ok_or_else(|| CudaError::Module {
+                module: name.into(),
+                reason: "unknown module".into(),
+            })?;
+        let module = match self.ctx.load_module(Ptx::from_src(spec.ptx)) {
+            Ok(m) => m,
+            Err(ptx_err) => self
+                .compile_with_nvrtc(spec)
+                .map_err(|reason| CudaError::Module {
+                    module: name.into(),
+                    reason: format!(
+                        "committed PTX failed ({ptx_err}) and NVRTC failed too: {reason}"
+                    ),
+                })?,
+        };
+        self.modules.lock().unwrap().insert(name, module.clone());
+        Ok(module)
+    }
+
+    fn compile_with_nvrtc(
+        &self,
+        spec: &KernelModule,
+    ) -> std::result::Result<Arc<CudaModule>, String> {
+        let (major, minor) = (
+            self.ctx
+                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+                .map_err(|e| e.to_string())?,
+            self.ctx
+                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+                .map_err(|e| e.to_string())?,
+        );
+        // NVRTC cannot read files: splice the shared header in place of its #include.
+        let source = spec
+            .source
+            .replace("#include \"common.cuh\"", crate::ptx::COMMON_HEADER);
+        let opts = cudarc::nvrtc::CompileOptions {
+            arch: Some(Box::leak(
+                format!("compute_{major}{minor}").into_boxed_str(),
+            )),
+            include_paths: vec!["/usr/local/cuda/include".into()],
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| e.to_string())?;
+        self.ctx.load_module(ptx).map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,16 @@
+//! The CUDA backend.
+//!
+//! Kernels are CUDA C++ in `kernels/*.cu`, compiled to PTX by `cargo xtask kernels` and embedded
+//! here; cuBLAS does the matrix products. The CUDA driver is loaded at run time (cudarc's dynamic
+//! loading), so this crate builds and its CPU-side tests run on machines without CUDA, and GPU
+//! tests skip there with a message.
+
+pub mod backend;
+pub mod device;
+mod error;
+pub mod ops;
+pub mod ptx;
+
+pub use backend::{CudaBackend, CudaKvCache, CudaMatrix, CudaTensor};
+pub use device::{cuda_available, device_count, CudaDevice};
+pub use error::{CudaError, Result};

@@ -1,0 +1,235 @@
+//! Elementwise and data-movement kernels: RoPE, SwiGLU's `silu(gate) · up`, residual add, embedding
+//! and row gathers, and the paged KV write.
+
+use super::check;
+use crate::device::CudaDevice;
+use crate::error::Result;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+/// Threads per block of every kernel here.
+const THREADS: u32 = 256;
+
+/// Blocks for a grid-stride kernel over `units` work items (the kernels loop, so any cap is safe).
+fn grid_for(units: usize) -> u32 {
+    units.div_ceil(THREADS as usize).clamp(1, 65_535) as u32
+}
+
+fn config(grid: (u32, u32, u32)) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn fits_i32(v: usize) -> bool {
+    v <= i32::MAX as usize
+}
+
+/// Interleaved-pair rotary embedding, in place: `x` is `[tokens, heads · head_dim]`; pair `i`
+/// (dimensions `2i, 2i+1`) of every head of token `t` rotates by `positions[t] · inv_freq[i]`.
+pub fn rope(
+    dev: &CudaDevice,
+    x: &mut CudaSlice<bf16>,
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    positions: &CudaSlice<u32>,
+    inv_freq: &CudaSlice<f32>,
+) -> Result<()> {
+    let n = tokens * heads * head_dim;
+    check(
+        head_dim > 0
+            && head_dim % 2 == 0
+            && fits_i32(tokens)
+            && fits_i32(heads)
+            && fits_i32(head_dim)
+            && x.len() >= n
+            && positions.len() >= tokens
+            && inv_freq.len() >= head_dim / 2,
+        || {
+            format!(
+                "rope: x {} / positions {} / inv_freq {} elements for tokens={tokens} heads={heads} head_dim={head_dim}",
+                x.len(),
+                positions.len(),
+                inv_freq.len()
+            )
+        },
+    )?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (tokens_i, heads_i, head_dim_i) = (tokens as i32, heads as i32, head_dim as i32);
+    let f = dev.function("elementwise", "rope_bf16")?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(x);
+    b.arg(&tokens_i);
+    b.arg(&heads_i);
+    b.arg(&head_dim_i);
+    b.arg(positions);
+    b.arg(inv_freq);
+    // SAFETY: the arguments match the kernel's signature and the buffer sizes were checked.
+    unsafe { b.launch(config((grid_for(n / 2), 1, 1))) }?;
+    Ok(())
+}
+
+/// `gate = silu(gate) · up` over the first `n` elements.
+pub fn silu_mul(
+    dev: &CudaDevice,
+    gate: &mut CudaSlice<bf16>,
+    up: &CudaSlice<bf16>,
+    n: usize,
+) -> Result<()> {
+    binary(dev, "silu_mul_bf16", gate, up, n)
+}
+
+/// `x += y` over the first `n` elements.
+pub fn add(dev: &CudaDevice, x: &mut CudaSlice<bf16>, y: &CudaSlice<bf16>, n: usize) -> Result<()> {
+    binary(dev, "add_bf16", x, y, n)
+}
+
+/// An in-place `a = op(a, b)` kernel with the signature `(bf16* a, const bf16* b, long long n)`.
+fn binary(
+    dev: &CudaDevice,
+    kernel: &'static str,
+    a: &mut CudaSlice<bf16>,
+    b: &CudaSlice<bf16>,
+    n: usize,
+) -> Result<()> {
+    check(a.len() >= n && b.len() >= n, || {
+        format!(
+            "{kernel}: buffers of {} / {} elements for n={n}",
+            a.len(),
+            b.len()
+        )
+    })?;
+    if n == 0 {
+        return Ok(());
+    }
+    let n_i = n as i64;
+    let f = dev.function("elementwise", kernel)?;
+    let mut l = dev.stream.launch_builder(&f);
+    l.arg(a);
+    l.arg(b);
+    l.arg(&n_i);
+    // SAFETY: the arguments match the kernel's signature and the buffer sizes were checked.
+    unsafe { l.launch(config((grid_for(n.div_ceil(8)), 1, 1))) }?;
+    Ok(())
+}
+
+/// `out[i] = table[ids[i]]` for `i < n`: token embedding from a `[vocab, dim]` table. An id out of
+/// range yields a row of NaN.
+pub fn embed(
+    dev: &CudaDevice,
+    table: &CudaSlice<bf16>,
+    ids: &CudaSlice<u32>,
+    n: usize,
+    dim: usize,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    gather(dev, "embed", table, ids, n, dim, out)
+}
+
+/// `out[i] = x[rows[i]]` for `i < n`, rows of `cols` elements. A row index out of range yields a
+/// row of NaN.
+pub fn gather_rows(
+    dev: &CudaDevice,
+    x: &CudaSlice<bf16>,
+    rows: &CudaSlice<u32>,
+    n: usize,
+    cols: usize,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    gather(dev, "gather_rows", x, rows, n, cols, out)
+}
+
+fn gather(
+    dev: &CudaDevice,
+    what: &str,
+    src: &CudaSlice<bf16>,
+    idx: &CudaSlice<u32>,
+    n: usize,
+    cols: usize,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    check(
+        cols > 0 && fits_i32(n) && fits_i32(cols) && idx.len() >= n && out.len() >= n * cols,
+        || {
+            format!(
+                "{what}: source {} / indices {} / out {} elements for n={n} cols={cols}",
+                src.len(),
+                idx.len(),
+                out.len()
+            )
+        },
+    )?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (n_i, cols_i, src_rows) = (n as i32, cols as i32, (src.len() / cols) as i64);
+    let f = dev.function("elementwise", "gather_rows_bf16")?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(out);
+    b.arg(src);
+    b.arg(idx);
+    b.arg(&n_i);
+    b.arg(&cols_i);
+    b.arg(&src_rows);
+    // SAFETY: the arguments match the kernel's signature, the buffer sizes were checked and the
+    // kernel bounds every index by src_rows.
+    unsafe { b.launch(config((n as u32, 1, 1))) }?;
+    Ok(())
+}
+
+/// Paged KV write: `k_cache[slots[i] · slot_len + j] = k[i · slot_len + j]` for `i < tokens`,
+/// `j < slot_len`, and the same for values. A slot is `block · block_size + offset` in a
+/// `[block][slot][kv head][head_dim]` cache, so `slot_len = n_kv_heads · head_dim`. A slot beyond
+/// the cache is skipped.
+#[allow(clippy::too_many_arguments)]
+pub fn write_kv(
+    dev: &CudaDevice,
+    k_cache: &mut CudaSlice<bf16>,
+    v_cache: &mut CudaSlice<bf16>,
+    k: &CudaSlice<bf16>,
+    v: &CudaSlice<bf16>,
+    slots: &CudaSlice<u32>,
+    tokens: usize,
+    slot_len: usize,
+) -> Result<()> {
+    check(
+        slot_len > 0
+            && fits_i32(tokens)
+            && fits_i32(slot_len)
+            && k.len() >= tokens * slot_len
+            && v.len() >= tokens * slot_len
+            && slots.len() >= tokens,
+        || {
+            format!(
+                "write_kv: k {} / v {} / slots {} elements for tokens={tokens} slot_len={slot_len}",
+                k.len(),
+                v.len(),
+                slots.len()
+            )
+        },
+    )?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let cache_slots = (k_cache.len().min(v_cache.len()) / slot_len) as i64;
+    let (tokens_i, slot_len_i) = (tokens as i32, slot_len as i32);
+    let f = dev.function("elementwise", "write_kv_bf16")?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(k_cache);
+    b.arg(v_cache);
+    b.arg(k);
+    b.arg(v);
+    b.arg(slots);
+    b.arg(&tokens_i);
+    b.arg(&slot_len_i);
+    b.arg(&cache_slots);
+    // SAFETY: the arguments match the kernel's signature, the buffer sizes were checked and the
+    // kernel bounds every slot by cache_slots.
+    unsafe { b.launch(config((tokens as u32, 2, 1))) }?;
+    Ok(())
+}

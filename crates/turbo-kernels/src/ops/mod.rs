@@ -1,0 +1,18 @@
+//! Rust launchers for the kernels: each checks its shapes, then launches on the device's stream.
+
+pub mod attention;
+pub mod elementwise;
+pub mod linear;
+pub mod norm;
+pub mod sampling;
+
+use crate::error::{CudaError, Result};
+
+/// Fails with a shape error unless `ok`.
+pub(crate) fn check(ok: bool, what: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(CudaError::Shape(what()))
+    }
+}

@@ -1,0 +1,50 @@
+//! The kernels' PTX, compiled from `kernels/*.cu` by `cargo xtask kernels` and committed, so
+//! machines without nvcc (CI among them) build and embed them. `kernels/ptx/manifest.txt` records
+//! the SHA-256 of each source the PTX was made from; a test fails when a source has changed since.
+
+/// One CUDA C++ source file and the PTX built from it.
+pub struct KernelModule {
+    pub name: &'static str,
+    pub ptx: &'static str,
+    /// The source, for NVRTC when the driver cannot load the committed PTX.
+    pub source: &'static str,
+}
+
+macro_rules! module {
+    ($name:literal) => {
+        KernelModule {
+            name: $name,
+            ptx: include_str!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../kernels/ptx/",
+                $name,
+                ".ptx"
+            )),
+            source: include_str!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../kernels/",
+                $name,
+                ".cu"
+            )),
+        }
+    };
+}
+
+pub const MODULES: &[KernelModule] = &[
+    module!("norm"),
+    module!("elementwise"),
+    module!("attention"),
+    module!("sampling"),
+];
+
+/// `kernels/ptx/manifest.txt`: `name sha256` per line.
+pub const MANIFEST: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../kernels/ptx/manifest.txt"
+));
+
+/// Shared header included by every kernel source (for NVRTC, which cannot read files).
+pub const COMMON_HEADER: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../kernels/common.cuh"
+));

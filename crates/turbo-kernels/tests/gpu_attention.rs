@@ -1,0 +1,663 @@
+//! The paged-attention kernels against the CPU reference, `turbo_attention::paged_attention`.
+//!
+//! Every case draws fresh random q, K and V (uniform in (-1, 1), rounded to bf16), lays each
+//! sequence's KV out in blocks taken from a shuffled list of block ids (so tables are neither
+//! contiguous nor monotonic, and the cache holds unused blocks of random data too), puts the
+//! sequences' query rows in a shuffled order, poisons `out` and `lse` with NaN, and compares
+//! with the CPU reference run on the same bf16 values converted to f32.
+//!
+//! Tolerances:
+//! - out: each output is a convex combination of values in [-1, 1], so |o| <= 1. The kernels
+//!   compute in f32 from the same bf16 inputs as the reference, so the two differ by f32 rounding
+//!   (summation order, exp2 vs exp: ~1e-6) plus the final rounding to bf16 (relative 2^-8,
+//!   absolute <= 2^-9 for |o| <= 1). 1.5e-2 absolute leaves ample room for that, and is still far
+//!   below what a wrong key, block, head, position or softmax weight would cause.
+//! - lse: f32 on both sides, no bf16 rounding. A score's rounding error is ~1e-6 of its size
+//!   and the sum of up to a few thousand positive terms differs by at most ~n·eps relatively
+//!   (a few 1e-4 at worst, which ln turns into the same absolute error), so
+//!   1e-3 · (1 + |lse|) bounds it.
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use turbo_attention::{PagedKv, QuerySpan};
+use turbo_kernels::ops::attention::{paged_attention, paged_attention_split, KvLayout, KvSplit};
+use turbo_kernels::CudaDevice;
+
+const OUT_TOL: f32 = 1.5e-2;
+const LSE_TOL: f32 = 1e-3;
+
+macro_rules! require_gpu {
+    () => {
+        if !turbo_kernels::cuda_available() {
+            eprintln!("skipping: no CUDA device");
+            return;
+        }
+    };
+}
+
+/// One attention problem: head shapes, block size and the sequences as (n_q, kv_len).
+#[derive(Clone, Debug)]
+struct Case {
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    seqs: Vec<(usize, usize)>,
+    seed: u64,
+}
+
+/// A case's random data: q `[tokens, n_heads, head_dim]`, the caches, and per sequence its first
+/// query row and its block table.
+struct Problem {
+    case: Case,
+    n_tokens: usize,
+    q: Vec<bf16>,
+    k: Vec<bf16>,
+    v: Vec<bf16>,
+    q_starts: Vec<usize>,
+    tables: Vec<Vec<u32>>,
+}
+
+fn uniform_bf16(rng: &mut ChaCha8Rng, n: usize) -> Vec<bf16> {
+    (0..n)
+        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+        .collect()
+}
+
+fn to_f32(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+impl Problem {
+    fn new(case: &Case) -> Problem {
+        let mut rng = ChaCha8Rng::seed_from_u64(case.seed);
+        let bs = case.block_size;
+        let n_tokens: usize = case.seqs.iter().map(|s| s.0).sum();
+        // Query rows: the sequences' row ranges in a shuffled order.
+        let mut order: Vec<usize> = (0..case.seqs.len()).collect();
+        order.shuffle(&mut rng);
+        let mut q_starts = vec![0; case.seqs.len()];
+        let mut row = 0;
+        for &s in &order {
+            q_starts[s] = row;
+            row += case.seqs[s].0;
+        }
+        // Blocks: what each sequence needs, one more for every other sequence (tables may be
+        // longer than needed), and a few spare; handed out from a shuffled list.
+        let lens: Vec<usize> = case
+            .seqs
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, kv))| kv.div_ceil(bs) + i % 2)
+            .collect();
+        let n_blocks = lens.iter().sum::<usize>() + 5;
+        let mut ids: Vec<u32> = (0..n_blocks as u32).collect();
+        ids.shuffle(&mut rng);
+        let mut tables = Vec::new();
+        let mut next = 0;
+        for &len in &lens {
+            tables.push(ids[next..next + len].to_vec());
+            next += len;
+        }
+        let cache_len = n_blocks * bs * case.n_kv_heads * case.head_dim;
+        let q = uniform_bf16(&mut rng, n_tokens * case.n_heads * case.head_dim);
+        let k = uniform_bf16(&mut rng, cache_len);
+        let v = uniform_bf16(&mut rng, cache_len);
+        Problem {
+            case: case.clone(),
+            n_tokens,
+            q,
+            k,
+            v,
+            q_starts,
+            tables,
+        }
+    }
+
+    fn spans(&self) -> Vec<QuerySpan<'_>> {
+        self.case
+            .seqs
+            .iter()
+            .enumerate()
+            .map(|(i, &(n_q, kv_len))| QuerySpan {
+                q_start: self.q_starts[i],
+                n_q,
+                kv_len,
+                block_table: &self.tables[i],
+            })
+            .collect()
+    }
+
+    fn layout(&self) -> KvLayout {
+        KvLayout {
+            block_size: self.case.block_size,
+            n_kv_heads: self.case.n_kv_heads,
+            head_dim: self.case.head_dim,
+        }
+    }
+
+    /// The CPU reference on the bf16 values: (out, lse).
+    fn reference(&self, scale: f32) -> (Vec<f32>, Vec<f32>) {
+        let c = &self.case;
+        let (keys, values) = (to_f32(&self.k), to_f32(&self.v));
+        let kv = PagedKv {
+            keys: &keys,
+            values: &values,
+            block_size: c.block_size,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+        };
+        let mut out = vec![0f32; self.q.len()];
+        let mut lse = vec![0f32; self.n_tokens * c.n_heads];
+        turbo_attention::paged_attention(
+            &to_f32(&self.q),
+            c.n_heads,
+            &kv,
+            &self.spans(),
+            scale,
+            &mut out,
+            Some(&mut lse),
+        );
+        (out, lse)
+    }
+}
+
+/// The problem's data on the device, with `out` and `lse` poisoned with NaN.
+struct Device {
+    q: CudaSlice<bf16>,
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    out: CudaSlice<bf16>,
+    lse: CudaSlice<f32>,
+}
+
+impl Device {
+    fn upload(dev: &CudaDevice, p: &Problem) -> Device {
+        let s = &dev.stream;
+        Device {
+            q: s.clone_htod(&p.q).unwrap(),
+            k: s.clone_htod(&p.k).unwrap(),
+            v: s.clone_htod(&p.v).unwrap(),
+            out: s.clone_htod(&vec![bf16::NAN; p.q.len()]).unwrap(),
+            lse: s
+                .clone_htod(&vec![f32::NAN; p.n_tokens * p.case.n_heads])
+                .unwrap(),
+        }
+    }
+
+    fn poison(&mut self, dev: &CudaDevice) {
+        let s = &dev.stream;
+        self.out = s.clone_htod(&vec![bf16::NAN; self.out.len()]).unwrap();
+        self.lse = s.clone_htod(&vec![f32::NAN; self.lse.len()]).unwrap();
+    }
+
+    /// Runs the kernels with `split` (Auto through the public entry point); returns out and, when
+    /// asked for, lse.
+    fn run(
+        &mut self,
+        dev: &CudaDevice,
+        p: &Problem,
+        scale: f32,
+        split: KvSplit,
+        with_lse: bool,
+    ) -> (Vec<f32>, Option<Vec<f32>>) {
+        self.poison(dev);
+        let spans = p.spans();
+        let lse = with_lse.then_some(&mut self.lse);
+        if split == KvSplit::Auto {
+            paged_attention(
+                dev,
+                &self.q,
+                &self.k,
+                &self.v,
+                p.layout(),
+                p.case.n_heads,
+                &spans,
+                scale,
+                &mut self.out,
+                lse,
+            )
+            .unwrap();
+        } else {
+            paged_attention_split(
+                dev,
+                &self.q,
+                &self.k,
+                &self.v,
+                p.layout(),
+                p.case.n_heads,
+                &spans,
+                scale,
+                split,
+                &mut self.out,
+                lse,
+            )
+            .unwrap();
+        }
+        let out = to_f32(&dev.stream.clone_dtoh(&self.out).unwrap());
+        let lse = with_lse.then(|| dev.stream.clone_dtoh(&self.lse).unwrap());
+        (out, lse)
+    }
+}
+
+/// Compares a GPU result with the reference; panics naming the first element out of tolerance.
+fn compare(
+    what: &str,
+    p: &Problem,
+    (out, lse): (&[f32], Option<&[f32]>),
+    (ref_out, ref_lse): (&[f32], &[f32]),
+) {
+    let c = &p.case;
+    let d = c.head_dim;
+    // Where each row comes from, for messages.
+    let mut row_of = vec![(0usize, 0usize); p.n_tokens];
+    for (s, &(n_q, kv_len)) in c.seqs.iter().enumerate() {
+        for i in 0..n_q {
+            row_of[p.q_starts[s] + i] = (s, kv_len - n_q + i);
+        }
+    }
+    let mut worst = 0f32;
+    for (i, (&g, &r)) in out.iter().zip(ref_out).enumerate() {
+        let (token, head, dim) = (i / (c.n_heads * d), i / d % c.n_heads, i % d);
+        let (s, pos) = row_of[token];
+        assert!(
+            g.is_finite(),
+            "{what}: out[{token}, {head}, {dim}] = {g} (sequence {s}, position {pos})"
+        );
+        let err = (g - r).abs();
+        assert!(
+            err <= OUT_TOL,
+            "{what}: out[{token}, {head}, {dim}] = {g}, reference {r} (sequence {s} {:?}, position {pos})",
+            c.seqs[s]
+        );
+        worst = worst.max(err);
+    }
+    if let Some(lse) = lse {
+        for (i, (&g, &r)) in lse.iter().zip(ref_lse).enumerate() {
+            let (token, head) = (i / c.n_heads, i % c.n_heads);
+            let (s, pos) = row_of[token];
+            assert!(
+                (g - r).abs() <= LSE_TOL * (1.0 + r.abs()),
+                "{what}: lse[{token}, {head}] = {g}, reference {r} (sequence {s} {:?}, position {pos})",
+                c.seqs[s]
+            );
+        }
+    }
+    eprintln!("{what}: ok, max |out - reference| = {worst:.2e}");
+}
+
+/// Runs `case` with each of `splits` at the usual scale 1/√d and at a sharper one (peaked
+/// softmax, so the running maximum matters), comparing out and lse with the reference each time.
+fn check_case(dev: &CudaDevice, case: &Case, splits: &[KvSplit]) {
+    let p = Problem::new(case);
+    let mut gpu = Device::upload(dev, &p);
+    for scale in [1.0 / (case.head_dim as f32).sqrt(), 1.5] {
+        let (ref_out, ref_lse) = p.reference(scale);
+        for &split in splits {
+            let what = format!(
+                "{}/{} heads, d {}, blocks of {}, scale {scale}, {split:?}",
+                case.n_heads, case.n_kv_heads, case.head_dim, case.block_size
+            );
+            let (out, lse) = gpu.run(dev, &p, scale, split, true);
+            compare(&what, &p, (&out, lse.as_deref()), (&ref_out, &ref_lse));
+        }
+    }
+}
+
+fn device() -> CudaDevice {
+    CudaDevice::new(0).expect("CUDA device 0")
+}
+
+/// Decode rows of very different lengths next to two prefills, GQA 32/8, d 128, blocks of 16:
+/// long rows split into many chunks, short ones into one.
+#[test]
+fn ragged_batch_gqa4_d128_bs16() {
+    require_gpu!();
+    let dev = device();
+    let case = Case {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+        block_size: 16,
+        // Decode over 1..5000 keys; a 7-row prefill over 9 keys of history; a 64-row prefill with
+        // no history.
+        seqs: vec![
+            (1, 1),
+            (1, 17),
+            (1, 300),
+            (1, 1000),
+            (1, 5000),
+            (7, 16),
+            (64, 64),
+        ],
+        seed: 1,
+    };
+    check_case(
+        &dev,
+        &case,
+        &[
+            KvSplit::Auto,
+            KvSplit::Off,
+            KvSplit::Chunk(256),
+            KvSplit::Chunk(37),
+        ],
+    );
+}
+
+/// Lengths at block boundaries (k·4 - 1, k·4, k·4 + 1), GQA 9/3, d 64, blocks of 4, with chunks
+/// of 1 key (three of the four warps of every CTA see nothing), and chunks not aligned to blocks.
+#[test]
+fn block_boundaries_gqa3_d64_bs4() {
+    require_gpu!();
+    let dev = device();
+    let case = Case {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 64,
+        block_size: 4,
+        seqs: vec![
+            (1, 3),
+            (1, 4),
+            (1, 5),
+            (1, 7),
+            (1, 8),
+            (1, 9),
+            (1, 63),
+            (1, 64),
+            (1, 65),
+            (3, 12),
+            (5, 13),
+            (4, 4),
+            (1, 1),
+        ],
+        seed: 2,
+    };
+    check_case(
+        &dev,
+        &case,
+        &[
+            KvSplit::Auto,
+            KvSplit::Off,
+            KvSplit::Chunk(1),
+            KvSplit::Chunk(4),
+            KvSplit::Chunk(5),
+            KvSplit::Chunk(16),
+        ],
+    );
+}
+
+/// Multi-head attention (GQA ratio 1), d 64, blocks of 16, including a long decode.
+#[test]
+fn mha_d64_bs16() {
+    require_gpu!();
+    let dev = device();
+    let case = Case {
+        n_heads: 8,
+        n_kv_heads: 8,
+        head_dim: 64,
+        block_size: 16,
+        seqs: vec![(1, 15), (1, 16), (1, 17), (1, 2049), (9, 40), (16, 16)],
+        seed: 3,
+    };
+    check_case(
+        &dev,
+        &case,
+        &[KvSplit::Auto, KvSplit::Off, KvSplit::Chunk(64)],
+    );
+}
+
+/// Multi-head attention, d 128, blocks of 4.
+#[test]
+fn mha_d128_bs4() {
+    require_gpu!();
+    let dev = device();
+    let case = Case {
+        n_heads: 4,
+        n_kv_heads: 4,
+        head_dim: 128,
+        block_size: 4,
+        seqs: vec![(1, 1000), (12, 40), (1, 33), (2, 2)],
+        seed: 4,
+    };
+    check_case(
+        &dev,
+        &case,
+        &[
+            KvSplit::Auto,
+            KvSplit::Off,
+            KvSplit::Chunk(128),
+            KvSplit::Chunk(3),
+        ],
+    );
+}
+
+/// A long prefill next to a decode, GQA 4, d 128: with chunks of 64 keys the prefill's rows split
+/// into up to 11 chunks each.
+#[test]
+fn long_prefill_split() {
+    require_gpu!();
+    let dev = device();
+    let case = Case {
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 128,
+        block_size: 16,
+        seqs: vec![(300, 700), (1, 2000)],
+        seed: 5,
+    };
+    check_case(
+        &dev,
+        &case,
+        &[KvSplit::Auto, KvSplit::Off, KvSplit::Chunk(64)],
+    );
+}
+
+/// A batch large enough that the automatic choice does not split (4096 row-heads), GQA 4, d 128.
+#[test]
+fn large_decode_batch() {
+    require_gpu!();
+    let dev = device();
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    let seqs = (0..128).map(|_| (1, rng.random_range(1..600))).collect();
+    let case = Case {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+        block_size: 16,
+        seqs,
+        seed: 6,
+    };
+    check_case(&dev, &case, &[KvSplit::Auto, KvSplit::Chunk(100)]);
+}
+
+/// The other head dimensions, a block size of 8, and block sizes that are no power of two
+/// (3) or a single slot (1).
+#[test]
+fn other_head_dims_and_block_sizes() {
+    require_gpu!();
+    let dev = device();
+    let shapes = [
+        (32, 8),
+        (96, 8),
+        (192, 8),
+        (256, 8),
+        (64, 3),
+        (128, 1),
+        (256, 16),
+    ];
+    for (seed, (head_dim, block_size)) in (100..).zip(shapes) {
+        let case = Case {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim,
+            block_size,
+            seqs: vec![(1, 100), (5, 20), (1, 700)],
+            seed,
+        };
+        check_case(
+            &dev,
+            &case,
+            &[KvSplit::Auto, KvSplit::Off, KvSplit::Chunk(16)],
+        );
+    }
+}
+
+/// Without an lse buffer the output is the same, bit for bit.
+#[test]
+fn lse_is_optional() {
+    require_gpu!();
+    let dev = device();
+    let case = Case {
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 64,
+        block_size: 16,
+        seqs: vec![(1, 900), (4, 30)],
+        seed: 7,
+    };
+    let p = Problem::new(&case);
+    let mut gpu = Device::upload(&dev, &p);
+    let scale = 0.125;
+    for split in [KvSplit::Auto, KvSplit::Off, KvSplit::Chunk(50)] {
+        let (with, _) = gpu.run(&dev, &p, scale, split, true);
+        let (without, lse) = gpu.run(&dev, &p, scale, split, false);
+        assert!(lse.is_none());
+        let same = with
+            .iter()
+            .zip(&without)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{split:?}: output differs without lse");
+    }
+}
+
+/// Bad shapes are errors, not launches: an unsupported head_dim, a block id past the cache, a
+/// table too short for kv_len, query heads not a multiple of KV heads, an undersized `out`.
+#[test]
+fn rejects_bad_shapes() {
+    require_gpu!();
+    let dev = device();
+    let case = Case {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        block_size: 4,
+        seqs: vec![(1, 10)],
+        seed: 8,
+    };
+    let p = Problem::new(&case);
+    let mut gpu = Device::upload(&dev, &p);
+    let n_blocks = (p.k.len() / (4 * 2 * 64)) as u32;
+    let run = |gpu: &mut Device, layout: KvLayout, n_heads: usize, spans: &[QuerySpan]| {
+        paged_attention(
+            &dev,
+            &gpu.q,
+            &gpu.k,
+            &gpu.v,
+            layout,
+            n_heads,
+            spans,
+            0.125,
+            &mut gpu.out,
+            None,
+        )
+    };
+    // The valid call succeeds.
+    assert!(run(&mut gpu, p.layout(), 4, &p.spans()).is_ok());
+    let bad_dim = KvLayout {
+        head_dim: 80,
+        ..p.layout()
+    };
+    assert!(run(&mut gpu, bad_dim, 4, &p.spans()).is_err());
+    assert!(run(&mut gpu, p.layout(), 3, &p.spans()).is_err());
+    let past_end = [p.tables[0][0], n_blocks, p.tables[0][2]];
+    let spans = [QuerySpan {
+        block_table: &past_end,
+        ..p.spans()[0]
+    }];
+    assert!(run(&mut gpu, p.layout(), 4, &spans).is_err());
+    let short = [p.tables[0][0], p.tables[0][1]];
+    let spans = [QuerySpan {
+        block_table: &short,
+        ..p.spans()[0]
+    }];
+    assert!(run(&mut gpu, p.layout(), 4, &spans).is_err());
+    let mut small_out = dev.stream.alloc_zeros::<bf16>(10).unwrap();
+    let spans = p.spans();
+    let r = paged_attention(
+        &dev,
+        &gpu.q,
+        &gpu.k,
+        &gpu.v,
+        p.layout(),
+        4,
+        &spans,
+        0.125,
+        &mut small_out,
+        None,
+    );
+    assert!(r.is_err());
+}
+
+/// Rough timings, not a check: `cargo test --release --test gpu_attention -- --ignored --nocapture`.
+/// Decode of B sequences over 4096 keys and one 2048-row prefill, GQA 32/8, d 128, blocks of 16.
+#[test]
+#[ignore]
+fn timing() {
+    require_gpu!();
+    let dev = device();
+    let mut cases: Vec<(String, Vec<(usize, usize)>)> = [1, 8, 64]
+        .iter()
+        .map(|&b| (format!("decode {b} x 4096"), vec![(1, 4096); b]))
+        .collect();
+    cases.push(("decode 1 x 32768".into(), vec![(1, 32768)]));
+    cases.push(("prefill 2048".into(), vec![(2048, 2048)]));
+    for (name, seqs) in cases {
+        let case = Case {
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+            block_size: 16,
+            seqs,
+            seed: 9,
+        };
+        let p = Problem::new(&case);
+        let gpu = Device::upload(&dev, &p);
+        let spans = p.spans();
+        let mut out = dev.stream.alloc_zeros::<bf16>(p.q.len()).unwrap();
+        let kv_bytes: usize = case.seqs.iter().map(|s| s.1).sum::<usize>() * 8 * 128 * 2 * 2;
+        for split in [KvSplit::Auto, KvSplit::Off] {
+            let mut go = || {
+                paged_attention_split(
+                    &dev,
+                    &gpu.q,
+                    &gpu.k,
+                    &gpu.v,
+                    p.layout(),
+                    32,
+                    &spans,
+                    0.088,
+                    split,
+                    &mut out,
+                    None,
+                )
+                .unwrap()
+            };
+            go();
+            dev.stream.synchronize().unwrap();
+            let iters = 20;
+            let t = std::time::Instant::now();
+            for _ in 0..iters {
+                go();
+            }
+            dev.stream.synchronize().unwrap();
+            let us = t.elapsed().as_secs_f64() * 1e6 / iters as f64;
+            eprintln!(
+                "{name}, {split:?}: {us:.1} us, {:.0} GB/s of K+V (each read once per KV head)",
+                kv_bytes as f64 / us / 1e3
+            );
+        }
+    }
+}

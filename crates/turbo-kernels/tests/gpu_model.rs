@@ -1,0 +1,154 @@
+//! The whole forward pass on the GPU against the CPU backend, on random models.
+
+use turbo_core::cpu::CpuBackend;
+use turbo_core::DType;
+use turbo_kernels::CudaBackend;
+use turbo_llama::{Llama, LoadedModel};
+use turbo_scheduler::{Engine, GenerationRequest, Session};
+use turbo_tests::engine::engine_logits;
+use turbo_tests::files::write_gguf;
+use turbo_tests::tiny::{random_tokens, TinySpec, TinyWeights};
+
+fn gpu() -> Option<CudaBackend> {
+    if !turbo_kernels::cuda_available() {
+        eprintln!("skipping: no CUDA device");
+        return None;
+    }
+    Some(CudaBackend::new(0).expect("CUDA device 0"))
+}
+
+fn load(spec: &TinySpec, dtype: DType, dir: &tempfile::TempDir) -> LoadedModel {
+    let path = dir.path().join("model.gguf");
+    write_gguf(&path, spec, &TinyWeights::random(spec), dtype);
+    LoadedModel::load(&path).expect("tiny model loads")
+}
+
+/// Largest |gpu - cpu| over all logits, relative to the largest CPU logit.
+fn rel_diff(gpu: &[Vec<f32>], cpu: &[Vec<f32>]) -> f32 {
+    let scale = cpu.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+    let diff = gpu
+        .iter()
+        .flatten()
+        .zip(cpu.iter().flatten())
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    diff / (1.0 + scale)
+}
+
+#[test]
+fn gpu_logits_match_cpu_on_random_models() {
+    let Some(gpu) = gpu() else { return };
+    // bf16 weights and activations round each value to 2^-9 relative; a few dozen roundings
+    // per layer through 2-3 layers keep logits within a few percent of the f32 CPU result.
+    const TOL: f32 = 4e-2;
+    let cases = [
+        (TinySpec::default(), DType::F32),
+        (
+            TinySpec {
+                heads: 8,
+                kv_heads: 2,
+                hidden: 128,
+                ffn: 256,
+                layers: 3,
+                seed: 1,
+                ..Default::default()
+            },
+            DType::Q8_0,
+        ),
+        (
+            TinySpec {
+                heads: 4,
+                kv_heads: 4,
+                hidden: 128,
+                ffn: 192,
+                tied: true,
+                seed: 2,
+                ..Default::default()
+            },
+            DType::BF16,
+        ),
+    ];
+    for (spec, dtype) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let loaded = load(&spec, dtype, &dir);
+        let cpu_model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
+        let gpu_model = Llama::new(gpu.clone(), &loaded.config, &loaded.weights).unwrap();
+        let tokens = random_tokens(&spec, 70, spec.seed + 10);
+        let cpu = engine_logits(&cpu_model, &tokens);
+        let gpu_logits = engine_logits(&gpu_model, &tokens);
+        assert!(
+            gpu_logits.iter().flatten().all(|x| x.is_finite()),
+            "{dtype}: non-finite GPU logits"
+        );
+        let d = rel_diff(&gpu_logits, &cpu);
+        eprintln!(
+            "{dtype} {}x{} layers {}: max relative logit difference {d:.2e}",
+            spec.hidden, spec.ffn, spec.layers
+        );
+        assert!(
+            d <= TOL,
+            "{dtype}: GPU logits differ from CPU by {d} (tolerance {TOL})"
+        );
+    }
+}
+
+#[test]
+fn gpu_greedy_matches_cpu_on_a_smollm2_shaped_model() {
+    let Some(gpu) = gpu() else { return };
+    // SmolLM2-135M's shape with random weights (F16, 30 layers, 9/3 heads, d 64, vocab 49152).
+    let spec = TinySpec {
+        vocab: 49152,
+        hidden: 576,
+        layers: 30,
+        heads: 9,
+        kv_heads: 3,
+        ffn: 1536,
+        rope_theta: 100000.0,
+        context: 512,
+        tied: true,
+        seed: 7,
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let loaded = load(&spec, DType::F16, &dir);
+    let prompt = random_tokens(&spec, 24, 3);
+    let request = GenerationRequest {
+        max_tokens: 32,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let cpu_model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
+    let gpu_model = Llama::new(gpu, &loaded.config, &loaded.weights).unwrap();
+
+    let mut cpu_engine = Engine::for_context(cpu_model, loaded.tokenizer.clone(), 16).unwrap();
+    let cpu_out = cpu_engine
+        .generate(&mut Session::new(), &prompt, &request, |_| true)
+        .unwrap();
+    let mut gpu_engine = Engine::for_context(gpu_model, loaded.tokenizer.clone(), 16).unwrap();
+    let gpu_out = gpu_engine
+        .generate(&mut Session::new(), &prompt, &request, |_| true)
+        .unwrap();
+
+    // Tokens must agree until the CPU's own top-2 logit gap is small enough for bf16 rounding to
+    // flip it; find that position by scoring the CPU's sequence once.
+    let mut seq = prompt.clone();
+    seq.extend(&cpu_out.token_ids);
+    let cpu_logits = engine_logits(cpu_engine.model(), &seq);
+    let agree = cpu_out
+        .token_ids
+        .iter()
+        .zip(&gpu_out.token_ids)
+        .take_while(|(a, b)| a == b)
+        .count();
+    eprintln!("greedy: {agree}/{} tokens agree", cpu_out.token_ids.len());
+    if agree < cpu_out.token_ids.len() {
+        let row = &cpu_logits[prompt.len() - 1 + agree];
+        let mut sorted = row.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let gap = sorted[0] - sorted[1];
+        let scale = sorted[0].abs().max(1.0);
+        assert!(
+            gap <= 0.05 * scale,
+            "GPU left the CPU's greedy path at token {agree} where the CPU's top-2 gap is {gap} (scale {scale})"
+        );
+    }
+}

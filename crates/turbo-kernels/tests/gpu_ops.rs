@@ -1,0 +1,460 @@
+//! The norm, elementwise and sampling kernels against CPU references, on a real GPU.
+//!
+//! Every test skips (passes, printing "skipping: no CUDA device") on a machine without CUDA. With a
+//! GPU, each case draws fresh random inputs (seeded, nonzero), rounds them to bf16, fills outputs
+//! with NaN first so an element the kernel never wrote shows up, and compares with a reference
+//! computed in f64 from the same bf16 values (and, for rms_norm / rope / silu_mul, also with
+//! turbo-core's CPU ops).
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use turbo_kernels::{ops, CudaDevice};
+
+/// A quiet NaN in bf16: what every output buffer starts as.
+const NAN_BITS: u16 = 0x7FC0;
+
+fn device() -> Option<CudaDevice> {
+    if !turbo_kernels::cuda_available() {
+        println!("skipping: no CUDA device");
+        return None;
+    }
+    Some(CudaDevice::new(0).expect("cannot open CUDA device 0"))
+}
+
+/// `n` values uniform in ±[0.05, max): never zero, either sign, rounded to bf16.
+fn random_bf16(rng: &mut ChaCha8Rng, n: usize, max: f32) -> Vec<bf16> {
+    (0..n)
+        .map(|_| {
+            let m: f32 = rng.random_range(0.05..max);
+            bf16::from_f32(if rng.random::<bool>() { m } else { -m })
+        })
+        .collect()
+}
+
+fn to_f32(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+fn upload<T: cudarc::driver::DeviceRepr>(dev: &CudaDevice, v: &[T]) -> CudaSlice<T> {
+    dev.stream.clone_htod(v).expect("upload")
+}
+
+fn download<T: cudarc::driver::DeviceRepr>(dev: &CudaDevice, s: &CudaSlice<T>) -> Vec<T> {
+    dev.stream.clone_dtoh(s).expect("download")
+}
+
+/// `n` bf16 NaNs on the device.
+fn poisoned(dev: &CudaDevice, n: usize) -> CudaSlice<bf16> {
+    upload(dev, &vec![bf16::from_bits(NAN_BITS); n])
+}
+
+/// The kernels compute in f32 and round each output to bf16 once. bf16 keeps 8 significant bits,
+/// so that rounding alone is off by up to 2^-9 relative (2^-8 between neighbouring values), and
+/// the f32 arithmetic adds ~1e-6. `|gpu - ref| <= 1e-2 · max(1, |ref|)` is ~2.5 bf16 steps: it
+/// never fails on correct rounding, yet catches a wrong index, a missing term or a skipped write
+/// (inputs are at least 0.05 in magnitude). Below 1 the bound is absolute, for outputs near zero.
+fn assert_close(what: &str, got: &[bf16], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let g = g.to_f32() as f64;
+        assert!(!g.is_nan(), "{what}: element {i} is NaN (never written?)");
+        let tol = 1e-2 * w.abs().max(1.0);
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}: element {i}: gpu {g} vs reference {w}"
+        );
+    }
+}
+
+fn widen(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
+}
+
+#[test]
+fn rms_norm_matches_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let eps = 1e-5f32;
+    let mut cases = vec![(2, 1), (4, 13)];
+    for rows in [1, 3, 37] {
+        for cols in [576, 577, 4096] {
+            cases.push((rows, cols));
+        }
+    }
+    for (rows, cols) in cases {
+        let what = format!("rms_norm rows={rows} cols={cols}");
+        let x = random_bf16(&mut rng, rows * cols, 2.0);
+        let w = random_bf16(&mut rng, cols, 2.0);
+        let (x_d, w_d) = (upload(&dev, &x), upload(&dev, &w));
+        let mut out_d = poisoned(&dev, rows * cols);
+        ops::norm::rms_norm(&dev, &x_d, &w_d, rows, cols, eps, &mut out_d).unwrap();
+        let got = download(&dev, &out_d);
+
+        let (xf, wf) = (to_f32(&x), to_f32(&w));
+        let mut want = vec![0f64; rows * cols];
+        for r in 0..rows {
+            let row = &xf[r * cols..(r + 1) * cols];
+            let ss = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64;
+            let inv = 1.0 / (ss + eps as f64).sqrt();
+            for c in 0..cols {
+                want[r * cols + c] = row[c] as f64 * inv * wf[c] as f64;
+            }
+        }
+        assert_close(&what, &got, &want);
+
+        let mut cpu = vec![f32::NAN; rows * cols];
+        turbo_core::cpu::ops::rms_norm(&xf, &wf, eps, &mut cpu);
+        assert_close(&format!("{what} (vs turbo-core)"), &got, &widen(&cpu));
+    }
+}
+
+#[test]
+fn rope_matches_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let theta = 500_000f64;
+    for (tokens, heads, head_dim) in [
+        (1, 32, 128),
+        (3, 8, 128),
+        (37, 14, 64),
+        (7, 5, 96),
+        (5, 3, 2),
+    ] {
+        let what = format!("rope tokens={tokens} heads={heads} head_dim={head_dim}");
+        let half = head_dim / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| (1.0 / theta.powf(2.0 * i as f64 / head_dim as f64)) as f32)
+            .collect();
+        // Large positions included: 100000 and 0 always, the rest anywhere up to 100000.
+        let mut positions: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..=100_000)).collect();
+        positions[0] = 100_000;
+        if tokens > 1 {
+            positions[1] = 0;
+        }
+        let n = tokens * heads * head_dim;
+        let x = random_bf16(&mut rng, n, 2.0);
+        let mut x_d = upload(&dev, &x);
+        let (pos_d, freq_d) = (upload(&dev, &positions), upload(&dev, &inv_freq));
+        ops::elementwise::rope(&dev, &mut x_d, tokens, heads, head_dim, &pos_d, &freq_d).unwrap();
+        let got = download(&dev, &x_d);
+
+        let xf = to_f32(&x);
+        let mut want = vec![0f64; n];
+        for (t, &pos) in positions.iter().enumerate() {
+            for h in 0..heads {
+                for (i, &f) in inv_freq.iter().enumerate() {
+                    let at = (t * heads + h) * head_dim + 2 * i;
+                    let (a, b) = (xf[at] as f64, xf[at + 1] as f64);
+                    let (sin, cos) = (pos as f64 * f as f64).sin_cos();
+                    want[at] = a * cos - b * sin;
+                    want[at + 1] = a * sin + b * cos;
+                }
+            }
+        }
+        assert_close(&what, &got, &want);
+        // Tighter: one bf16 rounding (at most 2^-9 relative) plus 1e-4 for f32 arithmetic, with
+        // 2x margin. An angle rounded to f32 as a whole would be off by up to ulp(1e5) / 2 ≈ 0.004
+        // rad at position 100000, i.e. by up to ~0.01 in the output, and fail this.
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let g = g.to_f32() as f64;
+            let tol = w.abs() / 256.0 + 1e-4;
+            assert!(
+                (g - w).abs() <= tol,
+                "{what}: element {i}: gpu {g} vs reference {w} (tight)"
+            );
+        }
+
+        let mut cpu = xf.clone();
+        turbo_core::cpu::ops::rope_interleaved(&mut cpu, head_dim, &positions, &inv_freq);
+        assert_close(&format!("{what} (vs turbo-core)"), &got, &widen(&cpu));
+    }
+}
+
+/// Sizes for the flat elementwise ops: tails of every length mod 8, tiny and large.
+const FLAT_SIZES: [usize; 7] = [1, 7, 8, 577, 4096 * 3, 14336 * 37 + 5, 100_003];
+
+/// Extra elements past `n` in the buffers: the kernels must leave them alone.
+const SLACK: usize = 11;
+
+#[test]
+fn silu_mul_matches_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for n in FLAT_SIZES {
+        let what = format!("silu_mul n={n}");
+        let gate = random_bf16(&mut rng, n + SLACK, 4.0);
+        let up = random_bf16(&mut rng, n + SLACK, 2.0);
+        let (mut gate_d, up_d) = (upload(&dev, &gate), upload(&dev, &up));
+        ops::elementwise::silu_mul(&dev, &mut gate_d, &up_d, n).unwrap();
+        let got = download(&dev, &gate_d);
+        assert!(
+            got[n..]
+                .iter()
+                .zip(&gate[n..])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: wrote past n"
+        );
+        let got = &got[..n];
+
+        let (gf, uf) = (to_f32(&gate[..n]), to_f32(&up[..n]));
+        let want: Vec<f64> = gf
+            .iter()
+            .zip(&uf)
+            .map(|(&g, &u)| {
+                let g = g as f64;
+                g / (1.0 + (-g).exp()) * u as f64
+            })
+            .collect();
+        assert_close(&what, got, &want);
+
+        let mut cpu = gf.clone();
+        turbo_core::cpu::ops::silu_mul(&mut cpu, &uf);
+        assert_close(&format!("{what} (vs turbo-core)"), got, &widen(&cpu));
+    }
+}
+
+#[test]
+fn add_matches_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    for n in FLAT_SIZES {
+        let what = format!("add n={n}");
+        let x = random_bf16(&mut rng, n + SLACK, 2.0);
+        let y = random_bf16(&mut rng, n + SLACK, 2.0);
+        let (mut x_d, y_d) = (upload(&dev, &x), upload(&dev, &y));
+        ops::elementwise::add(&dev, &mut x_d, &y_d, n).unwrap();
+        let got = download(&dev, &x_d);
+        assert!(
+            got[n..]
+                .iter()
+                .zip(&x[n..])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: wrote past n"
+        );
+        let want: Vec<f64> = x[..n]
+            .iter()
+            .zip(&y[..n])
+            .map(|(a, b)| a.to_f32() as f64 + b.to_f32() as f64)
+            .collect();
+        assert_close(&what, &got[..n], &want);
+    }
+}
+
+/// Checks that row `i` of `got` (`[n, cols]`) is bit-for-bit row `idx[i]` of `src`.
+fn assert_gathered(what: &str, got: &[bf16], src: &[bf16], idx: &[u32], cols: usize) {
+    assert_eq!(got.len(), idx.len() * cols, "{what}: length");
+    for (i, &r) in idx.iter().enumerate() {
+        let (g, s) = (
+            &got[i * cols..(i + 1) * cols],
+            &src[r as usize * cols..(r as usize + 1) * cols],
+        );
+        for c in 0..cols {
+            assert_eq!(
+                g[c].to_bits(),
+                s[c].to_bits(),
+                "{what}: out[{i}][{c}] = {} but source row {r} has {}",
+                g[c],
+                s[c]
+            );
+        }
+    }
+}
+
+#[test]
+fn embed_copies_table_rows() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let vocab = 1000usize;
+    for dim in [1, 576, 577, 4096] {
+        let table = random_bf16(&mut rng, vocab * dim, 2.0);
+        let table_d = upload(&dev, &table);
+        for n in [1, 3, 37] {
+            let what = format!("embed n={n} dim={dim}");
+            let mut ids: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab as u32)).collect();
+            ids[0] = vocab as u32 - 1;
+            if n > 2 {
+                ids[1] = 0;
+                ids[2] = ids[0]; // a repeat
+            }
+            let ids_d = upload(&dev, &ids);
+            let mut out_d = poisoned(&dev, n * dim);
+            ops::elementwise::embed(&dev, &table_d, &ids_d, n, dim, &mut out_d).unwrap();
+            assert_gathered(&what, &download(&dev, &out_d), &table, &ids, dim);
+        }
+    }
+
+    // An id past the table reads nothing and gives a row of NaN; its neighbours are unaffected.
+    let dim = 64;
+    let table = random_bf16(&mut rng, vocab * dim, 2.0);
+    let ids = [3u32, vocab as u32 + 5, 7];
+    let (table_d, ids_d) = (upload(&dev, &table), upload(&dev, &ids));
+    // Ones, not NaN, so that NaN in row 1 must come from the kernel.
+    let mut out_d = upload(&dev, &vec![bf16::ONE; 3 * dim]);
+    ops::elementwise::embed(&dev, &table_d, &ids_d, 3, dim, &mut out_d).unwrap();
+    let got = download(&dev, &out_d);
+    assert!(
+        got[dim..2 * dim].iter().all(|v| v.is_nan()),
+        "embed: out-of-range id not NaN"
+    );
+    assert_gathered("embed row 0", &got[..dim], &table, &ids[..1], dim);
+    assert_gathered("embed row 2", &got[2 * dim..], &table, &ids[2..], dim);
+}
+
+#[test]
+fn gather_rows_copies_rows() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    let src_rows = 37usize;
+    for cols in [1, 576, 577, 4096] {
+        let x = random_bf16(&mut rng, src_rows * cols, 2.0);
+        let x_d = upload(&dev, &x);
+        for n in [1, 3, 37, 50] {
+            let what = format!("gather_rows n={n} cols={cols}");
+            let idx: Vec<u32> = (0..n)
+                .map(|_| rng.random_range(0..src_rows as u32))
+                .collect();
+            let idx_d = upload(&dev, &idx);
+            let mut out_d = poisoned(&dev, n * cols);
+            ops::elementwise::gather_rows(&dev, &x_d, &idx_d, n, cols, &mut out_d).unwrap();
+            assert_gathered(&what, &download(&dev, &out_d), &x, &idx, cols);
+        }
+    }
+}
+
+#[test]
+fn write_kv_scatters_to_slots() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let (blocks, block_size) = (16usize, 16usize);
+    let cache_slots = blocks * block_size;
+    // slot_len = n_kv_heads · head_dim: 8 × 128, 9 × 64, 3 × 65 (not a multiple of 8).
+    for slot_len in [1024, 576, 195] {
+        for tokens in [1, 3, 37] {
+            let what = format!("write_kv slot_len={slot_len} tokens={tokens}");
+            let mut all: Vec<u32> = (0..cache_slots as u32).collect();
+            all.shuffle(&mut rng);
+            let slots = &all[..tokens]; // distinct, in random order
+            let k = random_bf16(&mut rng, tokens * slot_len, 2.0);
+            let v = random_bf16(&mut rng, tokens * slot_len, 2.0);
+            let (k_d, v_d, slots_d) = (upload(&dev, &k), upload(&dev, &v), upload(&dev, slots));
+            let mut k_cache = poisoned(&dev, cache_slots * slot_len);
+            let mut v_cache = poisoned(&dev, cache_slots * slot_len);
+            ops::elementwise::write_kv(
+                &dev,
+                &mut k_cache,
+                &mut v_cache,
+                &k_d,
+                &v_d,
+                &slots_d,
+                tokens,
+                slot_len,
+            )
+            .unwrap();
+            for (name, cache, src) in [("keys", &k_cache, &k), ("values", &v_cache, &v)] {
+                let got = download(&dev, cache);
+                for s in 0..cache_slots {
+                    let row = &got[s * slot_len..(s + 1) * slot_len];
+                    match slots.iter().position(|&x| x as usize == s) {
+                        Some(t) => {
+                            let want = &src[t * slot_len..(t + 1) * slot_len];
+                            for j in 0..slot_len {
+                                assert_eq!(
+                                    row[j].to_bits(),
+                                    want[j].to_bits(),
+                                    "{what}: {name} slot {s} (token {t}) element {j}"
+                                );
+                            }
+                        }
+                        None => assert!(
+                            row.iter().all(|x| x.to_bits() == NAN_BITS),
+                            "{what}: {name} slot {s} was not in slots but was written"
+                        ),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The lowest index of the largest value (the values hold no NaN).
+fn argmax_ref(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Logits for argmax, `rows × cols`, with a different pattern per row: plain random values
+/// (bf16-rounded in the bf16 test, so ties happen), all negative, a planted three-way tie, a
+/// constant row (answer 0), and the maximum in the last two columns (a tie, in the scalar tail
+/// when cols % 8 != 0).
+fn argmax_logits(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Vec<f32> {
+    let mut x = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        let mut row: Vec<f32> = match r % 5 {
+            0 => (0..cols).map(|_| rng.random_range(-2.0..2.0)).collect(),
+            1 => (0..cols).map(|_| rng.random_range(-20.0..-1.0)).collect(),
+            3 => vec![-3.0; cols],
+            _ => (0..cols).map(|_| rng.random_range(-5.0..5.0)).collect(),
+        };
+        if r % 5 == 2 {
+            for _ in 0..3 {
+                let j = rng.random_range(0..cols);
+                row[j] = 8.0;
+            }
+        }
+        if r % 5 == 4 {
+            row[cols - 1] = 10.0;
+            if cols > 1 {
+                row[cols - 2] = 10.0;
+            }
+        }
+        x.extend(row);
+    }
+    x
+}
+
+const ARGMAX_SHAPES: [(usize, usize); 8] = [
+    (1, 1),
+    (3, 8),
+    (5, 577),
+    (37, 4096),
+    (3, 32_001),
+    (37, 128_256),
+    (1, 128_256),
+    (10, 1003),
+];
+
+#[test]
+fn argmax_bf16_lowest_index_of_max() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    for (rows, cols) in ARGMAX_SHAPES {
+        let x: Vec<bf16> = argmax_logits(&mut rng, rows, cols)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        let xf = to_f32(&x);
+        let got = ops::sampling::argmax(&dev, &upload(&dev, &x), rows, cols).unwrap();
+        let want: Vec<u32> = xf.chunks(cols).map(argmax_ref).collect();
+        assert_eq!(got, want, "argmax bf16 rows={rows} cols={cols}");
+    }
+}
+
+#[test]
+fn argmax_f32_lowest_index_of_max() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    for (rows, cols) in ARGMAX_SHAPES {
+        let x = argmax_logits(&mut rng, rows, cols);
+        let got = ops::sampling::argmax_f32(&dev, &upload(&dev, &x), rows, cols).unwrap();
+        let want: Vec<u32> = x.chunks(cols).map(argmax_ref).collect();
+        assert_eq!(got, want, "argmax f32 rows={rows} cols={cols}");
+    }
+}

@@ -1,0 +1,122 @@
+// elementwise kernels.
+#include "common.cuh"
+
+__device__ __forceinline__ long long ew_thread() {
+    return (long long)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ long long ew_stride() {
+    return (long long)gridDim.x * blockDim.x;
+}
+
+// Interleaved-pair rotary embedding, in place. x is [tokens, heads, head_dim] (head_dim even);
+// pair i of each head of token t rotates by positions[t] * inv_freq[i]:
+//   (a, b) -> (a cos - b sin, a sin + b cos).
+// The angle p * f is carried exactly as hi + lo (hi = fl(p * f), lo = fma(p, f, -hi)), so large
+// positions lose no accuracy to the f32 product: sincosf(hi) (full range reduction, not the fast
+// intrinsic) is corrected to first order in lo (|lo| <= ulp(hi) / 2, so the error is ~lo^2 / 2).
+// Grid-stride, one thread per pair.
+extern "C" __global__ void rope_bf16(__nv_bfloat16* x, int tokens, int heads, int head_dim,
+                                     const unsigned* positions, const float* inv_freq) {
+    const int half = head_dim / 2;
+    const long long pairs = (long long)tokens * heads * half;
+    __nv_bfloat162* xp = reinterpret_cast<__nv_bfloat162*>(x);
+    for (long long p = ew_thread(); p < pairs; p += ew_stride()) {
+        const int i = (int)(p % half);
+        const long long t = p / half / heads;
+        const float pos = (float)positions[t];
+        const float f = inv_freq[i];
+        const float hi = pos * f;
+        const float lo = fmaf(pos, f, -hi);
+        float s, c;
+        sincosf(hi, &s, &c);
+        const float sn = fmaf(lo, c, s);
+        const float cs = fmaf(-lo, s, c);
+        const float2 ab = __bfloat1622float2(xp[p]);
+        xp[p] = __floats2bfloat162_rn(ab.x * cs - ab.y * sn, ab.x * sn + ab.y * cs);
+    }
+}
+
+// gate = silu(gate) * up = gate / (1 + exp(-gate)) * up, over n elements, f32 math.
+__device__ __forceinline__ float ew_silu_mul(float g, float u) {
+    return g / (1.f + expf(-g)) * u;
+}
+
+extern "C" __global__ void silu_mul_bf16(__nv_bfloat16* gate, const __nv_bfloat16* up, long long n) {
+    const long long nv = (aligned16(gate) && aligned16(up)) ? n / 8 : 0;
+    uint4* gv = reinterpret_cast<uint4*>(gate);
+    const uint4* uv = reinterpret_cast<const uint4*>(up);
+    for (long long i = ew_thread(); i < nv; i += ew_stride()) {
+        float g[8], u[8];
+        bf16x8_unpack(gv[i], g);
+        bf16x8_unpack(uv[i], u);
+#pragma unroll
+        for (int k = 0; k < 8; k++) g[k] = ew_silu_mul(g[k], u[k]);
+        gv[i] = bf16x8_pack(g);
+    }
+    for (long long i = nv * 8 + ew_thread(); i < n; i += ew_stride()) {
+        gate[i] = __float2bfloat16_rn(ew_silu_mul(__bfloat162float(gate[i]), __bfloat162float(up[i])));
+    }
+}
+
+// x += y over n elements, f32 math.
+extern "C" __global__ void add_bf16(__nv_bfloat16* x, const __nv_bfloat16* y, long long n) {
+    const long long nv = (aligned16(x) && aligned16(y)) ? n / 8 : 0;
+    uint4* xv = reinterpret_cast<uint4*>(x);
+    const uint4* yv = reinterpret_cast<const uint4*>(y);
+    for (long long i = ew_thread(); i < nv; i += ew_stride()) {
+        float a[8], b[8];
+        bf16x8_unpack(xv[i], a);
+        bf16x8_unpack(yv[i], b);
+#pragma unroll
+        for (int k = 0; k < 8; k++) a[k] += b[k];
+        xv[i] = bf16x8_pack(a);
+    }
+    for (long long i = nv * 8 + ew_thread(); i < n; i += ew_stride()) {
+        x[i] = __float2bfloat16_rn(__bfloat162float(x[i]) + __bfloat162float(y[i]));
+    }
+}
+
+// Copies one row of cols bf16, 16 bytes at a time when both ends allow it. Block-wide.
+__device__ __forceinline__ void ew_copy_row(__nv_bfloat16* dst, const __nv_bfloat16* src, int cols) {
+    if ((cols % 8) == 0 && aligned16(dst) && aligned16(src)) {
+        uint4* d = reinterpret_cast<uint4*>(dst);
+        const uint4* s = reinterpret_cast<const uint4*>(src);
+        for (int i = threadIdx.x; i < cols / 8; i += blockDim.x) d[i] = s[i];
+    } else {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
+    }
+}
+
+// out[i, :] = src[idx[i], :] for i < n; src is [src_rows, cols], out is [n, cols]. One block per
+// output row. An index out of range fills its output row with NaN instead of reading out of bounds.
+// Serves both token embedding (src = the table) and row gathering.
+extern "C" __global__ void gather_rows_bf16(__nv_bfloat16* out, const __nv_bfloat16* src, const unsigned* idx,
+                                            int n, int cols, long long src_rows) {
+    const int i = blockIdx.x;
+    if (i >= n) return;
+    __nv_bfloat16* dst = out + (size_t)i * (size_t)cols;
+    const unsigned r = idx[i];
+    if ((long long)r >= src_rows) {
+        const __nv_bfloat16 nan = __ushort_as_bfloat16((unsigned short)0x7FC0);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = nan;
+        return;
+    }
+    ew_copy_row(dst, src + (size_t)r * (size_t)cols, cols);
+}
+
+// Paged KV write: cache[slots[t] * slot_len + j] = src[t * slot_len + j] for t < tokens,
+// j < slot_len; blockIdx.y = 0 writes keys, 1 values. One block per (token, k|v). A slot out of
+// range (>= cache_slots) is skipped rather than written out of bounds.
+extern "C" __global__ void write_kv_bf16(__nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const __nv_bfloat16* k,
+                                         const __nv_bfloat16* v, const unsigned* slots, int tokens, int slot_len,
+                                         long long cache_slots) {
+    const int t = blockIdx.x;
+    if (t >= tokens) return;
+    const unsigned slot = slots[t];
+    if ((long long)slot >= cache_slots) return;
+    const bool values = blockIdx.y == 1;
+    const __nv_bfloat16* src = (values ? v : k) + (size_t)t * (size_t)slot_len;
+    __nv_bfloat16* dst = (values ? v_cache : k_cache) + (size_t)slot * (size_t)slot_len;
+    ew_copy_row(dst, src, slot_len);
+}
