@@ -148,7 +148,7 @@ pub fn gpu_bundle() -> Result<()> {
     );
     for (kind, name) in &names {
         let args = if *kind == "test" {
-            "--test-threads=1"
+            "--test-threads=1 --nocapture"
         } else {
             "--bench"
         };
