@@ -15,9 +15,12 @@ pub struct BenchArgs {
     /// Prompt length of the prefill test.
     #[arg(long, default_value_t = 512)]
     prompt_tokens: usize,
-    /// Tokens generated in the decode test (after a one-token prompt).
+    /// Tokens generated in the decode test.
     #[arg(long, default_value_t = 128)]
     gen_tokens: usize,
+    /// Context the decode test starts from (a prompt of this many tokens, prefilled untimed).
+    #[arg(long, default_value_t = 1)]
+    decode_context: usize,
     #[arg(long, default_value_t = 3)]
     repeats: usize,
     /// Print one JSON object with every measurement.
@@ -31,6 +34,7 @@ struct Report {
     model: String,
     prompt_tokens: usize,
     gen_tokens: usize,
+    decode_context: usize,
     prefill_tok_s: Vec<f64>,
     decode_tok_s: Vec<f64>,
     prefill_tok_s_median: f64,
@@ -70,14 +74,17 @@ impl EngineTask for Bench {
     fn run<B: Backend>(self, mut engine: Engine<B>, info: LoadedModelInfo) -> Result<()> {
         let Bench { args, path } = self;
         anyhow::ensure!(
-            args.prompt_tokens < info.context_length && args.gen_tokens < info.context_length,
+            args.prompt_tokens < info.context_length
+                && args.decode_context >= 1
+                && args.decode_context + args.gen_tokens < info.context_length,
             "the model's context is {} tokens",
             info.context_length
         );
         let mut prompt = Vec::new();
-        while prompt.len() < args.prompt_tokens {
+        while prompt.len() < args.prompt_tokens.max(args.decode_context) {
             prompt.extend(engine.tokenizer().encode(TEXT)?);
         }
+        let decode_prompt = prompt[..args.decode_context].to_vec();
         prompt.truncate(args.prompt_tokens);
 
         let mut run_once =
@@ -98,8 +105,8 @@ impl EngineTask for Bench {
         for _ in 0..args.repeats {
             let c = run_once(&prompt, 1)?;
             prefill.push(args.prompt_tokens as f64 / (c.timings.prefill_ms / 1e3));
-            // One prompt token, then gen_tokens forward passes after the first sampled token.
-            let c = run_once(&prompt[..1], args.gen_tokens + 1)?;
+            // The decode prompt, then gen_tokens forward passes after the first sampled token.
+            let c = run_once(&decode_prompt, args.gen_tokens + 1)?;
             decode.push(args.gen_tokens as f64 / (c.timings.decode_ms / 1e3));
         }
         let report = Report {
@@ -107,6 +114,7 @@ impl EngineTask for Bench {
             model: path.display().to_string(),
             prompt_tokens: args.prompt_tokens,
             gen_tokens: args.gen_tokens,
+            decode_context: args.decode_context,
             prefill_tok_s_median: median(&prefill),
             decode_tok_s_median: median(&decode),
             prefill_tok_s: prefill,
@@ -129,9 +137,10 @@ impl EngineTask for Bench {
                     .collect::<Vec<_>>()
             );
             println!(
-                "tg{:<6} {:8.1} tok/s (median of {}; runs {:?})",
+                "tg{:<6} {:8.1} tok/s from context {} (median of {}; runs {:?})",
                 report.gen_tokens,
                 report.decode_tok_s_median,
+                report.decode_context,
                 args.repeats,
                 report
                     .decode_tok_s

@@ -134,6 +134,13 @@ impl Backend for CudaBackend {
     }
 
     fn kv_cache(&self, spec: KvCacheSpec) -> Result<CudaKvCache> {
+        if !ops::attention::SUPPORTED_HEAD_DIMS.contains(&spec.head_dim) {
+            return Err(turbo_core::BackendError::Unsupported(format!(
+                "the CUDA backend has no attention kernel for head dimension {} (supported: {:?})",
+                spec.head_dim,
+                ops::attention::SUPPORTED_HEAD_DIMS
+            )));
+        }
         let len = spec.max_blocks * spec.block_size * spec.n_kv_heads * spec.head_dim;
         let alloc = || -> Result<Vec<CudaSlice<bf16>>> {
             (0..spec.n_layers)

@@ -40,13 +40,21 @@ fn gpu_logits_match_cpu_on_random_models() {
     // bf16 weights and activations round each value to 2^-9 relative; a few dozen roundings
     // per layer through 2-3 layers keep logits within a few percent of the f32 CPU result.
     const TOL: f32 = 4e-2;
+    // Head dimensions 32 and 64: the sizes the attention kernels support (16 is rejected).
     let cases = [
-        (TinySpec::default(), DType::F32),
+        (
+            TinySpec {
+                hidden: 128,
+                ffn: 160,
+                ..Default::default()
+            },
+            DType::F32,
+        ),
         (
             TinySpec {
                 heads: 8,
                 kv_heads: 2,
-                hidden: 128,
+                hidden: 256,
                 ffn: 256,
                 layers: 3,
                 seed: 1,
@@ -89,6 +97,19 @@ fn gpu_logits_match_cpu_on_random_models() {
             "{dtype}: GPU logits differ from CPU by {d} (tolerance {TOL})"
         );
     }
+}
+
+#[test]
+fn unsupported_head_dims_are_refused_up_front() {
+    let Some(gpu) = gpu() else { return };
+    let spec = TinySpec::default(); // head dim 16
+    let dir = tempfile::tempdir().unwrap();
+    let loaded = load(&spec, DType::F32, &dir);
+    let model = Llama::new(gpu, &loaded.config, &loaded.weights).unwrap();
+    let err = Engine::for_context(model, loaded.tokenizer, 16)
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("head dimension 16"), "{err}");
 }
 
 #[test]

@@ -47,6 +47,9 @@ pub const MIN_AUTO_CHUNK: usize = 128;
 const AUTO_CTAS_PER_SM: usize = 8;
 
 /// The chunk kernel for a head dimension, which must be one of these.
+/// Head dimensions the attention kernels are instantiated for.
+pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
+
 fn chunk_kernel(head_dim: usize) -> Option<&'static str> {
     Some(match head_dim {
         32 => "attn_chunk_d32",
