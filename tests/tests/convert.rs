@@ -163,3 +163,51 @@ fn native_to_native_round_trips() {
     convert_and_compare(&hf, &once, &spec);
     convert_and_compare(&once, &dir.path().join("twice"), &spec);
 }
+
+/// An HF checkpoint split into shards with a `model.safetensors.index.json`, as large models are
+/// published, loads to the same logits as the single-file checkpoint.
+#[test]
+fn sharded_hf_checkpoints_load_like_single_files() {
+    let spec = TinySpec { layers: 3, seed: 21, ..Default::default() };
+    let weights = TinyWeights::random(&spec);
+    let single = tempfile::tempdir().unwrap();
+    write_hf(single.path(), &spec, &weights, DType::BF16);
+
+    // Re-split model.safetensors: each layer's tensors go to a shard of their own.
+    let sharded = tempfile::tempdir().unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        std::fs::copy(single.path().join(f), sharded.path().join(f)).unwrap();
+    }
+    let bytes = std::fs::read(single.path().join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let shard_of = |name: &str| -> String {
+        let layer = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split('.').next())
+            .map_or(0, |l| l.parse::<usize>().unwrap() + 1);
+        format!("model-{:05}-of-{:05}.safetensors", layer + 1, spec.layers + 1)
+    };
+    let mut shards: std::collections::BTreeMap<String, Vec<(String, safetensors::tensor::TensorView)>> =
+        Default::default();
+    let mut weight_map = serde_json::Map::new();
+    for (name, view) in file.tensors() {
+        let shard = shard_of(&name);
+        weight_map.insert(name.clone(), serde_json::Value::String(shard.clone()));
+        shards.entry(shard).or_default().push((name, view));
+    }
+    assert!(shards.len() > 1);
+    for (shard, views) in shards {
+        safetensors::serialize_to_file(views, None, &sharded.path().join(shard)).unwrap();
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(
+        sharded.path().join("model.safetensors.index.json"),
+        serde_json::to_string(&index).unwrap(),
+    )
+    .unwrap();
+
+    let tokens = random_tokens(&spec, 20, 5);
+    let a = engine_logits(&cpu_model(&LoadedModel::load(single.path()).unwrap()), &tokens);
+    let b = engine_logits(&cpu_model(&LoadedModel::load(sharded.path()).unwrap()), &tokens);
+    assert_eq!(a, b);
+}
