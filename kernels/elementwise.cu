@@ -120,3 +120,33 @@ extern "C" __global__ void write_kv_bf16(__nv_bfloat16* k_cache, __nv_bfloat16* 
     __nv_bfloat16* dst = (values ? v_cache : k_cache) + (size_t)slot * (size_t)slot_len;
     ew_copy_row(dst, src, slot_len);
 }
+
+// SwiGLU of a fused gate/up product: gu is [rows, 2 * cols] with each row [gate | up];
+// out[r, c] = silu(gate[r, c]) * up[r, c]. Grid-stride over rows * cols.
+extern "C" __global__ void swiglu_bf16(__nv_bfloat16* out, const __nv_bfloat16* gu, long long rows,
+                                       long long cols) {
+    const long long n = rows * cols;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / cols, c = i - r * cols;
+        const float g = __bfloat162float(gu[r * 2 * cols + c]);
+        const float u = __bfloat162float(gu[r * 2 * cols + cols + c]);
+        out[i] = __float2bfloat16_rn(g / (1.f + __expf(-g)) * u);
+    }
+}
+
+// Splits the columns of x ([rows, ca + cb + cc]) into a ([rows, ca]), b and c.
+// Grid-stride over every element of x.
+extern "C" __global__ void split3_bf16(__nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c,
+                                       const __nv_bfloat16* x, long long rows, long long ca, long long cb,
+                                       long long cc) {
+    const long long width = ca + cb + cc, n = rows * width;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / width, col = i - r * width;
+        const __nv_bfloat16 v = x[i];
+        if (col < ca) a[r * ca + col] = v;
+        else if (col < ca + cb) b[r * cb + col - ca] = v;
+        else c[r * cc + col - ca - cb] = v;
+    }
+}

@@ -168,14 +168,23 @@ fn native_to_native_round_trips() {
 /// published, loads to the same logits as the single-file checkpoint.
 #[test]
 fn sharded_hf_checkpoints_load_like_single_files() {
-    let spec = TinySpec { layers: 3, seed: 21, ..Default::default() };
+    let spec = TinySpec {
+        layers: 3,
+        seed: 21,
+        ..Default::default()
+    };
     let weights = TinyWeights::random(&spec);
     let single = tempfile::tempdir().unwrap();
     write_hf(single.path(), &spec, &weights, DType::BF16);
 
     // Re-split model.safetensors: each layer's tensors go to a shard of their own.
     let sharded = tempfile::tempdir().unwrap();
-    for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
         std::fs::copy(single.path().join(f), sharded.path().join(f)).unwrap();
     }
     let bytes = std::fs::read(single.path().join("model.safetensors")).unwrap();
@@ -185,10 +194,16 @@ fn sharded_hf_checkpoints_load_like_single_files() {
             .strip_prefix("model.layers.")
             .and_then(|r| r.split('.').next())
             .map_or(0, |l| l.parse::<usize>().unwrap() + 1);
-        format!("model-{:05}-of-{:05}.safetensors", layer + 1, spec.layers + 1)
+        format!(
+            "model-{:05}-of-{:05}.safetensors",
+            layer + 1,
+            spec.layers + 1
+        )
     };
-    let mut shards: std::collections::BTreeMap<String, Vec<(String, safetensors::tensor::TensorView)>> =
-        Default::default();
+    let mut shards: std::collections::BTreeMap<
+        String,
+        Vec<(String, safetensors::tensor::TensorView)>,
+    > = Default::default();
     let mut weight_map = serde_json::Map::new();
     for (name, view) in file.tensors() {
         let shard = shard_of(&name);
@@ -207,7 +222,13 @@ fn sharded_hf_checkpoints_load_like_single_files() {
     .unwrap();
 
     let tokens = random_tokens(&spec, 20, 5);
-    let a = engine_logits(&cpu_model(&LoadedModel::load(single.path()).unwrap()), &tokens);
-    let b = engine_logits(&cpu_model(&LoadedModel::load(sharded.path()).unwrap()), &tokens);
+    let a = engine_logits(
+        &cpu_model(&LoadedModel::load(single.path()).unwrap()),
+        &tokens,
+    );
+    let b = engine_logits(
+        &cpu_model(&LoadedModel::load(sharded.path()).unwrap()),
+        &tokens,
+    );
     assert_eq!(a, b);
 }

@@ -56,6 +56,9 @@ pub trait Backend: Send + Sync {
     }
 
     fn upload_matrix(&self, w: &WeightMatrix) -> Result<Self::Matrix>;
+    /// One matrix holding the rows of `parts` in order (e.g. fused W_q, W_k, W_v), so a single
+    /// product computes all of them.
+    fn upload_stacked(&self, parts: &[&WeightMatrix]) -> Result<Self::Matrix>;
     /// A `[rows, cols]` tensor filled from host data.
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// A `[rows, cols]` tensor whose contents are unspecified until written.
@@ -81,8 +84,27 @@ pub trait Backend: Send + Sync {
     fn rope(&self, x: &mut Self::Tensor, head_dim: usize, batch: &Self::Batch) -> Result<()>;
     /// `gate = silu(gate) · up`.
     fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor) -> Result<()>;
+    /// SwiGLU of a fused product: each row of `gate_up` is `[gate | up]`; `out = silu(gate) · up`.
+    fn swiglu(&self, gate_up: &Self::Tensor, out: &mut Self::Tensor) -> Result<()>;
     /// `x += y`.
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// The residual step of a block: `x += y`, then `out = rms_norm(x) · weight`.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// Splits the columns of `x` into `a`, `b` and `c` (in that order), e.g. a fused QKV product.
+    fn split3(
+        &self,
+        x: &Self::Tensor,
+        a: &mut Self::Tensor,
+        b: &mut Self::Tensor,
+        c: &mut Self::Tensor,
+    ) -> Result<()>;
     /// `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor) -> Result<()>;
     /// Stores keys and values of the batch's tokens at their slots of `layer`.

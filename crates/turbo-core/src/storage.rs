@@ -139,6 +139,26 @@ impl WeightMatrix {
         out
     }
 
+    /// The rows of `parts` stacked into one matrix, byte for byte when they share a type and
+    /// decoded to f32 otherwise.
+    pub fn stack(parts: &[&WeightMatrix]) -> Result<WeightMatrix, String> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err("stacked matrices must have the same number of columns".into());
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let dtype = parts.first().map_or(DType::F32, |p| p.dtype);
+        if parts.iter().all(|p| p.dtype == dtype) {
+            let bytes: Vec<u8> = parts
+                .iter()
+                .flat_map(|p| p.data.as_slice().iter().copied())
+                .collect();
+            return WeightMatrix::new(dtype, rows, cols, Bytes::owned(bytes));
+        }
+        let values: Vec<f32> = parts.iter().flat_map(|p| p.to_f32()).collect();
+        Ok(WeightMatrix::from_f32(rows, cols, &values))
+    }
+
     /// A new matrix with rows taken in the order `order` (`order[i]` is the source row of row `i`).
     pub fn permute_rows(&self, order: &[usize]) -> WeightMatrix {
         assert_eq!(order.len(), self.rows);

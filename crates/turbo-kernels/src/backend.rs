@@ -99,6 +99,11 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn upload_stacked(&self, parts: &[&WeightMatrix]) -> Result<CudaMatrix> {
+        let stacked = WeightMatrix::stack(parts).map_err(turbo_core::BackendError::Unsupported)?;
+        self.upload_matrix(&stacked)
+    }
+
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
         assert_eq!(data.len(), rows * cols);
         Ok(CudaTensor {
@@ -244,6 +249,56 @@ impl Backend for CudaBackend {
             &mut gate.data,
             &up.data,
             n,
+        )?)
+    }
+
+    fn swiglu(&self, gate_up: &CudaTensor, out: &mut CudaTensor) -> Result<()> {
+        Ok(ops::elementwise::swiglu(
+            &self.dev,
+            &gate_up.data,
+            out.rows,
+            out.cols,
+            &mut out.data,
+        )?)
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        y: &CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let (rows, cols) = (x.rows, x.cols);
+        Ok(ops::norm::add_rms_norm(
+            &self.dev,
+            &mut x.data,
+            &y.data,
+            &weight.data,
+            rows,
+            cols,
+            eps,
+            &mut out.data,
+        )?)
+    }
+
+    fn split3(
+        &self,
+        x: &CudaTensor,
+        a: &mut CudaTensor,
+        b: &mut CudaTensor,
+        c: &mut CudaTensor,
+    ) -> Result<()> {
+        let widths = (a.cols, b.cols, c.cols);
+        Ok(ops::elementwise::split3(
+            &self.dev,
+            &x.data,
+            x.rows,
+            widths,
+            &mut a.data,
+            &mut b.data,
+            &mut c.data,
         )?)
     }
 

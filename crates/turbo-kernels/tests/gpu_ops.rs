@@ -458,3 +458,97 @@ fn argmax_f32_lowest_index_of_max() {
         assert_eq!(got, want, "argmax f32 rows={rows} cols={cols}");
     }
 }
+
+#[test]
+fn swiglu_matches_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    for (rows, cols) in [(1usize, 1536usize), (3, 577), (37, 14336)] {
+        let what = format!("swiglu {rows}x{cols}");
+        let gu = random_bf16(&mut rng, rows * 2 * cols, 4.0);
+        let gu_d = upload(&dev, &gu);
+        let mut out = poisoned(&dev, rows * cols);
+        ops::elementwise::swiglu(&dev, &gu_d, rows, cols, &mut out).unwrap();
+        let got = download(&dev, &out);
+        let guf = to_f32(&gu);
+        let want: Vec<f64> = (0..rows * cols)
+            .map(|i| {
+                let (r, c) = (i / cols, i % cols);
+                let g = guf[r * 2 * cols + c] as f64;
+                g / (1.0 + (-g).exp()) * guf[r * 2 * cols + cols + c] as f64
+            })
+            .collect();
+        assert_close(&what, &got, &want);
+        let mut cpu = vec![0f32; rows * cols];
+        turbo_core::cpu::ops::swiglu(&guf, &mut cpu, cols);
+        assert_close(&format!("{what} (vs turbo-core)"), &got, &widen(&cpu));
+    }
+}
+
+#[test]
+fn add_rms_norm_updates_the_residual_and_normalises() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(22);
+    for (rows, cols) in [(1usize, 576usize), (3, 577), (37, 4096)] {
+        let what = format!("add_rms_norm {rows}x{cols}");
+        let (x, y, w) = (
+            random_bf16(&mut rng, rows * cols, 2.0),
+            random_bf16(&mut rng, rows * cols, 2.0),
+            random_bf16(&mut rng, cols, 1.5),
+        );
+        let (mut x_d, y_d, w_d) = (upload(&dev, &x), upload(&dev, &y), upload(&dev, &w));
+        let mut out = poisoned(&dev, rows * cols);
+        ops::norm::add_rms_norm(&dev, &mut x_d, &y_d, &w_d, rows, cols, 1e-5, &mut out).unwrap();
+        let (new_x, got) = (download(&dev, &x_d), download(&dev, &out));
+        // The residual is the bf16-rounded sum.
+        let sum: Vec<bf16> = to_f32(&x)
+            .iter()
+            .zip(to_f32(&y))
+            .map(|(a, b)| bf16::from_f32(a + b))
+            .collect();
+        assert_eq!(
+            new_x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            sum.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{what}: residual"
+        );
+        let (sf, wf) = (to_f32(&sum), to_f32(&w));
+        let mut want = vec![0f64; rows * cols];
+        for r in 0..rows {
+            let row = &sf[r * cols..(r + 1) * cols];
+            let ms = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / cols as f64;
+            for c in 0..cols {
+                want[r * cols + c] = row[c] as f64 / (ms + 1e-5).sqrt() * wf[c] as f64;
+            }
+        }
+        assert_close(&what, &got, &want);
+    }
+}
+
+#[test]
+fn split3_splits_columns() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    for (rows, (ca, cb, cc)) in [
+        (1usize, (4096usize, 1024usize, 1024usize)),
+        (5, (576, 192, 192)),
+        (3, (7, 1, 9)),
+    ] {
+        let x = random_bf16(&mut rng, rows * (ca + cb + cc), 2.0);
+        let x_d = upload(&dev, &x);
+        let (mut a, mut b, mut c) = (
+            poisoned(&dev, rows * ca),
+            poisoned(&dev, rows * cb),
+            poisoned(&dev, rows * cc),
+        );
+        ops::elementwise::split3(&dev, &x_d, rows, (ca, cb, cc), &mut a, &mut b, &mut c).unwrap();
+        let (a, b, c) = (download(&dev, &a), download(&dev, &b), download(&dev, &c));
+        let w = ca + cb + cc;
+        for r in 0..rows {
+            let row = &x[r * w..(r + 1) * w];
+            let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a[r * ca..(r + 1) * ca]), bits(&row[..ca]));
+            assert_eq!(bits(&b[r * cb..(r + 1) * cb]), bits(&row[ca..ca + cb]));
+            assert_eq!(bits(&c[r * cc..(r + 1) * cc]), bits(&row[ca + cb..]));
+        }
+    }
+}

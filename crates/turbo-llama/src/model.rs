@@ -2,7 +2,7 @@
 
 use crate::config::LlamaConfig;
 use crate::error::Result;
-use crate::weights::{HostWeights, LayerWeights, LlamaWeights};
+use crate::weights::HostWeights;
 use turbo_attention::QuerySpan;
 use turbo_core::backend::BatchLayout;
 use turbo_core::cpu::KvCacheSpec;
@@ -29,11 +29,26 @@ pub enum Logits {
     All,
 }
 
+/// A transformer block as placed on a backend: W_q/W_k/W_v and W_gate/W_up fused so that each
+/// pair of products sharing an input is one product.
+struct DeviceLayer<B: Backend> {
+    attn_norm: B::Tensor,
+    wqkv: B::Matrix,
+    wo: B::Matrix,
+    ffn_norm: B::Tensor,
+    w_gate_up: B::Matrix,
+    w_down: B::Matrix,
+}
+
 /// A LLaMA model resident on backend `B`.
 pub struct Llama<B: Backend> {
     pub config: LlamaConfig,
     backend: B,
-    weights: LlamaWeights<B::Matrix, B::Tensor>,
+    embed: B::Matrix,
+    layers: Vec<DeviceLayer<B>>,
+    final_norm: B::Tensor,
+    /// `None` when tied to the embedding.
+    lm_head: Option<B::Matrix>,
     inv_freq: Vec<f32>,
 }
 
@@ -46,34 +61,31 @@ impl<B: Backend> Llama<B> {
             .layers
             .iter()
             .map(|l| -> Result<_> {
-                Ok(LayerWeights {
+                Ok(DeviceLayer {
                     attn_norm: vector(&l.attn_norm)?,
-                    wq: backend.upload_matrix(&l.wq)?,
-                    wk: backend.upload_matrix(&l.wk)?,
-                    wv: backend.upload_matrix(&l.wv)?,
+                    wqkv: backend.upload_stacked(&[&l.wq, &l.wk, &l.wv])?,
                     wo: backend.upload_matrix(&l.wo)?,
                     ffn_norm: vector(&l.ffn_norm)?,
-                    w_gate: backend.upload_matrix(&l.w_gate)?,
-                    w_up: backend.upload_matrix(&l.w_up)?,
+                    w_gate_up: backend.upload_stacked(&[&l.w_gate, &l.w_up])?,
                     w_down: backend.upload_matrix(&l.w_down)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let weights = LlamaWeights {
-            embed: backend.upload_matrix(&host.embed)?,
-            layers,
-            final_norm: vector(&host.final_norm)?,
-            lm_head: host
-                .lm_head
-                .as_ref()
-                .map(|m| backend.upload_matrix(m))
-                .transpose()?,
-        };
+        let embed = backend.upload_matrix(&host.embed)?;
+        let final_norm = vector(&host.final_norm)?;
+        let lm_head = host
+            .lm_head
+            .as_ref()
+            .map(|m| backend.upload_matrix(m))
+            .transpose()?;
         Ok(Llama {
             config: config.clone(),
             inv_freq: config.rope_inv_freq(),
             backend,
-            weights,
+            embed,
+            layers,
+            final_norm,
+            lm_head,
         })
     }
 
@@ -134,34 +146,37 @@ impl<B: Backend> Llama<B> {
             inv_freq: &self.inv_freq,
         })?;
         let mut x = b.tensor(n, d)?;
-        b.embed(&self.weights.embed, &ids, &mut x)?;
+        b.embed(&self.embed, &ids, &mut x)?;
         let mut h = b.tensor(n, d)?;
+        let mut o = b.tensor(n, d)?;
+        let mut qkv = b.tensor(n, c.q_dim() + 2 * c.kv_dim())?;
         let mut q = b.tensor(n, c.q_dim())?;
         let mut k = b.tensor(n, c.kv_dim())?;
         let mut v = b.tensor(n, c.kv_dim())?;
         let mut attn = b.tensor(n, c.q_dim())?;
-        let mut gate = b.tensor(n, c.intermediate_size)?;
-        let mut up = b.tensor(n, c.intermediate_size)?;
+        let mut gate_up = b.tensor(n, 2 * c.intermediate_size)?;
+        let mut act = b.tensor(n, c.intermediate_size)?;
 
-        for (i, layer) in self.weights.layers.iter().enumerate() {
-            // Attention block.
-            b.rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut h)?;
-            b.linear(&h, &layer.wq, &mut q)?;
-            b.linear(&h, &layer.wk, &mut k)?;
-            b.linear(&h, &layer.wv, &mut v)?;
+        let eps = c.rms_norm_eps;
+        b.rms_norm(&x, &self.layers[0].attn_norm, eps, &mut h)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            // Attention block; `h` holds the normalised input.
+            b.linear(&h, &layer.wqkv, &mut qkv)?;
+            b.split3(&qkv, &mut q, &mut k, &mut v)?;
             b.rope(&mut q, hd, &batch_layout)?;
             b.rope(&mut k, hd, &batch_layout)?;
             b.write_kv(cache, i, &k, &v, &batch_layout)?;
             b.attention(&q, cache, i, c.n_heads, &batch_layout, scale, &mut attn)?;
-            b.linear(&attn, &layer.wo, &mut h)?;
-            b.add(&mut x, &h)?;
+            b.linear(&attn, &layer.wo, &mut o)?;
+            b.add_rms_norm(&mut x, &o, &layer.ffn_norm, eps, &mut h)?;
             // Feed-forward block (SwiGLU).
-            b.rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut h)?;
-            b.linear(&h, &layer.w_gate, &mut gate)?;
-            b.linear(&h, &layer.w_up, &mut up)?;
-            b.silu_mul(&mut gate, &up)?;
-            b.linear(&gate, &layer.w_down, &mut h)?;
-            b.add(&mut x, &h)?;
+            b.linear(&h, &layer.w_gate_up, &mut gate_up)?;
+            b.swiglu(&gate_up, &mut act)?;
+            b.linear(&act, &layer.w_down, &mut o)?;
+            match self.layers.get(i + 1) {
+                Some(next) => b.add_rms_norm(&mut x, &o, &next.attn_norm, eps, &mut h)?,
+                None => b.add(&mut x, &o)?,
+            }
         }
 
         let rows: Vec<usize> = match which {
@@ -171,8 +186,8 @@ impl<B: Backend> Llama<B> {
         let mut last = b.tensor(rows.len(), d)?;
         b.gather_rows(&x, &rows, &mut last)?;
         let mut normed = b.tensor(rows.len(), d)?;
-        b.rms_norm(&last, &self.weights.final_norm, c.rms_norm_eps, &mut normed)?;
-        let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
+        b.rms_norm(&last, &self.final_norm, eps, &mut normed)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = b.tensor(rows.len(), c.vocab_size)?;
         b.linear(&normed, head, &mut logits)?;
         Ok(b.download(&logits)?)

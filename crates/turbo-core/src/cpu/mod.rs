@@ -83,6 +83,10 @@ impl Backend for CpuBackend {
         Ok(w.clone())
     }
 
+    fn upload_stacked(&self, parts: &[&WeightMatrix]) -> Result<WeightMatrix> {
+        WeightMatrix::stack(parts).map_err(BackendError::Unsupported)
+    }
+
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<HostTensor> {
         assert_eq!(data.len(), rows * cols);
         Ok(HostTensor {
@@ -158,8 +162,43 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn swiglu(&self, gate_up: &HostTensor, out: &mut HostTensor) -> Result<()> {
+        ops::swiglu(&gate_up.data, &mut out.data, out.cols);
+        Ok(())
+    }
+
     fn add(&self, x: &mut HostTensor, y: &HostTensor) -> Result<()> {
         ops::add(&mut x.data, &y.data);
+        Ok(())
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut HostTensor,
+        y: &HostTensor,
+        weight: &HostTensor,
+        eps: f32,
+        out: &mut HostTensor,
+    ) -> Result<()> {
+        ops::add(&mut x.data, &y.data);
+        ops::rms_norm(&x.data, &weight.data, eps, &mut out.data);
+        Ok(())
+    }
+
+    fn split3(
+        &self,
+        x: &HostTensor,
+        a: &mut HostTensor,
+        b: &mut HostTensor,
+        c: &mut HostTensor,
+    ) -> Result<()> {
+        for (r, row) in x.data.chunks_exact(x.cols).enumerate() {
+            let (ra, rest) = row.split_at(a.cols);
+            let (rb, rc) = rest.split_at(b.cols);
+            a.data[r * a.cols..(r + 1) * a.cols].copy_from_slice(ra);
+            b.data[r * b.cols..(r + 1) * b.cols].copy_from_slice(rb);
+            c.data[r * c.cols..(r + 1) * c.cols].copy_from_slice(&rc[..c.cols]);
+        }
         Ok(())
     }
 

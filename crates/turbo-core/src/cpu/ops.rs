@@ -62,6 +62,27 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// SwiGLU of fused rows `[gate | up]` (each `2 · out_cols` wide): `out = silu(gate) · up`.
+pub fn swiglu(gate_up: &[f32], out: &mut [f32], out_cols: usize) {
+    let f = |(gu, o): (&[f32], &mut [f32])| {
+        let (g, u) = gu.split_at(out_cols);
+        for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+            *o = *g / (1.0 + (-*g).exp()) * u;
+        }
+    };
+    if out.len() >= PARALLEL_MIN_ELEMENTS {
+        gate_up
+            .par_chunks(2 * out_cols)
+            .zip(out.par_chunks_mut(out_cols))
+            .for_each(f);
+    } else {
+        gate_up
+            .chunks(2 * out_cols)
+            .zip(out.chunks_mut(out_cols))
+            .for_each(f);
+    }
+}
+
 /// `x += y`.
 pub fn add(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);

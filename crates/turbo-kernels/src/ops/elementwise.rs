@@ -233,3 +233,79 @@ pub fn write_kv(
     unsafe { b.launch(config((tokens as u32, 2, 1))) }?;
     Ok(())
 }
+
+/// SwiGLU of a fused product: `gate_up` is `[rows, 2 · cols]`, each row `[gate | up]`;
+/// `out[r, c] = silu(gate[r, c]) · up[r, c]`.
+pub fn swiglu(
+    dev: &CudaDevice,
+    gate_up: &CudaSlice<bf16>,
+    rows: usize,
+    cols: usize,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    check(
+        gate_up.len() >= 2 * rows * cols && out.len() >= rows * cols,
+        || {
+            format!(
+                "swiglu: gate_up {} / out {} elements for rows={rows} cols={cols}",
+                gate_up.len(),
+                out.len()
+            )
+        },
+    )?;
+    if rows * cols == 0 {
+        return Ok(());
+    }
+    let (rows_i, cols_i) = (rows as i64, cols as i64);
+    let f = dev.function("elementwise", "swiglu_bf16")?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(out);
+    b.arg(gate_up);
+    b.arg(&rows_i);
+    b.arg(&cols_i);
+    // SAFETY: the arguments match the kernel's signature and the buffer sizes were checked.
+    unsafe { b.launch(config((grid_for(rows * cols), 1, 1))) }?;
+    Ok(())
+}
+
+/// Splits the columns of `x` (`[rows, ca + cb + cc]`) into `a` (`[rows, ca]`), `b` and `c`.
+#[allow(clippy::too_many_arguments)]
+pub fn split3(
+    dev: &CudaDevice,
+    x: &CudaSlice<bf16>,
+    rows: usize,
+    (ca, cb, cc): (usize, usize, usize),
+    a: &mut CudaSlice<bf16>,
+    b: &mut CudaSlice<bf16>,
+    c: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    check(
+        x.len() >= rows * (ca + cb + cc)
+            && a.len() >= rows * ca
+            && b.len() >= rows * cb
+            && c.len() >= rows * cc,
+        || {
+            format!(
+                "split3: x {} elements for rows={rows} widths=({ca}, {cb}, {cc})",
+                x.len()
+            )
+        },
+    )?;
+    let n = rows * (ca + cb + cc);
+    if n == 0 {
+        return Ok(());
+    }
+    let widths = [rows as i64, ca as i64, cb as i64, cc as i64];
+    let f = dev.function("elementwise", "split3_bf16")?;
+    let mut l = dev.stream.launch_builder(&f);
+    l.arg(a);
+    l.arg(b);
+    l.arg(c);
+    l.arg(x);
+    for w in &widths {
+        l.arg(w);
+    }
+    // SAFETY: the arguments match the kernel's signature and the buffer sizes were checked.
+    unsafe { l.launch(config((grid_for(n), 1, 1))) }?;
+    Ok(())
+}

@@ -57,3 +57,48 @@ pub fn rms_norm(
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
+
+/// The residual step: `x += y` (stored as bf16), then `out = rms_norm(x) · w`, row by row.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm(
+    dev: &CudaDevice,
+    x: &mut CudaSlice<bf16>,
+    y: &CudaSlice<bf16>,
+    w: &CudaSlice<bf16>,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    check(
+        cols > 0
+            && rows <= i32::MAX as usize
+            && cols <= i32::MAX as usize
+            && x.len() >= rows * cols
+            && y.len() >= rows * cols
+            && w.len() >= cols
+            && out.len() >= rows * cols,
+        || format!("add_rms_norm: buffers too small for rows={rows} cols={cols}"),
+    )?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let (rows_i, cols_i) = (rows as i32, cols as i32);
+    let f = dev.function("norm", "add_rms_norm_bf16")?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(x);
+    b.arg(y);
+    b.arg(w);
+    b.arg(out);
+    b.arg(&rows_i);
+    b.arg(&cols_i);
+    b.arg(&eps);
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature and the buffer sizes were checked.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
