@@ -4,9 +4,17 @@
 //! data, which lives in a backend's storage indexed by those ids. A token at position `p` of a
 //! sequence lives in block `table[p / block_size]`, slot `p % block_size`.
 //!
-//! Invariants, checked by [`BlockPool::check`]: every block is free xor in use, and
-//! `free + used == total`.
+//! Two levels:
+//! - [`BlockPool`] and [`BlockTable`]: exclusive blocks for one sequence at a time. Invariants,
+//!   checked by [`BlockPool::check`]: every block is free xor in use, and `free + used == total`.
+//! - [`KvManager`]: the persistent batch's cache of KV caches: many sequences, prefix sharing by
+//!   content hash with reference counts, and LRU eviction of finished sequences
+//!   (see [`manager`]).
 
+mod block_cache;
+pub mod manager;
+
+pub use manager::{Admission, KvManager, SeqId, SeqState};
 use thiserror::Error;
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -19,6 +27,25 @@ pub enum KvError {
     },
     #[error("block {0} is not in use")]
     NotInUse(u32),
+    #[error("sequence {0} is unknown")]
+    UnknownSequence(SeqId),
+    #[error("sequence {0} already exists")]
+    SequenceExists(SeqId),
+    #[error("sequence {seq} is {state:?}, not active")]
+    NotActive { seq: SeqId, state: SeqState },
+    #[error("sequence {seq}: {len} is past its {limit} {what}")]
+    OutOfRange {
+        seq: SeqId,
+        len: usize,
+        limit: usize,
+        what: &'static str,
+    },
+    #[error("sequence {seq}: commit up to {upto} is before its {computed} computed tokens")]
+    CommitBackwards {
+        seq: SeqId,
+        computed: usize,
+        upto: usize,
+    },
 }
 
 /// A fixed pool of KV blocks. Fresh ids are handed out in increasing order before freed ones are
