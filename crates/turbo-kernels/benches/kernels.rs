@@ -96,9 +96,9 @@ fn bench(c: &mut Criterion) {
         });
     }
 
-    // Prefill attention: one causal sequence of 2048 tokens, 32 heads, d 128.
-    {
-        let (n, heads, d, bs) = (2048usize, 32usize, 128usize, 16usize);
+    // Prefill attention: one causal sequence of 2048 or 8192 tokens, 32 heads, d 128.
+    for n in [2048usize, 8192] {
+        let (heads, d, bs) = (32usize, 128usize, 16usize);
         let table: Vec<u32> = (0..(n / bs) as u32).collect();
         let k = random_bf16(&s, n * heads * d, 4);
         let v = random_bf16(&s, n * heads * d, 5);
@@ -117,7 +117,7 @@ fn bench(c: &mut Criterion) {
         };
         // Causal: half of full attention's 4·n²·d·heads FLOP ("elements" below are FLOP).
         g.throughput(Throughput::Elements((2 * n * n * d * heads) as u64));
-        g.bench_function("prefill_attention_causal_s2048_h32_d128", |b| {
+        g.bench_function(format!("prefill_attention_causal_s{n}_h32_d128"), |b| {
             b.iter_custom(|iters| {
                 time_gpu(&dev, iters, || {
                     attention::paged_attention(

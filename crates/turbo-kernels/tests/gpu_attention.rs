@@ -6,12 +6,18 @@
 //! sequences' query rows in a shuffled order, poisons `out` and `lse` with NaN, and compares
 //! with the CPU reference run on the same bf16 values converted to f32.
 //!
+//! Under `KvSplit::Auto`, spans of at least `PREFILL_MIN_ROWS` rows with head_dim 64 or 128 go to
+//! the tensor-core prefill kernel, everything else to the row kernel; `Off` and `Chunk` send every
+//! row to the row kernel. The prefill cases below run both.
+//!
 //! Tolerances:
 //! - out: each output is a convex combination of values in [-1, 1], so |o| <= 1. The kernels
 //!   compute in f32 from the same bf16 inputs as the reference, so the two differ by f32 rounding
 //!   (summation order, exp2 vs exp: ~1e-6) plus the final rounding to bf16 (relative 2^-8,
 //!   absolute <= 2^-9 for |o| <= 1). 1.5e-2 absolute leaves ample room for that, and is still far
-//!   below what a wrong key, block, head, position or softmax weight would cause.
+//!   below what a wrong key, block, head, position or softmax weight would cause. The prefill
+//!   kernel also rounds the softmax weights to bf16 for its P·V product (relative 2^-9 each, so at
+//!   most 2^-9 · Σ p|v| / Σ p <= 2^-9 on the output), which the margin covers too.
 //! - lse: f32 on both sides, no bf16 rounding. A score's rounding error is ~1e-6 of its size
 //!   and the sum of up to a few thousand positive terms differs by at most ~n·eps relatively
 //!   (a few 1e-4 at worst, which ln turns into the same absolute error), so
@@ -23,7 +29,9 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use turbo_attention::{PagedKv, QuerySpan};
-use turbo_kernels::ops::attention::{paged_attention, paged_attention_split, KvLayout, KvSplit};
+use turbo_kernels::ops::attention::{
+    paged_attention, paged_attention_split, KvLayout, KvSplit, PREFILL_MIN_ROWS,
+};
 use turbo_kernels::CudaDevice;
 
 const OUT_TOL: f32 = 1.5e-2;
@@ -515,7 +523,7 @@ fn lse_is_optional() {
         n_kv_heads: 2,
         head_dim: 64,
         block_size: 16,
-        seqs: vec![(1, 900), (4, 30)],
+        seqs: vec![(1, 900), (4, 30), (80, 100)],
         seed: 7,
     };
     let p = Problem::new(&case);
@@ -531,6 +539,147 @@ fn lse_is_optional() {
             .all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "{split:?}: output differs without lse");
     }
+}
+
+/// Prefill spans through the tensor-core kernel (Auto) and the row kernel (Off): 16 rows (the
+/// smallest prefill span), one full 64-row tile, 100 and 300 rows (partial last tiles), each with
+/// no history and with history (so that the causal diagonal is not aligned to the 64-key tiles),
+/// and, if `long`, 2048 rows with and without history.
+fn check_prefill(
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    long: bool,
+    seed: u64,
+) {
+    let mut seqs = vec![
+        (PREFILL_MIN_ROWS, PREFILL_MIN_ROWS),
+        (PREFILL_MIN_ROWS, PREFILL_MIN_ROWS + 21),
+        (64, 64),
+        (64, 64 + 64),
+        (100, 100),
+        (100, 100 + 37),
+        (300, 300),
+        (300, 300 + 250),
+    ];
+    if long {
+        seqs.push((2048, 2048));
+        seqs.push((2048, 2048 + 101));
+    }
+    let case = Case {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        block_size,
+        seqs,
+        seed,
+    };
+    check_case(&device(), &case, &[KvSplit::Auto, KvSplit::Off]);
+}
+
+/// GQA 32/8, d 128, blocks of 16 (Llama-3-8B's shape), with 2048-row spans.
+#[test]
+fn prefill_gqa4_d128_bs16() {
+    require_gpu!();
+    check_prefill(32, 8, 128, 16, true, 20);
+}
+
+/// MHA 4/4, d 128, blocks of 4, with 2048-row spans.
+#[test]
+fn prefill_mha_d128_bs4() {
+    require_gpu!();
+    check_prefill(4, 4, 128, 4, true, 21);
+}
+
+/// GQA 32/8, d 64, blocks of 4.
+#[test]
+fn prefill_gqa4_d64_bs4() {
+    require_gpu!();
+    check_prefill(32, 8, 64, 4, false, 22);
+}
+
+/// MHA 4/4, d 64, blocks of 16, with 2048-row spans.
+#[test]
+fn prefill_mha_d64_bs16() {
+    require_gpu!();
+    check_prefill(4, 4, 64, 16, true, 23);
+}
+
+/// GQA 4/4 with d 128 and block sizes that are no power of two (3) or a single slot (1); GQA
+/// 6/2 with d 64 and blocks of 8.
+#[test]
+fn prefill_odd_block_sizes() {
+    require_gpu!();
+    let dev = device();
+    for (seed, (n_heads, n_kv_heads, head_dim, block_size)) in
+        (30..).zip([(4, 4, 128, 3), (4, 4, 128, 1), (6, 2, 64, 8)])
+    {
+        let case = Case {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            block_size,
+            seqs: vec![(17, 17), (70, 200), (129, 129)],
+            seed,
+        };
+        check_case(&dev, &case, &[KvSplit::Auto]);
+    }
+}
+
+/// A batch mixing prefill spans with decode rows and spans just below the prefill threshold, GQA
+/// 32/8, d 128 and d 64, blocks of 16: under Auto the prefill kernel takes the long spans and
+/// the row kernel the rest, split into chunks (few rows), then merged for just those rows.
+#[test]
+fn mixed_prefill_and_decode() {
+    require_gpu!();
+    let dev = device();
+    for (seed, head_dim) in (40..).zip([128, 64]) {
+        let case = Case {
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim,
+            block_size: 16,
+            seqs: vec![
+                (1, 1),
+                (1, 500),
+                (200, 450),
+                (1, 3000),
+                (PREFILL_MIN_ROWS - 1, PREFILL_MIN_ROWS - 1),
+                (64, 1000),
+                (7, 20),
+                (PREFILL_MIN_ROWS, PREFILL_MIN_ROWS),
+                (1, 64),
+            ],
+            seed,
+        };
+        check_case(
+            &dev,
+            &case,
+            &[KvSplit::Auto, KvSplit::Off, KvSplit::Chunk(100)],
+        );
+    }
+}
+
+/// Prefill spans next to enough decode rows that Auto does not split them: the row kernel then
+/// runs one CTA per (decode row, head) over a list of just those rows.
+#[test]
+fn mixed_prefill_and_large_decode_batch() {
+    require_gpu!();
+    let dev = device();
+    let mut rng = ChaCha8Rng::seed_from_u64(50);
+    let mut seqs: Vec<(usize, usize)> = (0..48).map(|_| (1, rng.random_range(1..400))).collect();
+    seqs.insert(10, (130, 130));
+    seqs.push((40, 300));
+    let case = Case {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+        block_size: 16,
+        seqs,
+        seed: 50,
+    };
+    check_case(&dev, &case, &[KvSplit::Auto]);
 }
 
 /// Bad shapes are errors, not launches: an unsupported head_dim, a block id past the cache, a
@@ -602,7 +751,8 @@ fn rejects_bad_shapes() {
 }
 
 /// Rough timings, not a check: `cargo test --release --test gpu_attention -- --ignored --nocapture`.
-/// Decode of B sequences over 4096 keys and one 2048-row prefill, GQA 32/8, d 128, blocks of 16.
+/// Decode of B sequences over 4096 keys and one 2048- or 8192-row prefill, GQA 32/8, d 128,
+/// blocks of 16; prefill rates count causal attention's 2·S²·d·heads FLOP.
 #[test]
 #[ignore]
 fn timing() {
@@ -614,6 +764,7 @@ fn timing() {
         .collect();
     cases.push(("decode 1 x 32768".into(), vec![(1, 32768)]));
     cases.push(("prefill 2048".into(), vec![(2048, 2048)]));
+    cases.push(("prefill 8192".into(), vec![(8192, 8192)]));
     for (name, seqs) in cases {
         let case = Case {
             n_heads: 32,
@@ -654,10 +805,19 @@ fn timing() {
             }
             dev.stream.synchronize().unwrap();
             let us = t.elapsed().as_secs_f64() * 1e6 / iters as f64;
-            eprintln!(
-                "{name}, {split:?}: {us:.1} us, {:.0} GB/s of K+V (each read once per KV head)",
-                kv_bytes as f64 / us / 1e3
-            );
+            let n_q: usize = case.seqs.iter().map(|s| s.0).sum();
+            if n_q > case.seqs.len() {
+                let flop = 2.0 * (n_q * n_q * 128 * 32) as f64;
+                eprintln!(
+                    "{name}, {split:?}: {us:.1} us, {:.1} TFLOP/s",
+                    flop / us / 1e6
+                );
+            } else {
+                eprintln!(
+                    "{name}, {split:?}: {us:.1} us, {:.0} GB/s of K+V (each read once per KV head)",
+                    kv_bytes as f64 / us / 1e3
+                );
+            }
         }
     }
 }

@@ -246,6 +246,7 @@ impl<B: Backend> Engine<B> {
         let mut generated = Vec::new();
         let max_tokens = request.max_tokens.min(context - prompt.len());
         let mut finish = FinishReason::Length;
+        let mut hit_stop_string = false;
         while generated.len() < max_tokens {
             let token = sampler.sample(&mut logits, &session.tokens);
             generated.push(token);
@@ -263,6 +264,7 @@ impl<B: Backend> Engine<B> {
             }
             if hit {
                 finish = FinishReason::Stop;
+                hit_stop_string = true;
                 break;
             }
             if generated.len() < max_tokens {
@@ -270,7 +272,9 @@ impl<B: Backend> Engine<B> {
                 logits = self.extend(session, upto)?;
             }
         }
-        if finish != FinishReason::Stop || request.stop_strings.is_empty() {
+        // Text held back as a possible stop string (or an incomplete character) is released unless
+        // a stop string was actually hit.
+        if !hit_stop_string {
             let (tail, _) = stops.push(&stream.finish(&self.tokenizer)?);
             let tail = tail + &stops.finish();
             if !tail.is_empty() && finish != FinishReason::Cancelled {

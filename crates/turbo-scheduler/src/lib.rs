@@ -1,10 +1,15 @@
 //! Running requests through a model: sampling, stop conditions, text streaming, and sessions whose
 //! KV outlives a request so that the next turn of a conversation prefills only its new tokens.
 
+pub mod batch;
 pub mod engine;
 pub mod sampling;
 pub mod stop;
 
+pub use batch::{
+    BatchConfig, BatchError, BatchStats, Event, PersistentBatch, Request, RequestError,
+    RequestHandle, RequestId, StepReport,
+};
 pub use engine::{
     Completion, Engine, EngineError, FinishReason, GenerationRequest, Session, Timings,
 };

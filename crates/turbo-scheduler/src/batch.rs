@@ -1,0 +1,816 @@
+//! The persistent batch (TurboMind's name for continuous batching): a batch whose lifetime is the
+//! server's. Requests take one of `max_batch` slots when one is free and give it back the moment
+//! they finish; every step runs one forward pass over whatever the slots need: one token per
+//! decoding sequence and chunks of prompts being prefilled, within a token budget.
+//!
+//! A step is `schedule -> run -> postprocess` ([`PersistentBatch::step`]):
+//! - **schedule** decides, on plain data, which tokens of which sequences run and reserves their
+//!   KV blocks in the [`KvManager`]; when blocks run out it preempts the most recently admitted
+//!   request (its KV is dropped, it goes back to the front of the queue and is recomputed from
+//!   its tokens later), then admits waiting requests into free slots;
+//! - **run** is one [`Llama::forward`] over the scheduled chunks;
+//! - **postprocess** commits the KV, samples a token for every sequence whose tokens are all
+//!   computed, streams its text and ends finished requests.
+//!
+//! Sessions: a request naming a session runs on that session's sequence, which stays resident
+//! after the request (idle, evicted least recently used first) so that its next turn prefills
+//! only its new tokens; after an eviction the next turn recomputes what is no longer resident.
+//! A request without a session gets a sequence of its own, freed when it ends.
+//!
+//! Progress: a request is refused at submission if it could not fit in the KV cache alone, and a
+//! request is only ever preempted in favour of one admitted before it, so the oldest running
+//! request always advances and the batch never deadlocks.
+
+mod request;
+
+pub use request::{Completion, Event, Request, RequestError, RequestHandle, RequestId, Timings};
+
+use crate::engine::FinishReason;
+use crate::sampling::Sampler;
+use crate::stop::StopStrings;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::mpsc::{channel, Sender};
+use std::time::Instant;
+use thiserror::Error;
+use turbo_core::Backend;
+use turbo_kv::{KvError, KvManager, SeqId, SeqState};
+use turbo_llama::tokenizer::{TextStream, TextTokenizer, TokenizerError};
+use turbo_llama::{Llama, LlamaError, Logits, SequenceChunk};
+
+/// Sizes of a persistent batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BatchConfig {
+    /// Slots: requests that run at once.
+    pub max_batch: usize,
+    /// Tokens per forward pass (decode tokens plus prefill chunks); at least `max_batch`, so
+    /// that every decoding sequence advances every step.
+    pub max_batched_tokens: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the cache.
+    pub num_blocks: usize,
+    /// Most prompt tokens of one sequence per step, so long prompts do not stall decoding.
+    pub prefill_chunk: usize,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        BatchConfig {
+            max_batch: 8,
+            max_batched_tokens: 512,
+            block_size: 16,
+            num_blocks: 1024,
+            prefill_chunk: 256,
+        }
+    }
+}
+
+impl BatchConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("max_batch", self.max_batch),
+            ("max_batched_tokens", self.max_batched_tokens),
+            ("block_size", self.block_size),
+            ("num_blocks", self.num_blocks),
+            ("prefill_chunk", self.prefill_chunk),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("{name} must be positive"));
+        }
+        if self.max_batched_tokens < self.max_batch {
+            return Err(format!(
+                "max_batched_tokens ({}) must be at least max_batch ({}) so that every running \
+                 sequence can decode each step",
+                self.max_batched_tokens, self.max_batch
+            ));
+        }
+        if u32::try_from(self.num_blocks).is_err() {
+            return Err(format!("num_blocks ({}) exceeds u32", self.num_blocks));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum BatchError {
+    #[error("invalid batch configuration: {0}")]
+    Config(String),
+    /// KV bookkeeping refused an operation the scheduler believed valid: a bug.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error(transparent)]
+    Model(#[from] LlamaError),
+}
+
+/// A snapshot of the batch, for monitoring and tests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Requests holding a slot.
+    pub running: usize,
+    /// Requests queued (new or preempted).
+    pub waiting: usize,
+    pub kv_blocks_total: usize,
+    /// Blocks held by sequences (running, or idle sessions).
+    pub kv_blocks_used: usize,
+    /// Blocks holding nothing.
+    pub kv_blocks_free: usize,
+    /// Blocks nobody holds that keep reusable KV until reallocated.
+    pub kv_blocks_evictable: usize,
+    /// Finished sessions whose KV is resident.
+    pub idle_sessions: usize,
+    /// Steps that ran a forward pass.
+    pub steps: u64,
+    /// Tokens run through the model (prefill, recomputation and decode).
+    pub tokens_run: u64,
+    /// Preemptions since the batch was made.
+    pub preemptions: u64,
+}
+
+/// What one [`PersistentBatch::step`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Sequences in the forward pass.
+    pub sequences: usize,
+    /// Tokens in the forward pass.
+    pub tokens: usize,
+    /// Sequences that ran one token after generating at least one (decode).
+    pub decode_sequences: usize,
+    /// Tokens of prompts, or of preempted sequences being recomputed (prefill).
+    pub prefill_tokens: usize,
+    /// Requests that took a slot.
+    pub admitted: usize,
+    /// Requests preempted to free KV blocks.
+    pub preempted: usize,
+    /// Requests that ended (finished, cancelled or failed).
+    pub ended: usize,
+}
+
+/// One sequence's part of a step: run `len` tokens from position `start`.
+#[derive(Clone, Copy, Debug)]
+struct Work {
+    slot: usize,
+    start: usize,
+    len: usize,
+}
+
+/// A request from submission to its end: its sequence, its sampling and streaming state.
+struct Live {
+    id: RequestId,
+    seq: SeqId,
+    has_session: bool,
+    /// Needed until the first admission; afterwards the KV manager holds the tokens.
+    prompt: Vec<u32>,
+    /// `max_tokens`, capped by the context.
+    max_tokens: usize,
+    ignore_eos: bool,
+    sampler: Sampler,
+    stream: TextStream,
+    stops: StopStrings,
+    generated: Vec<u32>,
+    text: String,
+    events: Sender<Event>,
+    /// False once the client dropped its handle: the request is cancelled at the next step.
+    connected: bool,
+    /// Prompt tokens found cached at the first admission; `None` before it.
+    cached_prompt: Option<usize>,
+    /// Admission order: a request is only preempted for one admitted before it.
+    stamp: u64,
+    preemptions: usize,
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+}
+
+impl Live {
+    fn send(&mut self, event: Event) {
+        if self.connected && self.events.send(event).is_err() {
+            self.connected = false;
+        }
+    }
+
+    fn completion(&self, finish_reason: FinishReason) -> Completion {
+        let ms = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64() * 1e3;
+        let now = Instant::now();
+        let first = self.first_token.unwrap_or(now);
+        let cached = self.cached_prompt.unwrap_or(0);
+        Completion {
+            token_ids: self.generated.clone(),
+            text: self.text.clone(),
+            finish_reason,
+            cached_prompt_tokens: cached,
+            prefilled_tokens: self.prompt.len() - cached,
+            preemptions: self.preemptions,
+            timings: Timings {
+                queue_ms: ms(self.submitted, self.admitted.unwrap_or(now)),
+                prefill_ms: ms(self.submitted, first),
+                decode_ms: ms(first, now),
+            },
+        }
+    }
+}
+
+/// A model, its KV cache and the requests running on it; see the [module docs](self).
+pub struct PersistentBatch<B: Backend> {
+    model: Llama<B>,
+    tokenizer: TextTokenizer,
+    cache: B::KvCache,
+    kv: KvManager,
+    config: BatchConfig,
+    /// `max_batch` slots; a running request holds one.
+    slots: Vec<Option<Live>>,
+    /// New requests in submission order, preempted ones in front.
+    waiting: VecDeque<Live>,
+    /// Session name -> its sequence.
+    sessions: HashMap<String, SeqId>,
+    next_seq: SeqId,
+    next_request: u64,
+    next_stamp: u64,
+    steps: u64,
+    tokens_run: u64,
+    preemptions: u64,
+}
+
+impl<B: Backend> PersistentBatch<B> {
+    pub fn new(
+        model: Llama<B>,
+        tokenizer: TextTokenizer,
+        config: BatchConfig,
+    ) -> Result<Self, BatchError> {
+        config.validate().map_err(BatchError::Config)?;
+        let cache = model
+            .backend()
+            .kv_cache(model.kv_spec(config.block_size, config.num_blocks))
+            .map_err(LlamaError::from)?;
+        let kv = KvManager::new(config.num_blocks as u32, config.block_size);
+        Ok(PersistentBatch {
+            model,
+            tokenizer,
+            cache,
+            kv,
+            slots: (0..config.max_batch).map(|_| None).collect(),
+            config,
+            waiting: VecDeque::new(),
+            sessions: HashMap::new(),
+            next_seq: 0,
+            next_request: 0,
+            next_stamp: 0,
+            steps: 0,
+            tokens_run: 0,
+            preemptions: 0,
+        })
+    }
+
+    pub fn model(&self) -> &Llama<B> {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    pub fn config(&self) -> &BatchConfig {
+        &self.config
+    }
+
+    /// The KV bookkeeping, for inspection (e.g. [`KvManager::check`] in tests).
+    pub fn kv(&self) -> &KvManager {
+        &self.kv
+    }
+
+    /// The sequence of a session, once a request named it.
+    pub fn session_seq(&self, session: &str) -> Option<SeqId> {
+        self.sessions.get(session).copied()
+    }
+
+    pub fn stats(&self) -> BatchStats {
+        BatchStats {
+            running: self.slots.iter().flatten().count(),
+            waiting: self.waiting.len(),
+            kv_blocks_total: self.kv.total(),
+            kv_blocks_used: self.kv.num_used(),
+            kv_blocks_free: self.kv.num_free(),
+            kv_blocks_evictable: self.kv.num_evictable(),
+            idle_sessions: self.kv.num_cached_idle(),
+            steps: self.steps,
+            tokens_run: self.tokens_run,
+            preemptions: self.preemptions,
+        }
+    }
+
+    /// Whether nothing is waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.slots.iter().all(Option::is_none)
+    }
+
+    /// Queues a request. An invalid one, or one too large for the KV cache even alone, gets its
+    /// [`Event::Failed`] at once.
+    pub fn submit(&mut self, request: Request) -> RequestHandle {
+        let id = RequestId(self.next_request);
+        self.next_request += 1;
+        let (tx, rx) = channel();
+        let handle = RequestHandle { id, events: rx };
+        let context = self.model.config.context_length;
+        let max_tokens = request
+            .max_tokens
+            .min(context.saturating_sub(request.prompt.len()));
+        if let Err(e) = self.validate(&request, max_tokens) {
+            let _ = tx.send(Event::Failed(e));
+            return handle;
+        }
+        let seq = match &request.session {
+            Some(name) => match self.sessions.get(name) {
+                Some(&seq) => seq,
+                None => {
+                    let seq = self.new_seq();
+                    self.sessions.insert(name.clone(), seq);
+                    seq
+                }
+            },
+            None => self.new_seq(),
+        };
+        let mut live = Live {
+            id,
+            seq,
+            has_session: request.session.is_some(),
+            prompt: request.prompt,
+            max_tokens,
+            ignore_eos: request.ignore_eos,
+            sampler: Sampler::new(request.sampling),
+            stream: TextStream::new(),
+            stops: StopStrings::new(request.stop_strings),
+            generated: Vec::new(),
+            text: String::new(),
+            events: tx,
+            connected: true,
+            cached_prompt: None,
+            stamp: 0,
+            preemptions: 0,
+            submitted: Instant::now(),
+            admitted: None,
+            first_token: None,
+        };
+        if max_tokens == 0 {
+            let completion = live.completion(FinishReason::Length);
+            live.send(Event::Finished(completion));
+        } else {
+            self.waiting.push_back(live);
+        }
+        handle
+    }
+
+    /// Ends a request now, waiting or running: its KV blocks are released at once (a session's
+    /// computed KV stays resident as idle, reclaimable at once) and it finishes as
+    /// [`FinishReason::Cancelled`] with what it generated so far. False if it is not in the batch.
+    pub fn cancel(&mut self, id: RequestId) -> Result<bool, BatchError> {
+        if let Some(slot) = self
+            .slots
+            .iter()
+            .position(|s| s.as_ref().is_some_and(|l| l.id == id))
+        {
+            self.end(slot, FinishReason::Cancelled)?;
+            return Ok(true);
+        }
+        if let Some(i) = self.waiting.iter().position(|l| l.id == id) {
+            let mut live = self.waiting.remove(i).expect("found above");
+            self.release(&live, false)?;
+            let completion = live.completion(FinishReason::Cancelled);
+            live.send(Event::Finished(completion));
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Forgets a session and frees its KV; false if it is unknown or has a request in the batch.
+    pub fn end_session(&mut self, session: &str) -> Result<bool, BatchError> {
+        let Some(&seq) = self.sessions.get(session) else {
+            return Ok(false);
+        };
+        let in_batch = |l: &Live| l.seq == seq;
+        if self.slots.iter().flatten().any(in_batch) || self.waiting.iter().any(in_batch) {
+            return Ok(false);
+        }
+        self.sessions.remove(session);
+        if self.kv.state(seq).is_some() {
+            self.kv.free(seq)?;
+        }
+        Ok(true)
+    }
+
+    /// One step: decide what runs, run it in one forward pass, act on the logits.
+    pub fn step(&mut self) -> Result<StepReport, BatchError> {
+        let mut report = StepReport::default();
+        let work = self.schedule(&mut report)?;
+        if work.is_empty() {
+            return Ok(report);
+        }
+        let logits = match self.run(&work) {
+            Ok(logits) => logits,
+            Err(e) => {
+                self.fail_all(&work, &e)?;
+                return Err(e);
+            }
+        };
+        self.postprocess(&work, logits, &mut report)?;
+        Ok(report)
+    }
+
+    /// Steps until nothing is waiting or running.
+    pub fn run_until_idle(&mut self) -> Result<(), BatchError> {
+        while !self.is_idle() {
+            self.step()?;
+        }
+        Ok(())
+    }
+
+    /// Chooses this step's tokens and reserves their KV: first the running requests (preempting
+    /// the youngest when blocks run out), then waiting requests admitted into free slots.
+    fn schedule(&mut self, report: &mut StepReport) -> Result<Vec<Work>, BatchError> {
+        self.drop_disconnected(report)?;
+        let mut work = self.schedule_running(report)?;
+        // No admission after a preemption: the preempted request would come straight back.
+        if report.preempted == 0 {
+            let used: usize = work.iter().map(|w| w.len).sum();
+            self.admit(self.config.max_batched_tokens - used, &mut work, report)?;
+            if work.is_empty() && self.slots.iter().all(Option::is_none) {
+                // Nothing runs and the first waiting request could not be admitted into an empty
+                // batch: it is too large for the cache, which submission already refuses. End it
+                // rather than loop.
+                if let Some(mut live) = self.waiting.pop_front() {
+                    let error = self.too_large(live.seq, live.prompt.len() + live.max_tokens - 1);
+                    self.release(&live, false)?;
+                    live.send(Event::Failed(error));
+                    report.ended += 1;
+                }
+            }
+        }
+        Ok(work)
+    }
+
+    /// Cancels the requests whose client dropped its handle.
+    fn drop_disconnected(&mut self, report: &mut StepReport) -> Result<(), KvError> {
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].as_ref().is_some_and(|l| !l.connected) {
+                self.end(slot, FinishReason::Cancelled)?;
+                report.ended += 1;
+            }
+        }
+        while let Some(i) = self.waiting.iter().position(|l| !l.connected) {
+            let live = self.waiting.remove(i).expect("found above");
+            self.release(&live, false)?;
+            report.ended += 1;
+        }
+        Ok(())
+    }
+
+    /// This step's work for the running requests. The token budget goes to decoding sequences
+    /// first (one token each), so that long prompts never stall them, then to prefill chunks,
+    /// oldest request first. KV blocks are reserved oldest first; when they run out, the most
+    /// recently admitted request gives way (preempted), so the oldest always advances.
+    fn schedule_running(&mut self, report: &mut StepReport) -> Result<Vec<Work>, BatchError> {
+        let mut order: Vec<usize> = (0..self.slots.len())
+            .filter(|&s| self.slots[s].is_some())
+            .collect();
+        order.sort_by_key(|&s| self.live(s).stamp);
+        let mut budget = self.config.max_batched_tokens;
+        let mut want = vec![0; self.slots.len()];
+        for decoding in [true, false] {
+            for &s in &order {
+                let pending = self.pending(s)?;
+                if (pending == 1) == decoding {
+                    want[s] = pending.min(self.config.prefill_chunk).min(budget);
+                    budget -= want[s];
+                }
+            }
+        }
+
+        let mut work: Vec<Work> = Vec::new();
+        for &s in &order {
+            if want[s] == 0 || self.slots[s].is_none() {
+                continue;
+            }
+            let seq = self.live(s).seq;
+            let start = self.kv.computed(seq)?;
+            loop {
+                match self.kv.reserve(seq, start + want[s]) {
+                    Ok(()) => {
+                        work.push(Work {
+                            slot: s,
+                            start,
+                            len: want[s],
+                        });
+                        break;
+                    }
+                    Err(KvError::OutOfBlocks { .. }) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                // The youngest other running request without work this step, if younger.
+                let stamp = self.live(s).stamp;
+                let victim = (0..self.slots.len())
+                    .filter(|&v| v != s && !work.iter().any(|w| w.slot == v))
+                    .filter_map(|v| Some((self.slots[v].as_ref()?.stamp, v)))
+                    .max()
+                    .filter(|&(victim_stamp, _)| victim_stamp > stamp);
+                if let Some((_, v)) = victim {
+                    self.preempt(v)?;
+                    report.preempted += 1;
+                    continue;
+                }
+                if self.slots.iter().flatten().count() > 1 {
+                    self.preempt(s)?;
+                    report.preempted += 1;
+                } else {
+                    // Alone and still too large: submission refuses such requests, so this is
+                    // a safety net that ends the request rather than looping.
+                    let error = self.too_large(seq, 0);
+                    self.fail(s, error)?;
+                    report.ended += 1;
+                }
+                break;
+            }
+        }
+        Ok(work)
+    }
+
+    /// Admits waiting requests into free slots, in order, while `budget` tokens last. A request
+    /// whose session is busy (running, or claimed by an earlier waiting request) is passed over.
+    /// As in nano-vllm, a request is admitted only if the KV of all its uncomputed tokens fits in
+    /// the blocks not yet promised to the requests admitted before it in this step, though only
+    /// its first chunk is reserved now; otherwise admission stops (first come, first served).
+    /// This keeps admission from filling the cache with half-prefilled prompts that running
+    /// requests would then have to preempt.
+    fn admit(
+        &mut self,
+        mut budget: usize,
+        work: &mut Vec<Work>,
+        report: &mut StepReport,
+    ) -> Result<(), BatchError> {
+        let bs = self.config.block_size;
+        let mut claimed: HashSet<SeqId> = self
+            .slots
+            .iter()
+            .flatten()
+            .filter(|l| l.has_session)
+            .map(|l| l.seq)
+            .collect();
+        // Blocks the requests admitted in this step still need for their prompts.
+        let mut promised = 0;
+        let mut i = 0;
+        while budget > 0 && i < self.waiting.len() {
+            let Some(slot) = self.slots.iter().position(Option::is_none) else {
+                break;
+            };
+            let candidate = &self.waiting[i];
+            if candidate.has_session && !claimed.insert(candidate.seq) {
+                i += 1;
+                continue;
+            }
+            let mut live = self.waiting.remove(i).expect("index checked above");
+            let first = live.cached_prompt.is_none();
+            let cached = if first {
+                self.kv.admit(live.seq, &live.prompt).cached
+            } else {
+                self.kv.resume(live.seq)?.cached
+            };
+            let total = self.kv.tokens(live.seq)?.len();
+            let len = (total - cached).min(self.config.prefill_chunk).min(budget);
+            // `promised` more blocks on top of the whole sequence, as `can_reserve` counts them.
+            let fits = self.kv.can_reserve(live.seq, total + promised * bs);
+            match self.kv.reserve(live.seq, cached + len) {
+                Ok(()) if fits => {}
+                Ok(()) | Err(KvError::OutOfBlocks { .. }) => {
+                    self.unadmit(&live, first)?;
+                    self.waiting.insert(i, live);
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            }
+            promised += total.div_ceil(bs) - (cached + len).div_ceil(bs);
+            if first {
+                live.cached_prompt = Some(cached);
+                live.admitted = Some(Instant::now());
+            }
+            live.stamp = self.next_stamp;
+            self.next_stamp += 1;
+            self.slots[slot] = Some(live);
+            work.push(Work {
+                slot,
+                start: cached,
+                len,
+            });
+            budget -= len;
+            report.admitted += 1;
+        }
+        Ok(())
+    }
+
+    /// Undoes an admission that found too few blocks: the request waits with its sequence as it
+    /// was (a session's resident prefix stays resident).
+    fn unadmit(&mut self, live: &Live, first: bool) -> Result<(), KvError> {
+        match (first, live.has_session) {
+            (false, _) => self.kv.preempt(live.seq),
+            (true, true) => self.kv.finish(live.seq),
+            (true, false) => self.kv.free(live.seq),
+        }
+    }
+
+    /// One forward pass over the scheduled chunks; returns the last-token logits of each.
+    fn run(&mut self, work: &[Work]) -> Result<Vec<f32>, BatchError> {
+        let mut chunks = Vec::with_capacity(work.len());
+        for w in work {
+            let seq = self.live(w.slot).seq;
+            chunks.push(SequenceChunk {
+                tokens: self.kv.tokens(seq)?[w.start..w.start + w.len].to_vec(),
+                start: w.start,
+                block_table: self.kv.block_table(seq)?.to_vec(),
+            });
+        }
+        Ok(self.model.forward(&chunks, &mut self.cache, Logits::Last)?)
+    }
+
+    /// Commits the KV just written; samples, streams and checks the end of every sequence whose
+    /// tokens are now all computed.
+    fn postprocess(
+        &mut self,
+        work: &[Work],
+        mut logits: Vec<f32>,
+        report: &mut StepReport,
+    ) -> Result<(), BatchError> {
+        self.steps += 1;
+        report.sequences = work.len();
+        report.tokens = work.iter().map(|w| w.len).sum();
+        self.tokens_run += report.tokens as u64;
+        let vocab = self.model.config.vocab_size;
+        for (w, row) in work.iter().zip(logits.chunks_exact_mut(vocab)) {
+            let live = self.slots[w.slot].as_mut().expect("scheduled slots run");
+            let seq = live.seq;
+            if w.len == 1 && !live.generated.is_empty() {
+                report.decode_sequences += 1;
+            } else {
+                report.prefill_tokens += w.len;
+            }
+            self.kv.commit(seq, w.start + w.len)?;
+            let tokens = self.kv.tokens(seq)?;
+            if w.start + w.len < tokens.len() {
+                continue; // still prefilling
+            }
+            let token = live.sampler.sample(row, tokens);
+            live.first_token.get_or_insert_with(Instant::now);
+            self.kv.append_token(seq, token)?;
+            match stream_token(live, &self.tokenizer, token) {
+                Ok(None) => continue,
+                Ok(Some(reason)) => self.end(w.slot, reason)?,
+                Err(e) => self.fail(w.slot, RequestError::Detokenize(e.to_string()))?,
+            }
+            report.ended += 1;
+        }
+        Ok(())
+    }
+
+    fn live(&self, slot: usize) -> &Live {
+        self.slots[slot].as_ref().expect("an occupied slot")
+    }
+
+    /// Tokens of the running request in `slot` whose KV is not computed yet.
+    fn pending(&self, slot: usize) -> Result<usize, KvError> {
+        let seq = self.live(slot).seq;
+        Ok(self.kv.tokens(seq)?.len() - self.kv.computed(seq)?)
+    }
+
+    /// Sends the running request in `slot` back to the front of the queue without its KV; it is
+    /// recomputed from its tokens (prompt and generated so far) when readmitted.
+    fn preempt(&mut self, slot: usize) -> Result<(), KvError> {
+        let mut live = self.slots[slot].take().expect("an occupied slot");
+        self.kv.preempt(live.seq)?;
+        live.preemptions += 1;
+        self.preemptions += 1;
+        tracing::debug!(request = live.id.0, "preempted");
+        self.waiting.push_front(live);
+        Ok(())
+    }
+
+    /// Ends the request in `slot` with a completion and frees the slot.
+    fn end(&mut self, slot: usize, reason: FinishReason) -> Result<(), KvError> {
+        let mut live = self.slots[slot].take().expect("an occupied slot");
+        self.release(&live, true)?;
+        let completion = live.completion(reason);
+        live.send(Event::Finished(completion));
+        Ok(())
+    }
+
+    /// Ends the request in `slot` with an error and frees the slot.
+    fn fail(&mut self, slot: usize, error: RequestError) -> Result<(), KvError> {
+        let mut live = self.slots[slot].take().expect("an occupied slot");
+        self.release(&live, true)?;
+        live.send(Event::Failed(error));
+        Ok(())
+    }
+
+    /// Ends every request of a step whose forward pass failed.
+    fn fail_all(&mut self, work: &[Work], error: &BatchError) -> Result<(), KvError> {
+        for w in work {
+            self.fail(w.slot, RequestError::Model(error.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// Gives back the KV of a request that ends, `running` (holding a slot) or waiting. A
+    /// session's sequence stays resident (idle) for its next turn, and is left alone while the
+    /// request waits (another request of the session may be running on it, or it was preempted
+    /// and keeps its tokens); any other sequence is the request's own and is forgotten.
+    fn release(&mut self, live: &Live, running: bool) -> Result<(), KvError> {
+        match self.kv.state(live.seq) {
+            None => Ok(()),
+            Some(_) if !live.has_session => self.kv.free(live.seq),
+            Some(SeqState::Active) if running => self.kv.finish(live.seq),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn validate(&self, request: &Request, max_tokens: usize) -> Result<(), RequestError> {
+        let context = self.model.config.context_length;
+        let vocab = self.model.config.vocab_size;
+        request
+            .sampling
+            .validate()
+            .map_err(RequestError::Sampling)?;
+        let prompt = &request.prompt;
+        if prompt.is_empty() {
+            return Err(RequestError::EmptyPrompt);
+        }
+        if prompt.len() >= context {
+            return Err(RequestError::PromptTooLong {
+                prompt: prompt.len(),
+                context,
+            });
+        }
+        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(RequestError::BadToken { id, vocab });
+        }
+        // The last generated token's KV is never computed.
+        let tokens = prompt.len() + max_tokens.saturating_sub(1);
+        let needed = tokens.div_ceil(self.config.block_size);
+        if needed > self.config.num_blocks {
+            return Err(RequestError::TooLargeForCache {
+                tokens,
+                needed,
+                total: self.config.num_blocks,
+            });
+        }
+        Ok(())
+    }
+
+    /// The error of a request (`seq`, else `tokens` long) that cannot fit in the cache.
+    fn too_large(&self, seq: SeqId, tokens: usize) -> RequestError {
+        let tokens = self.kv.tokens(seq).map_or(tokens, <[u32]>::len);
+        RequestError::TooLargeForCache {
+            tokens,
+            needed: tokens.div_ceil(self.config.block_size),
+            total: self.config.num_blocks,
+        }
+    }
+
+    fn new_seq(&mut self) -> SeqId {
+        self.next_seq += 1;
+        self.next_seq
+    }
+}
+
+/// Records a sampled token of `live` and streams its text; returns why the request ends, if it
+/// does. The text held back for incomplete characters or a possible stop string is flushed at the
+/// end unless a stop string was hit (then what follows it is dropped).
+fn stream_token(
+    live: &mut Live,
+    tokenizer: &TextTokenizer,
+    token: u32,
+) -> Result<Option<FinishReason>, TokenizerError> {
+    live.generated.push(token);
+    live.send(Event::Token(token));
+    let mut finish = None;
+    let mut stop_hit = false;
+    if !live.ignore_eos && tokenizer.is_eos(token) {
+        finish = Some(FinishReason::Stop);
+    } else {
+        let delta = live.stream.push(tokenizer, token)?;
+        let (released, hit) = live.stops.push(&delta);
+        if !released.is_empty() {
+            live.text.push_str(&released);
+            live.send(Event::Text(released));
+        }
+        if hit {
+            stop_hit = true;
+            finish = Some(FinishReason::Stop);
+        }
+    }
+    if finish.is_none() && live.generated.len() >= live.max_tokens {
+        finish = Some(FinishReason::Length);
+    }
+    if finish.is_some() && !stop_hit {
+        let (tail, _) = live.stops.push(&live.stream.finish(tokenizer)?);
+        let tail = tail + &live.stops.finish();
+        if !tail.is_empty() {
+            live.text.push_str(&tail);
+            live.send(Event::Text(tail));
+        }
+    }
+    Ok(finish)
+}

