@@ -19,13 +19,30 @@ pub struct GenerateArgs {
     #[arg(
         long,
         short = 'p',
-        conflicts_with = "prompt_file",
-        required_unless_present = "prompt_file"
+        conflicts_with_all = ["prompt_file", "prompts_file"],
+        required_unless_present_any = ["prompt_file", "prompts_file"]
     )]
     prompt: Option<String>,
     /// Read the prompt from a file.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "prompts_file")]
     prompt_file: Option<PathBuf>,
+    /// Run many requests concurrently through the persistent batch: one JSON object per line
+    /// (`prompt`, optional `max_tokens`, `temperature`, `seed`, `session`); prints one JSON line
+    /// per request, in input order, and throughput on stderr.
+    #[arg(long)]
+    prompts_file: Option<PathBuf>,
+    /// Batch slots (requests running at once) with --prompts-file.
+    #[arg(long, default_value_t = 64)]
+    max_batch: usize,
+    /// Tokens per forward pass with --prompts-file (decode tokens plus prefill chunks).
+    #[arg(long, default_value_t = 2048)]
+    max_batched_tokens: usize,
+    /// KV cache size in blocks with --prompts-file.
+    #[arg(long, conflicts_with = "kv_cache_gb")]
+    kv_blocks: Option<usize>,
+    /// KV cache size in GB with --prompts-file.
+    #[arg(long)]
+    kv_cache_gb: Option<f64>,
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
     #[command(flatten)]
@@ -54,6 +71,21 @@ struct Output<'a> {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
+    if let Some(file) = &args.prompts_file {
+        anyhow::ensure!(args.max_batch > 0, "--max-batch must be positive");
+        let task = crate::batch::BatchTask(crate::batch::BatchArgs {
+            file: file.clone(),
+            max_tokens: args.max_tokens,
+            sampling: args.sampling.params(),
+            stop: args.stop.clone(),
+            ignore_eos: args.ignore_eos,
+            max_batch: args.max_batch,
+            max_batched_tokens: args.max_batched_tokens,
+            kv_blocks: args.kv_blocks,
+            kv_cache_gb: args.kv_cache_gb,
+        });
+        return args.model.run_model(task);
+    }
     let prompt = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) => std::fs::read_to_string(f)

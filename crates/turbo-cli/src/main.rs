@@ -1,5 +1,6 @@
 //! `turbo`: chat with, run, inspect and benchmark LLaMA-family models.
 
+mod batch;
 mod bench;
 mod chat;
 mod generate;

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use turbo_core::cpu::CpuBackend;
 use turbo_core::Backend;
 use turbo_kernels::CudaBackend;
+use turbo_llama::tokenizer::TextTokenizer;
 use turbo_llama::{Llama, LoadedModel};
 use turbo_models::DEFAULT_MODEL;
 use turbo_scheduler::{Engine, SamplingParams};
@@ -40,6 +41,33 @@ impl std::str::FromStr for Device {
 pub trait EngineTask {
     type Output;
     fn run<B: Backend>(self, engine: Engine<B>, info: LoadedModelInfo) -> Result<Self::Output>;
+}
+
+/// Work that needs the model itself (e.g. to build a persistent batch), whichever backend.
+pub trait ModelTask {
+    type Output;
+    fn run<B: Backend>(
+        self,
+        model: Llama<B>,
+        tokenizer: TextTokenizer,
+        info: LoadedModelInfo,
+    ) -> Result<Self::Output>;
+}
+
+/// Adapts an [`EngineTask`] to a [`ModelTask`] by wrapping the model in a single-sequence engine.
+struct WithEngine<T>(T);
+
+impl<T: EngineTask> ModelTask for WithEngine<T> {
+    type Output = T::Output;
+    fn run<B: Backend>(
+        self,
+        model: Llama<B>,
+        tokenizer: TextTokenizer,
+        info: LoadedModelInfo,
+    ) -> Result<T::Output> {
+        let engine = Engine::for_context(model, tokenizer, info.block_size)?;
+        self.0.run(engine, info)
+    }
 }
 
 #[derive(Args, Clone, Debug)]
@@ -108,10 +136,16 @@ impl ModelArgs {
     /// Loads the model onto the chosen device, wraps it in an engine sized for one full-context
     /// sequence, and runs `task` with it.
     pub fn run<T: EngineTask>(&self, task: T) -> Result<T::Output> {
+        self.run_model(WithEngine(task))
+    }
+
+    /// Loads the model onto the chosen device and runs `task` with it.
+    pub fn run_model<T: ModelTask>(&self, task: T) -> Result<T::Output> {
         let loaded = self.load()?;
         let info = LoadedModelInfo {
             context_length: loaded.config.context_length,
             chat_template: loaded.chat_template.clone(),
+            block_size: self.block_size,
         };
         let device = match self.device {
             Device::Auto if turbo_kernels::cuda_available() => Device::Cuda(0),
@@ -122,8 +156,7 @@ impl ModelArgs {
             Device::Cuda(ordinal) => {
                 let backend = CudaBackend::new(ordinal)?;
                 let model = Llama::new(backend, &loaded.config, &loaded.weights)?;
-                let engine = Engine::for_context(model, loaded.tokenizer, self.block_size)?;
-                task.run(engine, info)
+                task.run(model, loaded.tokenizer, info)
             }
             _ => {
                 let backend = match self.threads {
@@ -131,8 +164,7 @@ impl ModelArgs {
                     None => CpuBackend::new(),
                 };
                 let model = Llama::new(backend, &loaded.config, &loaded.weights)?;
-                let engine = Engine::for_context(model, loaded.tokenizer, self.block_size)?;
-                task.run(engine, info)
+                task.run(model, loaded.tokenizer, info)
             }
         }
     }
@@ -142,6 +174,7 @@ impl ModelArgs {
 pub struct LoadedModelInfo {
     pub context_length: usize,
     pub chat_template: Option<String>,
+    pub block_size: usize,
 }
 
 /// Renders a conversation with the model's chat template (ChatML when it has none).

@@ -576,3 +576,64 @@ fn broken_chat_template() {
     let out = turbo(&generate_args(p(&path), &["--max-tokens", "2"]), None);
     assert!(out.status.success(), "{}", text(&out.stderr));
 }
+
+#[test]
+fn prompts_file_runs_every_request_in_input_order() {
+    let (dir, model) = gguf_fixture(64);
+    let file = dir.path().join("prompts.jsonl");
+    let lines = [
+        r#"{"prompt": "hello", "max_tokens": 3}"#,
+        r#"{"prompt": "the quick brown fox", "max_tokens": 5, "temperature": 0.8, "seed": 7}"#,
+        "",
+        r#"{"prompt": "hi", "max_tokens": 1, "session": "a"}"#,
+    ];
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let args = [
+        "generate",
+        "--device",
+        "cpu",
+        "--model",
+        p(&model),
+        "--prompts-file",
+        p(&file),
+        "--max-batch",
+        "2",
+    ];
+    let out = turbo(&args, None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 3);
+    // Each line answers its own request: the prompt ids are those of a single `generate` of it.
+    for (row, (prompt, max)) in
+        rows.iter()
+            .zip([("hello", 3usize), ("the quick brown fox", 5), ("hi", 1)])
+    {
+        let single = turbo(
+            &[
+                "generate",
+                "--device",
+                "cpu",
+                "--model",
+                p(&model),
+                "--prompt",
+                prompt,
+                "--json",
+                "--max-tokens",
+                "1",
+            ],
+            None,
+        );
+        let single: serde_json::Value = serde_json::from_str(text(&single.stdout).trim()).unwrap();
+        assert_eq!(row["prompt_token_ids"], single["prompt_token_ids"]);
+        assert!(row["token_ids"].as_array().unwrap().len() <= max);
+        assert!(row["timings"]["prefill_ms"].as_f64().is_some());
+    }
+    assert!(text(&out.stderr).contains("requests/s"));
+
+    std::fs::write(&file, "{\"prompt\": \"ok\"}\nnot json\n").unwrap();
+    expect_error(&args, "line 2");
+}

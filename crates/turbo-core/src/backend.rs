@@ -66,6 +66,9 @@ pub trait Backend: Send + Sync {
     fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
     fn kv_cache(&self, spec: KvCacheSpec) -> Result<Self::KvCache>;
     fn kv_spec(&self, cache: &Self::KvCache) -> KvCacheSpec;
+    /// Bytes of one stored key or value element (f32 on the CPU, bf16 on a GPU), for sizing the
+    /// cache from a memory budget.
+    fn kv_element_bytes(&self) -> usize;
     fn prepare_batch(&self, layout: &BatchLayout) -> Result<Self::Batch>;
 
     /// Rows `ids` of the embedding table, decoded to f32.

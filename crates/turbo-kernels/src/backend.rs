@@ -169,6 +169,10 @@ impl Backend for CudaBackend {
         cache.spec
     }
 
+    fn kv_element_bytes(&self) -> usize {
+        2
+    }
+
     fn prepare_batch(&self, layout: &BatchLayout) -> Result<CudaBatch> {
         Ok(CudaBatch {
             positions: self.upload_u32(layout.positions)?,

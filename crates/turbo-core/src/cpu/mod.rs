@@ -116,6 +116,10 @@ impl Backend for CpuBackend {
         *cache.spec()
     }
 
+    fn kv_element_bytes(&self) -> usize {
+        4
+    }
+
     fn prepare_batch(&self, layout: &BatchLayout) -> Result<CpuBatch> {
         Ok(CpuBatch {
             positions: layout.positions.to_vec(),
