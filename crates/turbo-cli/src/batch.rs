@@ -137,8 +137,9 @@ impl ModelTask for BatchTask {
             println!("{}", serde_json::to_string(&out)?);
         }
         let stats = batch.stats();
+        let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
         eprintln!(
-            "{} requests in {elapsed:.2} s: {:.2} requests/s, {:.1} output tok/s ({generated} tokens), {} preemptions, {} KV blocks of {block_size}",
+            "{} requests ({prompt_tokens} prompt tokens) in {elapsed:.2} s: {:.2} requests/s, {:.1} output tok/s ({generated} tokens), {} preemptions, {} KV blocks of {block_size}",
             prompts.len(),
             prompts.len() as f64 / elapsed,
             generated as f64 / elapsed,
