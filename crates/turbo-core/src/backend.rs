@@ -17,6 +17,34 @@ pub enum BackendError {
 
 pub type Result<T> = std::result::Result<T, BackendError>;
 
+/// A batch's [`QuerySpan`]s with their block tables copied, for a prepared batch that outlives the
+/// borrow of the forward pass's layout.
+#[derive(Clone, Debug, Default)]
+pub struct OwnedSpans(Vec<(usize, usize, usize, Vec<u32>)>);
+
+impl OwnedSpans {
+    pub fn new(spans: &[QuerySpan]) -> Self {
+        OwnedSpans(
+            spans
+                .iter()
+                .map(|s| (s.q_start, s.n_q, s.kv_len, s.block_table.to_vec()))
+                .collect(),
+        )
+    }
+
+    pub fn spans(&self) -> Vec<QuerySpan<'_>> {
+        self.0
+            .iter()
+            .map(|(q_start, n_q, kv_len, table)| QuerySpan {
+                q_start: *q_start,
+                n_q: *n_q,
+                kv_len: *kv_len,
+                block_table: table,
+            })
+            .collect()
+    }
+}
+
 /// What a forward pass tells the backend about its batch, once, before the layers run.
 #[derive(Clone, Copy, Debug)]
 pub struct BatchLayout<'a> {

@@ -7,8 +7,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use rayon::prelude::*;
 use std::sync::Arc;
-use turbo_attention::QuerySpan;
-use turbo_core::backend::{Backend, BatchLayout, Result};
+use turbo_core::backend::{Backend, BatchLayout, OwnedSpans, Result};
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::WeightMatrix;
 
@@ -38,8 +37,8 @@ pub struct CudaBatch {
     positions: CudaSlice<u32>,
     slots: CudaSlice<u32>,
     inv_freq: CudaSlice<f32>,
-    /// `(q_start, n_q, kv_len, block table)` per sequence, for attention's launch.
-    spans: Vec<(usize, usize, usize, Vec<u32>)>,
+    /// For attention's launch.
+    spans: OwnedSpans,
     tokens: usize,
 }
 
@@ -182,11 +181,7 @@ impl Backend for CudaBackend {
                 .stream
                 .clone_htod(layout.inv_freq)
                 .map_err(CudaError::from)?,
-            spans: layout
-                .spans
-                .iter()
-                .map(|s| (s.q_start, s.n_q, s.kv_len, s.block_table.to_vec()))
-                .collect(),
+            spans: OwnedSpans::new(layout.spans),
             tokens: layout.positions.len(),
         })
     }
@@ -356,16 +351,7 @@ impl Backend for CudaBackend {
         scale: f32,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        let spans: Vec<QuerySpan> = batch
-            .spans
-            .iter()
-            .map(|(q_start, n_q, kv_len, table)| QuerySpan {
-                q_start: *q_start,
-                n_q: *n_q,
-                kv_len: *kv_len,
-                block_table: table,
-            })
-            .collect();
+        let spans = batch.spans.spans();
         let layout = ops::attention::KvLayout {
             block_size: cache.spec.block_size,
             n_kv_heads: cache.spec.n_kv_heads,

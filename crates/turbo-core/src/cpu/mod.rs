@@ -6,10 +6,10 @@ pub mod ops;
 
 pub use kv::{CpuKvCache, KvCacheSpec};
 
-use crate::backend::{Backend, BackendError, BatchLayout, Result};
+use crate::backend::{Backend, BackendError, BatchLayout, OwnedSpans, Result};
 use crate::WeightMatrix;
 use std::sync::Arc;
-use turbo_attention::{paged_attention, QuerySpan};
+use turbo_attention::paged_attention;
 
 /// A row-major `[rows, cols]` f32 tensor in host memory.
 #[derive(Clone, Debug, PartialEq)]
@@ -23,8 +23,7 @@ pub struct HostTensor {
 pub struct CpuBatch {
     positions: Vec<u32>,
     slots: Vec<u32>,
-    /// `(q_start, n_q, kv_len, block table)` per sequence.
-    spans: Vec<(usize, usize, usize, Vec<u32>)>,
+    spans: OwnedSpans,
     inv_freq: Vec<f32>,
 }
 
@@ -124,11 +123,7 @@ impl Backend for CpuBackend {
         Ok(CpuBatch {
             positions: layout.positions.to_vec(),
             slots: layout.slots.to_vec(),
-            spans: layout
-                .spans
-                .iter()
-                .map(|s| (s.q_start, s.n_q, s.kv_len, s.block_table.to_vec()))
-                .collect(),
+            spans: OwnedSpans::new(layout.spans),
             inv_freq: layout.inv_freq.to_vec(),
         })
     }
@@ -235,16 +230,7 @@ impl Backend for CpuBackend {
         scale: f32,
         out: &mut HostTensor,
     ) -> Result<()> {
-        let spans: Vec<QuerySpan> = batch
-            .spans
-            .iter()
-            .map(|(q_start, n_q, kv_len, table)| QuerySpan {
-                q_start: *q_start,
-                n_q: *n_q,
-                kv_len: *kv_len,
-                block_table: table,
-            })
-            .collect();
+        let spans = batch.spans.spans();
         paged_attention(
             &q.data,
             n_heads,
