@@ -8,8 +8,9 @@ use std::time::Instant;
 use turbo_core::Backend;
 use turbo_llama::tokenizer::TextTokenizer;
 use turbo_llama::Llama;
-use turbo_scheduler::batch::Completion;
-use turbo_scheduler::{BatchConfig, FinishReason, PersistentBatch, Request, SamplingParams};
+use turbo_scheduler::{
+    BatchConfig, Completion, FinishReason, PersistentBatch, Request, SamplingParams, Timings,
+};
 
 /// One line of the prompts file.
 #[derive(Deserialize)]
@@ -28,14 +29,7 @@ struct Output<'a> {
     token_ids: &'a [u32],
     text: &'a str,
     finish_reason: FinishReason,
-    timings: Timings,
-}
-
-#[derive(Serialize)]
-struct Timings {
-    queue_ms: f64,
-    prefill_ms: f64,
-    decode_ms: f64,
+    timings: &'a Timings,
 }
 
 /// Options of batch mode.
@@ -128,11 +122,7 @@ impl ModelTask for BatchTask {
                 token_ids: &c.token_ids,
                 text: &c.text,
                 finish_reason: c.finish_reason,
-                timings: Timings {
-                    queue_ms: c.timings.queue_ms,
-                    prefill_ms: c.timings.prefill_ms,
-                    decode_ms: c.timings.decode_ms,
-                },
+                timings: &c.timings,
             };
             println!("{}", serde_json::to_string(&out)?);
         }

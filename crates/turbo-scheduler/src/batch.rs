@@ -23,9 +23,10 @@
 
 mod request;
 
-pub use request::{Completion, Event, Request, RequestError, RequestHandle, RequestId, Timings};
+pub use crate::completion::{Completion, Timings};
+pub use request::{Event, Request, RequestError, RequestHandle, RequestId};
 
-use crate::engine::FinishReason;
+use crate::completion::FinishReason;
 use crate::sampling::Sampler;
 use crate::stop::StopStrings;
 use std::collections::{HashMap, HashSet, VecDeque};

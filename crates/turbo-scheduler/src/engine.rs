@@ -1,8 +1,8 @@
 //! Generation for one sequence at a time, over sessions that keep their KV between requests.
 
+use crate::completion::{Completion, FinishReason, Timings};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::stop::StopStrings;
-use serde::Serialize;
 use std::time::Instant;
 use thiserror::Error;
 use turbo_core::Backend;
@@ -34,18 +34,6 @@ impl From<turbo_llama::tokenizer::TokenizerError> for EngineError {
 
 pub type Result<T> = std::result::Result<T, EngineError>;
 
-/// Why generation ended, in the words OpenAI-compatible clients expect.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FinishReason {
-    /// An end-of-sequence token or a stop string.
-    Stop,
-    /// `max_tokens`, or the end of the model's context.
-    Length,
-    /// The caller asked to stop.
-    Cancelled,
-}
-
 /// What to generate after a prompt.
 #[derive(Clone, Debug)]
 pub struct GenerationRequest {
@@ -65,26 +53,6 @@ impl Default for GenerationRequest {
             ignore_eos: false,
         }
     }
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct Timings {
-    /// From the request to its first generated token: prefill of the uncached prompt tokens.
-    pub prefill_ms: f64,
-    /// The remaining tokens.
-    pub decode_ms: f64,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct Completion {
-    pub token_ids: Vec<u32>,
-    pub text: String,
-    pub finish_reason: FinishReason,
-    /// Prompt tokens whose KV was already cached by the session.
-    pub cached_prompt_tokens: usize,
-    /// Prompt tokens that were run through the model.
-    pub prefilled_tokens: usize,
-    pub timings: Timings,
 }
 
 /// A conversation's tokens and the KV blocks that hold them, kept between requests so a new turn
@@ -288,7 +256,9 @@ impl<B: Backend> Engine<B> {
             finish_reason: finish,
             cached_prompt_tokens: common,
             prefilled_tokens: prompt.len() - common,
+            preemptions: 0,
             timings: Timings {
+                queue_ms: 0.0,
                 prefill_ms,
                 decode_ms: decode_started.elapsed().as_secs_f64() * 1e3,
             },

@@ -2,6 +2,7 @@
 //! KV outlives a request so that the next turn of a conversation prefills only its new tokens.
 
 pub mod batch;
+pub mod completion;
 pub mod engine;
 pub mod sampling;
 pub mod stop;
@@ -10,7 +11,6 @@ pub use batch::{
     BatchConfig, BatchError, BatchStats, Event, PersistentBatch, Request, RequestError,
     RequestHandle, RequestId, StepReport,
 };
-pub use engine::{
-    Completion, Engine, EngineError, FinishReason, GenerationRequest, Session, Timings,
-};
+pub use completion::{Completion, FinishReason, Timings};
+pub use engine::{Engine, EngineError, GenerationRequest, Session};
 pub use sampling::{Sampler, SamplingParams};

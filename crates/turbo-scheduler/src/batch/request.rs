@@ -1,7 +1,7 @@
 //! What a client hands the persistent batch and what it gets back: a [`Request`], and a
 //! [`RequestHandle`] on which its [`Event`]s arrive.
 
-use crate::engine::FinishReason;
+use crate::completion::Completion;
 use crate::sampling::SamplingParams;
 use serde::Serialize;
 use std::fmt;
@@ -49,34 +49,6 @@ impl Request {
             session: None,
         }
     }
-}
-
-/// Where a request's time went, in milliseconds from its submission.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct Timings {
-    /// Waiting for a batch slot and KV blocks: submission to first admission.
-    pub queue_ms: f64,
-    /// Time to first token: submission (queueing included) to the first generated token.
-    pub prefill_ms: f64,
-    /// First generated token to the end.
-    pub decode_ms: f64,
-}
-
-/// The outcome of a request that ran (or was cancelled); the fields of
-/// [`crate::engine::Completion`], with the batch's timings.
-#[derive(Clone, Debug, Serialize)]
-pub struct Completion {
-    pub token_ids: Vec<u32>,
-    pub text: String,
-    pub finish_reason: FinishReason,
-    /// Prompt tokens whose KV was already cached when the request was first admitted (its
-    /// session's history, or blocks shared with other sequences).
-    pub cached_prompt_tokens: usize,
-    /// Prompt tokens that were run through the model at first admission.
-    pub prefilled_tokens: usize,
-    /// Times the request was preempted (its KV dropped and later recomputed).
-    pub preemptions: usize,
-    pub timings: Timings,
 }
 
 /// Why a request could not run. It gets no other event after this one.
