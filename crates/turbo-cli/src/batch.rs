@@ -1,16 +1,15 @@
 //! `turbo generate --prompts-file F.jsonl`: many requests at once through the persistent batch.
 
+use crate::generate::Output;
 use crate::runtime::{LoadedModelInfo, ModelTask};
 use anyhow::{bail, Context, Result};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use std::path::PathBuf;
 use std::time::Instant;
 use turbo_core::Backend;
 use turbo_llama::tokenizer::TextTokenizer;
 use turbo_llama::Llama;
-use turbo_scheduler::{
-    BatchConfig, Completion, FinishReason, PersistentBatch, Request, SamplingParams, Timings,
-};
+use turbo_scheduler::{BatchConfig, Completion, PersistentBatch, Request, SamplingParams};
 
 /// One line of the prompts file.
 #[derive(Deserialize)]
@@ -21,15 +20,6 @@ struct Line {
     temperature: Option<f32>,
     seed: Option<u64>,
     session: Option<String>,
-}
-
-#[derive(Serialize)]
-struct Output<'a> {
-    prompt_token_ids: &'a [u32],
-    token_ids: &'a [u32],
-    text: &'a str,
-    finish_reason: FinishReason,
-    timings: &'a Timings,
 }
 
 /// Options of batch mode.
@@ -117,13 +107,7 @@ impl ModelTask for BatchTask {
         for (handle, prompt) in handles.into_iter().zip(&prompts) {
             let c: Completion = handle.wait()?;
             generated += c.token_ids.len();
-            let out = Output {
-                prompt_token_ids: prompt,
-                token_ids: &c.token_ids,
-                text: &c.text,
-                finish_reason: c.finish_reason,
-                timings: &c.timings,
-            };
+            let out = Output::new(prompt, &c);
             println!("{}", serde_json::to_string(&out)?);
         }
         let stats = batch.stats();

@@ -9,7 +9,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use turbo_core::Backend;
 use turbo_llama::chat::ChatMessage;
-use turbo_scheduler::{Engine, FinishReason, GenerationRequest, Session, Timings};
+use turbo_scheduler::{Completion, Engine, FinishReason, GenerationRequest, Session, Timings};
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -61,13 +61,26 @@ pub struct GenerateArgs {
     json: bool,
 }
 
+/// The JSON record of one request, as `--json` and `--prompts-file` print it.
 #[derive(Serialize)]
-struct Output<'a> {
+pub struct Output<'a> {
     prompt_token_ids: &'a [u32],
     token_ids: &'a [u32],
     text: &'a str,
     finish_reason: FinishReason,
     timings: &'a Timings,
+}
+
+impl<'a> Output<'a> {
+    pub fn new(prompt_token_ids: &'a [u32], c: &'a Completion) -> Self {
+        Output {
+            prompt_token_ids,
+            token_ids: &c.token_ids,
+            text: &c.text,
+            finish_reason: c.finish_reason,
+            timings: &c.timings,
+        }
+    }
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
@@ -134,13 +147,7 @@ impl EngineTask for Generate {
             true
         })?;
         if json {
-            let out = Output {
-                prompt_token_ids: &ids,
-                token_ids: &completion.token_ids,
-                text: &completion.text,
-                finish_reason: completion.finish_reason,
-                timings: &completion.timings,
-            };
+            let out = Output::new(&ids, &completion);
             println!("{}", serde_json::to_string(&out)?);
         } else {
             println!();
