@@ -1,4 +1,6 @@
+use crate::AttentionError;
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// Keys and values of one KV head stored contiguously, `[n, head_dim]` each.
 pub struct KvRows<'a> {
@@ -42,7 +44,12 @@ pub struct QuerySpan<'a> {
 /// Causal attention for a batch of sequences over paged KV, with grouped-query heads.
 ///
 /// `q` and `out` are `[tokens, n_heads, head_dim]`; `lse`, when given, receives `[tokens, n_heads]`
-/// natural-log sum-exps so callers can merge with attention over other keys.
+/// natural-log sum-exps so callers can merge with attention over other keys. A span with one
+/// query row is a decode step, one with many a (chunked) prefill; both are computed alike. A row
+/// that no span covers is treated as position 0 of the first span's sequence.
+///
+/// # Panics
+/// On a malformed batch, with the message of [`try_paged_attention`]'s error.
 pub fn paged_attention(
     q: &[f32],
     n_heads: usize,
@@ -52,26 +59,26 @@ pub fn paged_attention(
     out: &mut [f32],
     lse: Option<&mut [f32]>,
 ) {
-    let d = kv.head_dim;
-    assert!(
-        n_heads % kv.n_kv_heads == 0,
-        "query heads must be a multiple of KV heads"
-    );
-    let group = n_heads / kv.n_kv_heads;
-    let n_tokens = q.len() / (n_heads * d);
-    assert_eq!(out.len(), q.len());
-    // For each token row: its span and its position in the sequence.
-    let mut rows = vec![(0usize, 0usize); n_tokens];
-    for (s, span) in spans.iter().enumerate() {
-        assert!(span.n_q <= span.kv_len && span.q_start + span.n_q <= n_tokens);
-        assert!(
-            span.kv_len <= span.block_table.len() * kv.block_size,
-            "block table too short"
-        );
-        for i in 0..span.n_q {
-            rows[span.q_start + i] = (s, span.kv_len - span.n_q + i);
-        }
+    if let Err(e) = try_paged_attention(q, n_heads, kv, spans, scale, out, lse) {
+        panic!("paged_attention: {e}");
     }
+}
+
+/// [`paged_attention`], returning an error instead of panicking when the shapes, spans or block
+/// tables do not fit together.
+pub fn try_paged_attention(
+    q: &[f32],
+    n_heads: usize,
+    kv: &PagedKv,
+    spans: &[QuerySpan],
+    scale: f32,
+    out: &mut [f32],
+    lse: Option<&mut [f32]>,
+) -> Result<(), AttentionError> {
+    let n_tokens = check_batch(q, n_heads, kv, spans, out, lse.as_deref())?;
+    let rows = row_positions(spans, n_tokens);
+    let d = kv.head_dim;
+    let group = n_heads / kv.n_kv_heads;
     let mut lse_scratch;
     let lse = match lse {
         Some(l) => l,
@@ -95,19 +102,127 @@ pub fn paged_attention(
                     kv,
                     spans[s].block_table,
                     head / group,
-                    pos + 1,
+                    0..pos + 1,
                     scale,
                     scores,
                     o,
                 )
             };
         });
+    Ok(())
 }
 
-type HeadKernel =
-    unsafe fn(&[f32], &PagedKv, &[u32], usize, usize, f32, &mut Vec<f32>, &mut [f32]) -> f32;
+/// For each query row: its span and its position in the sequence.
+pub(crate) fn row_positions(spans: &[QuerySpan], n_tokens: usize) -> Vec<(usize, usize)> {
+    let mut rows = vec![(0usize, 0usize); n_tokens];
+    for (s, span) in spans.iter().enumerate() {
+        for i in 0..span.n_q {
+            rows[span.q_start + i] = (s, span.kv_len - span.n_q + i);
+        }
+    }
+    rows
+}
 
-fn head_kernel() -> HeadKernel {
+/// Checks that a batch's buffers, heads, spans and block tables fit together, so the kernels can
+/// index without further checks; returns the number of query rows.
+pub(crate) fn check_batch(
+    q: &[f32],
+    n_heads: usize,
+    kv: &PagedKv,
+    spans: &[QuerySpan],
+    out: &[f32],
+    lse: Option<&[f32]>,
+) -> Result<usize, AttentionError> {
+    let shape = |msg: String| Err(AttentionError::Shape(msg));
+    let d = kv.head_dim;
+    if d == 0 || kv.block_size == 0 || kv.n_kv_heads == 0 || n_heads == 0 {
+        return shape(format!(
+            "head_dim {d}, block size {}, {} KV heads and {n_heads} query heads must all be positive",
+            kv.block_size, kv.n_kv_heads
+        ));
+    }
+    if n_heads % kv.n_kv_heads != 0 {
+        return shape(format!(
+            "{n_heads} query heads are not a multiple of {} KV heads",
+            kv.n_kv_heads
+        ));
+    }
+    let row_len = n_heads * d;
+    if q.len() % row_len != 0 || out.len() != q.len() {
+        return shape(format!(
+            "q has {} and out {} elements; both must be the same multiple of n_heads * head_dim = {row_len}",
+            q.len(),
+            out.len()
+        ));
+    }
+    let n_tokens = q.len() / row_len;
+    if let Some(l) = lse {
+        if l.len() != n_tokens * n_heads {
+            return shape(format!(
+                "lse has {} elements for {n_tokens} rows of {n_heads} heads",
+                l.len()
+            ));
+        }
+    }
+    let block_len = kv.block_size * kv.n_kv_heads * d;
+    if kv.keys.len() != kv.values.len() || kv.keys.len() % block_len != 0 {
+        return shape(format!(
+            "keys ({}) and values ({}) must hold the same whole number of {block_len}-element blocks",
+            kv.keys.len(),
+            kv.values.len()
+        ));
+    }
+    let n_blocks = kv.keys.len() / block_len;
+    if spans.is_empty() && n_tokens > 0 {
+        return shape(format!("{n_tokens} query rows but no spans"));
+    }
+    let mut owner = vec![usize::MAX; n_tokens];
+    for (s, span) in spans.iter().enumerate() {
+        let fail = |reason: String| Err(AttentionError::Span { span: s, reason });
+        if span.n_q > span.kv_len {
+            return fail(format!(
+                "{} query rows but only {} keys (the rows' own keys are among them)",
+                span.n_q, span.kv_len
+            ));
+        }
+        if span.q_start + span.n_q > n_tokens {
+            return fail(format!(
+                "rows {}..{} past the batch's {n_tokens} rows",
+                span.q_start,
+                span.q_start + span.n_q
+            ));
+        }
+        if let Some(r) = (span.q_start..span.q_start + span.n_q).find(|&r| owner[r] != usize::MAX) {
+            return fail(format!("row {r} is also a row of span {}", owner[r]));
+        }
+        owner[span.q_start..span.q_start + span.n_q].fill(s);
+        let needed = span.kv_len.div_ceil(kv.block_size);
+        if needed > span.block_table.len() {
+            return fail(format!(
+                "{} keys need {needed} blocks of {}, the table has {}",
+                span.kv_len,
+                kv.block_size,
+                span.block_table.len()
+            ));
+        }
+        if let Some(&b) = span.block_table[..needed]
+            .iter()
+            .find(|&&b| b as usize >= n_blocks)
+        {
+            return fail(format!(
+                "block {b} is past the {n_blocks} blocks of the KV storage"
+            ));
+        }
+    }
+    Ok(n_tokens)
+}
+
+/// One query head's attention over a range of a paged sequence's keys (see [`head_attention`]).
+pub(crate) type HeadKernel =
+    unsafe fn(&[f32], &PagedKv, &[u32], usize, Range<usize>, f32, &mut Vec<f32>, &mut [f32]) -> f32;
+
+/// The fastest [`HeadKernel`] this CPU supports.
+pub(crate) fn head_kernel() -> HeadKernel {
     static KERNEL: std::sync::OnceLock<HeadKernel> = std::sync::OnceLock::new();
     *KERNEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
@@ -132,12 +247,12 @@ macro_rules! head_attention_for {
             kv: &PagedKv,
             table: &[u32],
             kv_head: usize,
-            n_keys: usize,
+            keys: Range<usize>,
             scale: f32,
             scores: &mut Vec<f32>,
             o: &mut [f32],
         ) -> f32 {
-            head_attention(q, kv, table, kv_head, n_keys, scale, scores, o)
+            head_attention(q, kv, table, kv_head, keys, scale, scores, o)
         }
     };
 }
@@ -148,8 +263,9 @@ head_attention_for!(head_attention_avx512, "avx512f,avx2,fma");
 head_attention_for!(head_attention_avx2, "avx2,fma");
 head_attention_for!(head_attention_portable);
 
-/// Two-pass softmax attention of one query head over the first `n_keys` tokens of a paged
-/// sequence: all scores, then one exponential each, then the weighted sum of values.
+/// Two-pass softmax attention of one query head over the keys `keys` of a paged sequence (all
+/// scores, then one exponential each, then the weighted sum of values); returns the lse, `-inf`
+/// with `o = 0` for an empty range.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn head_attention(
@@ -157,33 +273,41 @@ fn head_attention(
     kv: &PagedKv,
     table: &[u32],
     kv_head: usize,
-    n_keys: usize,
+    keys: Range<usize>,
     scale: f32,
     scores: &mut Vec<f32>,
     o: &mut [f32],
 ) -> f32 {
+    o.fill(0.0);
+    if keys.is_empty() {
+        return f32::NEG_INFINITY;
+    }
     let d = kv.head_dim;
     let slot_stride = kv.n_kv_heads * d;
-    let blocks = n_keys.div_ceil(kv.block_size);
-    // Visits this head's key (or value) rows in token order, block by block.
+    let (first, end) = (keys.start, keys.end);
+    // Visits this head's key (or value) rows in token order, block by block: f(index in the
+    // range, offset of the row).
     let for_each_row = |f: &mut dyn FnMut(usize, usize)| {
-        for (b, &block) in table[..blocks].iter().enumerate() {
-            let first = block as usize * kv.block_size * slot_stride + kv_head * d;
-            let p0 = b * kv.block_size;
-            for slot in 0..kv.block_size.min(n_keys - p0) {
-                f(p0 + slot, first + slot * slot_stride);
+        let mut p = first;
+        while p < end {
+            let block = table[p / kv.block_size] as usize;
+            let slot0 = p % kv.block_size;
+            let stop = end.min(p - slot0 + kv.block_size);
+            let base = block * kv.block_size * slot_stride + kv_head * d;
+            for slot in slot0..slot0 + (stop - p) {
+                f(p - first + slot - slot0, base + slot * slot_stride);
             }
+            p = stop;
         }
     };
-    scores.resize(n_keys, 0.0);
+    scores.resize(end - first, 0.0);
     let mut max = f32::NEG_INFINITY;
-    for_each_row(&mut |p, at| {
+    for_each_row(&mut |i, at| {
         let s = dot(q, &kv.keys[at..at + d]) * scale;
-        scores[p] = s;
+        scores[i] = s;
         max = max.max(s);
     });
-    if n_keys == 0 || max == f32::NEG_INFINITY {
-        o.fill(0.0);
+    if max == f32::NEG_INFINITY {
         return f32::NEG_INFINITY;
     }
     let mut sum = 0f32;
@@ -191,9 +315,8 @@ fn head_attention(
         *s = (*s - max).exp();
         sum += *s;
     }
-    o.fill(0.0);
-    for_each_row(&mut |p, at| {
-        let w = scores[p];
+    for_each_row(&mut |i, at| {
+        let w = scores[i];
         for (x, v) in o.iter_mut().zip(&kv.values[at..at + d]) {
             *x += w * v;
         }
@@ -204,7 +327,7 @@ fn head_attention(
 }
 
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = ca
