@@ -8,20 +8,22 @@
 //   lse         [tokens][n_heads]                           f32, natural log of Σ exp(scaled score)
 // Query head h reads KV head h / group (grouped-query attention, group = n_heads / n_kv_heads).
 //
-// Work is split "flash-decoding" style: one CTA computes the attention of one query row and one
-// head over one chunk of its visible keys (keys 0..=pos), as a state (o, lse). With a split, the
-// states go to f32 scratch and attn_merge combines the chunks of each (token, head); without one
-// (a single chunk per token covering all its keys), the CTA writes the final output itself.
+// Rows of few query tokens (decode) are computed "flash-decoding" style: a CTA computes the
+// attention of one query row over one range of its keys, as a state (o, lse). A row whose keys
+// are split into several ranges has its states written to f32 scratch, and attn_merge combines
+// them; a row with a single range is written to the output directly. Two kernels do this:
+//   attn_decode_d*  tensor cores, all query heads of one KV head in one CTA (each K and V row is
+//                   read once for the whole group): head_dim 64 and 128
+//   attn_chunk_d*   CUDA cores, one CTA per query head: every supported head_dim
 //
-// Host-side tables (all u32):
+// Host-made tables (all u32):
 //   tables          the block tables of all sequences, concatenated
 //   seq_table_start [seqs]   where each sequence's table starts in `tables`
 //   token_seq       [tokens] the sequence of each query row
-//   token_pos       [tokens] the position of each query row (it sees keys 0..=pos)
-//   work            [n_work][2] (token, chunk index) per work item, or null: one item per token,
-//                   chunk 0, with a chunk size that covers every key
-//   token_work      [rows + 1] work items token_work[r]..token_work[r + 1] belong to merge row r
-//   rows            [rows] the query row of each merge row, or null: merge row r is query row r
+//   items           [n][4]   work items: query row, first key, end key (exclusive, at most the
+//                            row's position + 1), state slot (0xffffffff: write the output)
+//   row_states      [rows + 1] merge row r combines state slots row_states[r]..row_states[r + 1]
+//   rows            [rows]   the query row of each merge row, or null: merge row r is query row r
 //
 // Prefill spans (many query rows of one sequence) go instead to attn_prefill_d*, a tensor-core
 // FlashAttention-2 kernel (at the end of this file).
@@ -37,6 +39,8 @@
 #define ATTN_MIN_CTAS 4
 
 #define ATTN_LOG2E 1.4426950408889634f
+// A work item's state slot meaning "write the output, not a state".
+#define ATTN_NO_STATE 0xffffffffu
 #define ATTN_LN2 0.6931471805599453f
 
 __device__ __forceinline__ float attn_neg_inf() { return __int_as_float(0xff800000); }
@@ -88,8 +92,8 @@ __device__ __forceinline__ void attn_load(const __nv_bfloat16* __restrict__ p, f
     }
 }
 
-// One CTA: query row `token`, head blockIdx.y, keys [k0, k1) of that row's sequence, where
-// k0 = chunk index * chunk and k1 = min(k0 + chunk, pos + 1).
+// One CTA: work item blockIdx.x (query row `token`, keys [k0, k1) of that row's sequence, a state
+// slot), head blockIdx.y.
 //
 // A warp is cut into KPW = 32 / G groups of G lanes; a group scores one key at a time, each lane
 // owning E = HD / G consecutive dimensions of q, of the key and value rows, and of the output. A
@@ -106,10 +110,8 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
                                            const uint32_t* __restrict__ tables,
                                            const uint32_t* __restrict__ seq_table_start,
                                            const uint32_t* __restrict__ token_seq,
-                                           const uint32_t* __restrict__ token_pos,
-                                           const uint32_t* __restrict__ work, int n_heads, int group,
-                                           int n_kv_heads, int block_size, int block_shift, uint32_t chunk,
-                                           float scale, float* __restrict__ part_o,
+                                           const uint32_t* __restrict__ items, int n_heads, int group,
+                                           int n_kv_heads, int block_size, int block_shift, float scale, float* __restrict__ part_o,
                                            float* __restrict__ part_lse, __nv_bfloat16* __restrict__ out,
                                            float* __restrict__ lse_out) {
     static_assert(G >= 1 && G <= TURBO_WARP && (G & (G - 1)) == 0, "G must be a power of two <= 32");
@@ -125,21 +127,11 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
 
     const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
     const int sub = lane / G, part = lane % G;
-    const size_t item = blockIdx.x;
     const int head = blockIdx.y;
-    uint32_t token, chunk_idx;
-    if (work != nullptr) {
-        token = work[2 * item];
-        chunk_idx = work[2 * item + 1];
-    } else {
-        token = (uint32_t)item;
-        chunk_idx = 0;
-    }
-    const uint32_t seq = token_seq[token];
-    const uint32_t n_keys = token_pos[token] + 1;
-    const uint32_t k0 = chunk_idx * chunk;  // < n_keys: the host makes no empty work items
-    const uint32_t k1 = n_keys - k0 <= chunk ? n_keys : k0 + chunk;
-    const uint32_t* table = tables + seq_table_start[seq];
+    // k0 < k1: the host makes no empty work items.
+    const uint4 it = reinterpret_cast<const uint4*>(items)[blockIdx.x];
+    const uint32_t token = it.x, k0 = it.y, k1 = it.z, state = it.w;
+    const uint32_t* table = tables + seq_table_start[token_seq[token]];
 
     const size_t row_q = (size_t)token * (size_t)n_heads + (size_t)head;
     float qv[E];
@@ -231,7 +223,8 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
     const float inv = empty ? 0.f : 1.f / sum;
     const float lse = empty ? attn_neg_inf() : mx * ATTN_LN2 + logf(sum);
 
-    const size_t state = part_o != nullptr ? item * (size_t)n_heads + (size_t)head : row_q;
+    const bool direct = state == ATTN_NO_STATE;
+    const size_t dst = direct ? row_q : (size_t)state * (size_t)n_heads + (size_t)head;
     for (int d = threadIdx.x; d < HD; d += ATTN_THREADS) {
         float o = 0.f;
 #pragma unroll
@@ -239,17 +232,17 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
             if (sm_m[w] != attn_neg_inf()) o = fmaf(exp2f(sm_m[w] - mx), sm_o[w][d], o);
         }
         o *= inv;
-        if (part_o != nullptr) {
-            part_o[state * HD + d] = o;
+        if (direct) {
+            out[dst * HD + d] = __float2bfloat16_rn(o);
         } else {
-            out[state * HD + d] = __float2bfloat16_rn(o);
+            part_o[dst * HD + d] = o;
         }
     }
     if (threadIdx.x == 0) {
-        if (part_o != nullptr) {
-            part_lse[state] = lse;
+        if (!direct) {
+            part_lse[dst] = lse;
         } else if (lse_out != nullptr) {
-            lse_out[state] = lse;
+            lse_out[dst] = lse;
         }
     }
 }
@@ -259,13 +252,11 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
         const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
         const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ token_seq,            \
-        const uint32_t* __restrict__ token_pos, const uint32_t* __restrict__ work, int n_heads,          \
-        int group, int n_kv_heads, int block_size, int block_shift, uint32_t chunk, float scale,         \
-        float* __restrict__ part_o, float* __restrict__ part_lse, __nv_bfloat16* __restrict__ out,       \
-        float* __restrict__ lse_out) {                                                                   \
-        attn_chunk<HD, G>(q, k_cache, v_cache, tables, seq_table_start, token_seq, token_pos, work,         \
-                       n_heads, group, n_kv_heads, block_size, block_shift, chunk, scale, part_o,        \
-                       part_lse, out, lse_out);                                                          \
+        const uint32_t* __restrict__ items, int n_heads, int group, int n_kv_heads, int block_size,      \
+        int block_shift, float scale, float* __restrict__ part_o, float* __restrict__ part_lse,          \
+        __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {                                  \
+        attn_chunk<HD, G>(q, k_cache, v_cache, tables, seq_table_start, token_seq, items, n_heads, group,   \
+                          n_kv_heads, block_size, block_shift, scale, part_o, part_lse, out, lse_out);      \
     }
 
 // (head_dim, lanes per key): 8 or 16 bf16 per lane (12 for 96 and 192), loaded 16 or 8 bytes at a time.
@@ -276,42 +267,72 @@ ATTN_CHUNK_KERNEL(128, 8)
 ATTN_CHUNK_KERNEL(192, 16)
 ATTN_CHUNK_KERNEL(256, 16)
 
-// Merges the chunk states of query row blockIdx.x, head blockIdx.y:
+// Merges the states of merge row blockIdx.x, head blockIdx.y (state slots i, laid out
+// [slot][n_heads][head_dim] and [slot][n_heads]):
 //   M = max_i lse_i,  S = Σ_i exp(lse_i - M),  o = Σ_i exp(lse_i - M) o_i / S,  lse = M + ln S.
-// Empty chunks (lse_i = -inf) weigh exactly 0; with no finite lse_i at all, o = 0 and lse = -inf.
-// A single chunk passes through exactly (weight 1, S = 1).
-// Merge row blockIdx.x is query row rows[blockIdx.x], or blockIdx.x itself when rows is null;
-// token_work is indexed by merge row.
+// Empty states (lse_i = -inf) weigh exactly 0; with no finite lse_i at all, o = 0 and lse = -inf.
+// A single state passes through exactly (weight 1, S = 1).
+// Merge row blockIdx.x is query row rows[blockIdx.x], or blockIdx.x itself when rows is null.
+//
+// A row may have many states (a long sequence split for a batch of one), so the warps take the
+// states in turn, each lane summing dimensions lane + 32 j of its warp's states (loads of
+// different states independent, so several are in flight), and the warps' sums are added through
+// shared memory. head_dim is a multiple of 32, at most 256.
+#define ATTN_MERGE_WARPS (ATTN_MERGE_THREADS / TURBO_WARP)
 extern "C" __global__ void __launch_bounds__(ATTN_MERGE_THREADS)
 attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_lse,
-           const uint32_t* __restrict__ token_work, const uint32_t* __restrict__ rows, int n_heads,
+           const uint32_t* __restrict__ row_states, const uint32_t* __restrict__ rows, int n_heads,
            int head_dim, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {
+    __shared__ float sm_o[ATTN_MERGE_WARPS][256];
+    __shared__ float sm_x[ATTN_MERGE_WARPS];
+    const int tid = threadIdx.x, lane = tid % TURBO_WARP, warp = tid / TURBO_WARP;
     const size_t token = rows != nullptr ? rows[blockIdx.x] : blockIdx.x;
     const int head = blockIdx.y;
-    const size_t w0 = token_work[blockIdx.x], w1 = token_work[blockIdx.x + 1];
+    const uint32_t w0 = row_states[blockIdx.x], w1 = row_states[blockIdx.x + 1];
+
     float mx = attn_neg_inf();
-    for (size_t w = w0; w < w1; w++) mx = fmaxf(mx, part_lse[w * n_heads + head]);
-    const bool empty = mx == attn_neg_inf();
+    for (uint32_t w = w0 + tid; w < w1; w += ATTN_MERGE_THREADS) mx = fmaxf(mx, part_lse[(size_t)w * n_heads + head]);
+    mx = warp_max(mx);
+    if (lane == 0) sm_x[warp] = mx;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < ATTN_MERGE_WARPS; w++) mx = fmaxf(mx, sm_x[w]);
+    __syncthreads();  // sm_x is reused for the sums
+
+    const int dpl = head_dim / TURBO_WARP;  // dimensions per lane, <= 8
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     float sum = 0.f;
-    if (!empty) {
-        for (size_t w = w0; w < w1; w++) {
-            const float x = part_lse[w * n_heads + head];
-            sum += x == attn_neg_inf() ? 0.f : expf(x - mx);
+#pragma unroll 4
+    for (uint32_t w = w0 + warp; w < w1; w += ATTN_MERGE_WARPS) {
+        const size_t st = (size_t)w * n_heads + head;
+        const float x = part_lse[st];
+        const float c = x == attn_neg_inf() ? 0.f : expf(x - mx);  // all -inf: mx too, all 0
+        sum += c;
+        const float* src = part_o + st * head_dim + lane;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            if (j < dpl) acc[j] = fmaf(c, src[32 * j], acc[j]);
         }
     }
-    const float inv = empty ? 0.f : 1.f / sum;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        if (j < dpl) sm_o[warp][lane + 32 * j] = acc[j];
+    }
+    if (lane == 0) sm_x[warp] = sum;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < ATTN_MERGE_WARPS; w++) total += sm_x[w];
+    const bool empty = !(total > 0.f);
+    const float inv = empty ? 0.f : 1.f / total;
     const size_t row = token * (size_t)n_heads + (size_t)head;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    for (int d = tid; d < head_dim; d += ATTN_MERGE_THREADS) {
         float o = 0.f;
-        if (!empty) {
-            for (size_t w = w0; w < w1; w++) {
-                const float x = part_lse[w * n_heads + head];
-                if (x != attn_neg_inf()) o = fmaf(expf(x - mx), part_o[(w * n_heads + head) * head_dim + d], o);
-            }
-        }
+#pragma unroll
+        for (int w = 0; w < ATTN_MERGE_WARPS; w++) o += sm_o[w][d];
         out[row * head_dim + d] = __float2bfloat16_rn(o * inv);
     }
-    if (threadIdx.x == 0 && lse_out != nullptr) lse_out[row] = empty ? attn_neg_inf() : mx + logf(sum);
+    if (tid == 0 && lse_out != nullptr) lse_out[row] = empty ? attn_neg_inf() : mx + logf(total);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -340,6 +361,16 @@ attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_lse,
 // Work items (host-made, u32): items[4 i .. 4 i + 4] = first query row (token), number of rows
 // (1..16 · MT · WARPS), position of the first row, sequence; row r of the item is token + r at
 // position pos + r. blockIdx.x = item * n_heads + head.
+//
+// The same body, with SHARED, computes the shared-prefix part of cascade attention: the rows of a
+// CTA are (query row, query head) pairs of several sequences that all see the same leading keys
+// (held in the same blocks), for the query heads of one KV head, over keys [k0, k1) of the shared
+// prefix, with no causal mask (every row lies after the prefix). Each key tile is then read once
+// for up to 16 · MT · WARPS query rows and heads, instead of once per row. Items there are
+// items[8 i .. 8 i + 8] = first flattened row f0, rows, k0, k1, the sequence whose table holds
+// the prefix, prefix chunk index, KV head, unused; flattened row f is query row
+// shared_tokens[f / group], query head kv · group + f % group. The CTA writes f32 states to slot
+// token_state[row] + chunk of part_o / part_lse (the layout attn_merge reads).
 
 // The prefill kernels' shared memory (dynamic: above 48 KiB for some shapes).
 extern __shared__ __align__(16) unsigned char pf_dyn_smem[];
@@ -406,7 +437,7 @@ constexpr int pf_smem_bytes() {
 // With MT == 1 the Q fragments stay in registers; with MT > 1 they are re-read from shared memory
 // at each k-step, and each K and V fragment serves MT m-tiles (half the shared-memory traffic per
 // FLOP at MT = 2). Shared memory: the dynamic buffer pf_dyn_smem, pf_smem_bytes<...>() bytes.
-template <int HD, int WARPS, int MT, int BN>
+template <int HD, int WARPS, int MT, int BN, bool SHARED>
 __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q,
                                              const __nv_bfloat16* __restrict__ k_cache,
                                              const __nv_bfloat16* __restrict__ v_cache,
@@ -414,7 +445,10 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
                                              const uint32_t* __restrict__ seq_table_start,
                                              const uint32_t* __restrict__ items, int n_heads, int group,
                                              int n_kv_heads, int block_size, int block_shift, float scale,
-                                             __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {
+                                             __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out,
+                                             const uint32_t* __restrict__ shared_tokens,
+                                             const uint32_t* __restrict__ token_state,
+                                             float* __restrict__ part_o, float* __restrict__ part_lse) {
     static_assert(HD % 16 == 0 && HD >= 64 && HD <= 128, "head_dim 64..128, a multiple of 16");
     static_assert(BN % 16 == 0 && (MT == 1 || MT == 2), "tile shape");
     constexpr int KSTEPS = HD / 16;           // k-steps of Q·Kᵀ
@@ -434,12 +468,41 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
 
     const int tid = threadIdx.x, lane = tid % TURBO_WARP, warp = tid / TURBO_WARP;
     const int g = lane >> 2, t = lane & 3;  // mma fragment row group and column pair
-    const int head = (int)(blockIdx.x % (unsigned)n_heads);
-    const size_t item = blockIdx.x / (unsigned)n_heads;
-    const uint32_t token0 = items[4 * item], n_rows = items[4 * item + 1];
-    const uint32_t pos0 = items[4 * item + 2], seq = items[4 * item + 3];
-    const uint32_t n_keys = pos0 + n_rows;  // keys 0..=last row's position
-    const int n_tiles = (int)((n_keys + BN - 1) / BN);
+    // Prefill: one head, rows token0 + r at positions pos0 + r, keys [0, pos0 + n_rows).
+    // SHARED: one KV head, flattened rows f0 + r, keys [k0, k1).
+    int head;
+    uint32_t token0, n_rows, pos0, seq, k0, k1, f0 = 0, chunk = 0;
+    if constexpr (SHARED) {
+        const uint32_t* it = items + 8 * (size_t)blockIdx.x;
+        f0 = it[0];
+        n_rows = it[1];
+        k0 = it[2];
+        k1 = it[3];
+        seq = it[4];
+        chunk = it[5];
+        head = (int)it[6] * group;  // the KV head's first query head
+        token0 = pos0 = 0;
+    } else {
+        head = (int)(blockIdx.x % (unsigned)n_heads);
+        const size_t item = blockIdx.x / (unsigned)n_heads;
+        token0 = items[4 * item];
+        n_rows = items[4 * item + 1];
+        pos0 = items[4 * item + 2];
+        seq = items[4 * item + 3];
+        k0 = 0;
+        k1 = pos0 + n_rows;  // keys 0..=last row's position
+    }
+    // Query row and head of CTA row r (r < n_rows).
+    auto row_of = [&](uint32_t r, uint32_t& token, int& h) {
+        if constexpr (SHARED) {
+            token = shared_tokens[(f0 + r) / (uint32_t)group];
+            h = head + (int)((f0 + r) % (uint32_t)group);
+        } else {
+            token = token0 + r;
+            h = head;
+        }
+    };
+    const int n_tiles = (int)((k1 - k0 + BN - 1) / BN);
     const uint32_t* table = tables + seq_table_start[seq];
     const size_t slot_stride = (size_t)n_kv_heads * HD;
     const size_t head_off = (size_t)(head / group) * HD;
@@ -450,8 +513,13 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
     for (int p = 0; p < Q_PASSES; p++) {
         const int r = tid / CPR + RPP * p;
         const bool valid = (uint32_t)r < n_rows;
-        const __nv_bfloat16* src =
-            valid ? q + ((size_t)(token0 + r) * (size_t)n_heads + (size_t)head) * HD + cc * 8 : q;
+        const __nv_bfloat16* src = q;
+        if (valid) {
+            uint32_t token;
+            int h;
+            row_of((uint32_t)r, token, h);
+            src = q + ((size_t)token * (size_t)n_heads + (size_t)h) * HD + cc * 8;
+        }
         pf_cp_async16(&sQ[pf_swz<HD>(r, cc)], src, valid);
     }
     pf_cp_async_commit();
@@ -462,9 +530,9 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
     auto find_rows = [&](int j) {
 #pragma unroll
         for (int p = 0; p < PASSES; p++) {
-            const uint32_t key = (uint32_t)(j * BN + tid / CPR + RPP * p);
+            const uint32_t key = k0 + (uint32_t)(j * BN + tid / CPR + RPP * p);
             uint32_t row = ~0u;
-            if (key < n_keys) {
+            if (key < k1) {
                 const uint32_t b = block_shift >= 0 ? key >> block_shift : key / (uint32_t)block_size;
                 row = table[b] * (uint32_t)block_size + (key - b * (uint32_t)block_size);
             }
@@ -552,9 +620,10 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
         }
 
         // Scale to the log2 domain, then mask keys past each row's position (only tiles that
-        // reach past the first row's position have any).
-        const uint32_t key0 = (uint32_t)j * BN;
-        const bool masked = key0 + BN - 1 > pos0;
+        // reach past the first row's position have any); SHARED: keys at or past k1 (only in
+        // the last tile).
+        const uint32_t key0 = k0 + (uint32_t)j * BN;
+        const bool masked = SHARED ? key0 + BN > k1 : key0 + BN - 1 > pos0;
 #pragma unroll
         for (int i = 0; i < MT; i++) {
 #pragma unroll
@@ -562,8 +631,8 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     s[i][n][e] *= scale_log2;
-                    if (masked && key0 + (uint32_t)(n * 8 + 2 * t + (e & 1)) > row_pos(i, e >> 1))
-                        s[i][n][e] = attn_neg_inf();
+                    const uint32_t key = key0 + (uint32_t)(n * 8 + 2 * t + (e & 1));
+                    if (masked && (SHARED ? key >= k1 : key > row_pos(i, e >> 1))) s[i][n][e] = attn_neg_inf();
                 }
             }
         }
@@ -644,20 +713,34 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
             const uint32_t r = (uint32_t)(warp * 16 * MT + 16 * i + g + 8 * h);
             if (r < n_rows) {
                 const float inv = 1.f / sum;
-                const size_t row = (size_t)(token0 + r) * (size_t)n_heads + (size_t)head;
-                __nv_bfloat16* dst = out + row * HD + 2 * t;
+                const float lse = m[i][h] * ATTN_LN2 + logf(sum);
+                uint32_t token;
+                int hr;
+                row_of(r, token, hr);
+                if constexpr (SHARED) {
+                    const size_t st = (size_t)(token_state[token] + chunk) * (size_t)n_heads + (size_t)hr;
+                    float* dst = part_o + st * HD + 2 * t;
 #pragma unroll
-                for (int d = 0; d < DTILES; d++) {
-                    *reinterpret_cast<uint32_t*>(dst + 8 * d) = pf_pack(o[i][d][2 * h] * inv, o[i][d][2 * h + 1] * inv);
+                    for (int d = 0; d < DTILES; d++) {
+                        *reinterpret_cast<float2*>(dst + 8 * d) = make_float2(o[i][d][2 * h] * inv, o[i][d][2 * h + 1] * inv);
+                    }
+                    if (t == 0) part_lse[st] = lse;
+                } else {
+                    const size_t row = (size_t)token * (size_t)n_heads + (size_t)hr;
+                    __nv_bfloat16* dst = out + row * HD + 2 * t;
+#pragma unroll
+                    for (int d = 0; d < DTILES; d++) {
+                        *reinterpret_cast<uint32_t*>(dst + 8 * d) = pf_pack(o[i][d][2 * h] * inv, o[i][d][2 * h + 1] * inv);
+                    }
+                    if (lse_out != nullptr && t == 0) lse_out[row] = lse;
                 }
-                if (lse_out != nullptr && t == 0) lse_out[row] = m[i][h] * ATTN_LN2 + logf(sum);
             }
         }
     }
 }
 // -- PREFILL KERNEL BODY END --
 
-// attn_prefill_d<HD>: WARPS warps of MT m-tiles, key tiles of BN, registers budgeted for MIN_CTAS
+// attn_prefill_d<HD> (and attn_shared_d<HD>, the cascade prefix): WARPS warps of MT m-tiles, key tiles of BN, registers budgeted for MIN_CTAS
 // CTAs per SM; the host launches it with pf_smem_bytes<HD, WARPS, MT, BN>() of dynamic shared memory.
 // The host's table of these shapes (prefill_kernel in crates/turbo-kernels/src/ops/attention.rs)
 // must agree with the instantiations below.
@@ -668,8 +751,21 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
         const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads,   \
         int group, int n_kv_heads, int block_size, int block_shift, float scale,                         \
         __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {                                  \
-        attn_prefill<HD, WARPS, MT, BN>(q, k_cache, v_cache, tables, seq_table_start, items, n_heads,    \
-                                        group, n_kv_heads, block_size, block_shift, scale, out, lse_out); \
+        attn_prefill<HD, WARPS, MT, BN, false>(q, k_cache, v_cache, tables, seq_table_start, items,      \
+                                               n_heads, group, n_kv_heads, block_size, block_shift, scale,  \
+                                               out, lse_out, nullptr, nullptr, nullptr, nullptr);        \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(WARPS * TURBO_WARP, MIN_CTAS) attn_shared_d##HD(         \
+        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
+        const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
+        const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads,   \
+        int group, int n_kv_heads, int block_size, int block_shift, float scale,                         \
+        const uint32_t* __restrict__ shared_tokens, const uint32_t* __restrict__ token_state,            \
+        float* __restrict__ part_o, float* __restrict__ part_lse) {                                      \
+        attn_prefill<HD, WARPS, MT, BN, true>(q, k_cache, v_cache, tables, seq_table_start, items,       \
+                                              n_heads, group, n_kv_heads, block_size, block_shift, scale,   \
+                                              nullptr, nullptr, shared_tokens, token_state, part_o,      \
+                                              part_lse);                                                 \
     }
 
 // Measured on an H100 (causal, 32 heads, S = 2048 / 8192): at d128, two m-tiles per warp (K and V
@@ -679,3 +775,273 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
 // two m-tiles with 64-key tiles (32 KiB) beat both others by 10-20%. 4 warps beat 8.
 ATTN_PREFILL_KERNEL(64, 4, 2, 64, 2)
 ATTN_PREFILL_KERNEL(128, 4, 2, 32, 2)
+
+// ------------------------------------------------------------------------------------------------
+// Decode: tensor-core attention of all the query heads of one KV head, for one query row.
+//
+// One CTA: work item blockIdx.x (query row `token`, keys [k0, k1), a state slot) and up to 16
+// query heads of one KV head (blockIdx.y = sub · n_kv_heads + kv head; heads kv·group + 16·sub
+// onwards). The heads are the rows of one 16-row mma tile (rows past the group are zero and never
+// written), so each key and value row is read from memory once for all of them: at GQA 4 a
+// quarter of what one CTA per query head reads. The tile's unused rows cost only tensor-core
+// issue slots, which decode has to spare.
+//
+// The 4 warps take 16-key steps in turn (warp w: keys k0 + 16 (w + 4 i) ..), each with its own
+// online softmax (log2 domain), merged through shared memory at the end. Each warp streams its
+// steps' K and V rows through a private ring of DEC_STAGES shared-memory stages with 16-byte
+// cp.async copies (each key's cache row found through the block table), so that two steps are in
+// flight while one is computed, without holding them in registers; fragments come from the ring
+// by ldmatrix (V transposed), rows swizzled as in the prefill kernel:
+//   S = Q·Kᵀ  (16 heads × 16 keys), scaled, masked past k1, online softmax
+//   O += P·V  P repacked from S's accumulators as the A operand
+// Shared memory: DEC_WARPS · DEC_STAGES · 2 · 16 · head_dim bf16 (96 KiB at d 128: two CTAs per
+// SM), reused at the end for the warps' states.
+#define DEC_WARPS 4
+#define DEC_THREADS (DEC_WARPS * TURBO_WARP)
+#define DEC_ROWS 16
+#define DEC_KEYS 16
+#define DEC_STAGES 3
+
+// Waits until at most N of this thread's cp.async groups are pending.
+template <int N>
+__device__ __forceinline__ void dec_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <int HD>
+__device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
+                                            const __nv_bfloat16* __restrict__ k_cache,
+                                            const __nv_bfloat16* __restrict__ v_cache,
+                                            const uint32_t* __restrict__ tables,
+                                            const uint32_t* __restrict__ seq_table_start,
+                                            const uint32_t* __restrict__ token_seq,
+                                            const uint32_t* __restrict__ items, int n_heads, int group,
+                                            int n_kv_heads, int block_size, int block_shift, float scale,
+                                            float* __restrict__ part_o, float* __restrict__ part_lse,
+                                            __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {
+    static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
+    constexpr int KSTEPS = HD / 16;            // k-steps of Q·Kᵀ
+    constexpr int NT = HD / 8;                 // 8-wide n-tiles of the output
+    constexpr int CPR = HD / 8;                // 16-byte chunks per K or V row
+    constexpr int TILE = DEC_KEYS * HD;        // elements of one step's K (or V)
+    constexpr int STAGE = 2 * TILE;            // K then V
+    constexpr int ROWS_PER_PASS = TURBO_WARP / CPR;  // key rows a warp copies per pass
+    constexpr int PASSES = DEC_KEYS / ROWS_PER_PASS;
+    constexpr int OSTRIDE = HD + 1;            // merge rows padded: a store's lanes hit distinct banks
+
+    const int tid = threadIdx.x, lane = tid % TURBO_WARP, warp = tid / TURBO_WARP;
+    const int g = lane >> 2, t = lane & 3;
+    __nv_bfloat16* const ring = reinterpret_cast<__nv_bfloat16*>(pf_dyn_smem) + warp * DEC_STAGES * STAGE;
+
+    const uint4 it = reinterpret_cast<const uint4*>(items)[blockIdx.x];
+    const uint32_t token = it.x, k0 = it.y, k1 = it.z, state = it.w;
+    const int kvh = (int)(blockIdx.y % (unsigned)n_kv_heads), sub = (int)(blockIdx.y / (unsigned)n_kv_heads);
+    const int h0 = kvh * group + DEC_ROWS * sub;  // the tile's first query head
+    const int nh = min(DEC_ROWS, group - DEC_ROWS * sub);
+    const uint32_t* table = tables + seq_table_start[token_seq[token]];
+    const size_t slot_stride = (size_t)n_kv_heads * HD;
+    const __nv_bfloat16* kb = k_cache + (size_t)kvh * HD;
+    const __nv_bfloat16* vb = v_cache + (size_t)kvh * HD;
+
+    // This warp's steps: keys base(i) = k0 + 16 (warp + 4 i), for i < n_steps.
+    const uint32_t first = k0 + DEC_KEYS * (uint32_t)warp;
+    const int n_steps = first < k1 ? (int)((k1 - first + DEC_KEYS * DEC_WARPS - 1) / (DEC_KEYS * DEC_WARPS)) : 0;
+
+    // Copies step i's K and V rows into ring stage i % DEC_STAGES (zeros past k1) as one group.
+    const int cc = lane % CPR;
+    auto issue = [&](int i) {
+        const uint32_t base = first + (uint32_t)(DEC_KEYS * DEC_WARPS * i);
+        __nv_bfloat16* st = ring + (i % DEC_STAGES) * STAGE;
+#pragma unroll
+        for (int p = 0; p < PASSES; p++) {
+            const int r = lane / CPR + ROWS_PER_PASS * p;
+            const uint32_t key = base + (uint32_t)r;
+            const bool valid = key < k1;
+            size_t off = 0;
+            if (valid) {
+                const uint32_t b = block_shift >= 0 ? key >> block_shift : key / (uint32_t)block_size;
+                off = ((size_t)table[b] * (size_t)block_size + (key - b * (uint32_t)block_size)) * slot_stride + cc * 8;
+            }
+            pf_cp_async16(st + pf_swz<HD>(r, cc), kb + off, valid);
+            pf_cp_async16(st + TILE + pf_swz<HD>(r, cc), vb + off, valid);
+        }
+        pf_cp_async_commit();
+    };
+    // Two steps in flight before the first is used (an empty group where there is no step, so
+    // that the group count stays uniform for the waits below).
+#pragma unroll
+    for (int i = 0; i < DEC_STAGES - 1; i++) {
+        if (i < n_steps) {
+            issue(i);
+        } else {
+            pf_cp_async_commit();
+        }
+    }
+
+    // Q's A fragments (rows g and g + 8 = heads h0 + g and h0 + g + 8; zero past the group).
+    uint32_t qa[KSTEPS][4];
+    {
+        const uint32_t* qrow = reinterpret_cast<const uint32_t*>(q + ((size_t)token * (size_t)n_heads + (size_t)h0) * HD);
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ks++) {
+            const int c = (16 * ks + 2 * t) / 2;  // u32 index of dims 16ks + 2t, + 1
+            qa[ks][0] = g < nh ? __ldg(qrow + g * (HD / 2) + c) : 0u;
+            qa[ks][1] = g + 8 < nh ? __ldg(qrow + (g + 8) * (HD / 2) + c) : 0u;
+            qa[ks][2] = g < nh ? __ldg(qrow + g * (HD / 2) + c + 4) : 0u;
+            qa[ks][3] = g + 8 < nh ? __ldg(qrow + (g + 8) * (HD / 2) + c + 4) : 0u;
+        }
+    }
+
+    const float scale_log2 = scale * ATTN_LOG2E;
+    float m[2] = {attn_neg_inf(), attn_neg_inf()}, l[2] = {0.f, 0.f};
+    float o[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+
+    // ldmatrix addressing (as in the prefill kernel): K rows for B of Q·Kᵀ, V rows transposed
+    // for B of P·V.
+    const int kr = (lane & 7) + ((lane >> 4) << 3), kc = (lane >> 3) & 1;
+    const int vr = (lane & 7) + (((lane >> 3) & 1) << 3), vc = lane >> 4;
+
+    for (int i = 0; i < n_steps; i++) {
+        if (i + DEC_STAGES - 1 < n_steps) {
+            issue(i + DEC_STAGES - 1);  // into the stage step i - 1 used, read before the last __syncwarp
+        } else {
+            pf_cp_async_commit();
+        }
+        dec_cp_async_wait<DEC_STAGES - 1>();  // step i's group has landed
+        __syncwarp();                        // and every lane's copies are visible
+        const __nv_bfloat16* sK = ring + (i % DEC_STAGES) * STAGE;
+        const __nv_bfloat16* sV = sK + TILE;
+        const uint32_t base = first + (uint32_t)(DEC_KEYS * DEC_WARPS * i);
+
+        float s[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ks++) {
+            uint32_t b[4];
+            pf_ldmatrix_x4(b, &sK[pf_swz<HD>(kr, 2 * ks + kc)]);
+            pf_mma(s[0], qa[ks], b[0], b[1]);
+            pf_mma(s[1], qa[ks], b[2], b[3]);
+        }
+        // Scale to the log2 domain; keys at or past k1 get -inf.
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const uint32_t key = base + (uint32_t)(8 * n + 2 * t + (e & 1));
+                s[n][e] = key < k1 ? s[n][e] * scale_log2 : attn_neg_inf();
+            }
+        }
+        // Online softmax of rows g (h = 0) and g + 8 (h = 1); a quad holds a row's 16 scores.
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float mx = fmaxf(m[h], fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1])));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // Key `base` < k1 is in every step, so mx is finite; the guard keeps -inf from
+            // turning into NaN all the same.
+            const float mu = mx == attn_neg_inf() ? 0.f : mx;
+            const float corr = exp2f(m[h] - mu);  // 0 while m is -inf
+            m[h] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+                s[n][2 * h] = exp2f(s[n][2 * h] - mu);
+                s[n][2 * h + 1] = exp2f(s[n][2 * h + 1] - mu);
+                sum += s[n][2 * h] + s[n][2 * h + 1];
+            }
+            l[h] = l[h] * corr + sum;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                o[n][2 * h] *= corr;
+                o[n][2 * h + 1] *= corr;
+            }
+        }
+        // O += P·V over the step's 16 keys.
+        uint32_t pa[4];
+        pa[0] = pf_pack(s[0][0], s[0][1]);
+        pa[1] = pf_pack(s[0][2], s[0][3]);
+        pa[2] = pf_pack(s[1][0], s[1][1]);
+        pa[3] = pf_pack(s[1][2], s[1][3]);
+#pragma unroll
+        for (int dp = 0; dp < NT / 2; dp++) {
+            uint32_t b[4];
+            pf_ldmatrix_x4_trans(b, &sV[pf_swz<HD>(vr, 2 * dp + vc)]);
+            pf_mma(o[2 * dp], pa, b[0], b[1]);
+            pf_mma(o[2 * dp + 1], pa, b[2], b[3]);
+        }
+        __syncwarp();  // every lane is done with this stage before it is refilled
+    }
+    pf_cp_async_wait_all();  // only empty groups are left, but none may land after the reuse below
+    __syncthreads();         // every warp is done with the ring: it becomes the merge buffer
+
+    // Merge the warps' states. A warp that saw no key has m = -inf, l = 0, o = 0.
+    float* const sm_o = reinterpret_cast<float*>(pf_dyn_smem);       // [warp][row][OSTRIDE]
+    float* const sm_m = sm_o + DEC_WARPS * DEC_ROWS * OSTRIDE;        // [warp][row]
+    float* const sm_l = sm_m + DEC_WARPS * DEC_ROWS;                  // [warp][row]
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int r = g + 8 * h;
+        if (t == 0) {
+            sm_m[warp * DEC_ROWS + r] = m[h];
+            sm_l[warp * DEC_ROWS + r] = sum;
+        }
+        float* dst = sm_o + (warp * DEC_ROWS + r) * OSTRIDE + 2 * t;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            dst[8 * n] = o[n][2 * h];
+            dst[8 * n + 1] = o[n][2 * h + 1];
+        }
+    }
+    __syncthreads();
+    const bool direct = state == ATTN_NO_STATE;
+    for (int idx = tid; idx < nh * HD; idx += DEC_THREADS) {
+        const int r = idx / HD, d = idx % HD;
+        float mx = attn_neg_inf();
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; w++) mx = fmaxf(mx, sm_m[w * DEC_ROWS + r]);
+        float sum = 0.f, acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; w++) {
+            const float mw = sm_m[w * DEC_ROWS + r];
+            if (mw != attn_neg_inf()) {
+                const float c = exp2f(mw - mx);
+                sum = fmaf(c, sm_l[w * DEC_ROWS + r], sum);
+                acc = fmaf(c, sm_o[(w * DEC_ROWS + r) * OSTRIDE + d], acc);
+            }
+        }
+        // Every item has a key, so some warp saw one and sum > 0.
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        const float lse = sum > 0.f ? mx * ATTN_LN2 + logf(sum) : attn_neg_inf();
+        const size_t head = (size_t)(h0 + r);
+        if (direct) {
+            const size_t row = (size_t)token * (size_t)n_heads + head;
+            out[row * HD + d] = __float2bfloat16_rn(acc * inv);
+            if (d == 0 && lse_out != nullptr) lse_out[row] = lse;
+        } else {
+            const size_t dst = (size_t)state * (size_t)n_heads + head;
+            part_o[dst * HD + d] = acc * inv;
+            if (d == 0) part_lse[dst] = lse;
+        }
+    }
+}
+
+#define ATTN_DECODE_KERNEL(HD)                                                                            \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) attn_decode_d##HD(                       \
+        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
+        const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
+        const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ token_seq,            \
+        const uint32_t* __restrict__ items, int n_heads, int group, int n_kv_heads, int block_size,      \
+        int block_shift, float scale, float* __restrict__ part_o, float* __restrict__ part_lse,          \
+        __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {                                  \
+        attn_decode<HD>(q, k_cache, v_cache, tables, seq_table_start, token_seq, items, n_heads, group,  \
+                        n_kv_heads, block_size, block_shift, scale, part_o, part_lse, out, lse_out);     \
+    }
+
+ATTN_DECODE_KERNEL(64)
+ATTN_DECODE_KERNEL(128)

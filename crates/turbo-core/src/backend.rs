@@ -97,6 +97,11 @@ pub trait Backend: Send + Sync {
     /// Bytes of one stored key or value element (f32 on the CPU, bf16 on a GPU), for sizing the
     /// cache from a memory budget.
     fn kv_element_bytes(&self) -> usize;
+    /// Bytes of memory still free for this backend's buffers (device memory on a GPU, available
+    /// RAM on the CPU), for sizing the KV cache as a fraction of it; `None` if unknown.
+    fn free_memory(&self) -> Option<usize> {
+        None
+    }
     fn prepare_batch(&self, layout: &BatchLayout) -> Result<Self::Batch>;
 
     /// Rows `ids` of the embedding table, decoded to f32.

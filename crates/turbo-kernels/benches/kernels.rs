@@ -50,10 +50,11 @@ fn bench(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
 
-    // Decode attention: batch 64, context 4096, 32 query / 8 KV heads, d 128, bf16, block 16.
-    {
-        let (batch, ctx, heads, kv_heads, d, bs) =
-            (64usize, 4096usize, 32usize, 8usize, 128usize, 16usize);
+    // Decode attention, GQA 32/8, d 128, bf16, blocks of 16, planned once and run (as the model
+    // does once per layer): batch 64 at context 4096 with the grouped and the per-head row
+    // kernels, then batch 1 and 4 at 8k to 128k keys (split-KV).
+    let mut decode = |batch: usize, ctx: usize, row_kernel: attention::RowKernel| {
+        let (heads, kv_heads, d, bs) = (32usize, 8usize, 128usize, 16usize);
         let blocks_per_seq = ctx / bs;
         let cache_len = batch * blocks_per_seq * bs * kv_heads * d;
         let k = random_bf16(&s, cache_len, 1);
@@ -82,18 +83,48 @@ fn bench(c: &mut Criterion) {
             n_kv_heads: kv_heads,
             head_dim: d,
         };
+        let options = attention::PlanOptions {
+            row_kernel,
+            ..Default::default()
+        };
+        let mut plan = attention::AttentionPlan::new(
+            &dev,
+            layout,
+            heads,
+            batch,
+            &spans,
+            batch * blocks_per_seq,
+            options,
+        )
+        .unwrap();
         // Bytes of K and V read.
         g.throughput(Throughput::Bytes((2 * cache_len * 2) as u64));
-        g.bench_function("decode_attention_b64_ctx4096_gqa32x8_d128", |b| {
-            b.iter_custom(|iters| {
-                time_gpu(&dev, iters, || {
-                    attention::paged_attention(
-                        &dev, &q, &k, &v, layout, heads, &spans, 0.088, &mut out, None,
-                    )
-                    .unwrap()
+        let kernel = match row_kernel {
+            attention::RowKernel::Auto => "",
+            attention::RowKernel::PerHead => "_per_head",
+        };
+        g.bench_function(
+            format!("decode_attention_b{batch}_ctx{ctx}_gqa32x8_d128{kernel}"),
+            |b| {
+                b.iter_custom(|iters| {
+                    time_gpu(&dev, iters, || {
+                        plan.run(&dev, &q, &k, &v, 0.088, &mut out, None).unwrap()
+                    })
                 })
-            })
-        });
+            },
+        );
+    };
+    decode(64, 4096, attention::RowKernel::Auto);
+    decode(64, 4096, attention::RowKernel::PerHead);
+    // Short contexts, as in batched chat decode.
+    for ctx in [256usize, 1024] {
+        decode(64, ctx, attention::RowKernel::Auto);
+        decode(64, ctx, attention::RowKernel::PerHead);
+    }
+    for batch in [1usize, 4] {
+        for ctx in [8192usize, 16384, 32768, 65536, 131072] {
+            decode(batch, ctx, attention::RowKernel::Auto);
+        }
     }
 
     // Prefill attention: one causal sequence of 2048 or 8192 tokens, 32 heads, d 128.
@@ -179,5 +210,171 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+/// `n` f32 values in [-scale, scale) from a cheap deterministic pattern, never zero.
+fn random_f32(stream: &Arc<CudaStream>, n: usize, seed: u64, scale: f32) -> CudaSlice<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let host: Vec<f32> = (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0 + 1e-7) * scale
+        })
+        .collect();
+    stream.clone_htod(&host).expect("upload")
+}
+
+/// Attention-state merges at Llama-3-8B head shapes (32 heads of 128), f32 states: 64 KV-chunk
+/// states of 64 rows into one (a long-context split-KV decode step), written as f32 and as bf16,
+/// and two states of 128 rows merged in place (cascade: shared prefix and own suffix).
+/// Throughput is the bytes read and written.
+fn bench_merge(c: &mut Criterion) {
+    use turbo_kernels::ops::merge::{self, StateShape};
+    if !turbo_kernels::cuda_available() {
+        eprintln!("skipping GPU merge benches: no CUDA device");
+        return;
+    }
+    let dev = CudaDevice::new(0).expect("CUDA device");
+    let s = dev.stream.clone();
+    let mut g = c.benchmark_group("cuda_merge");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+
+    {
+        let (chunks, rows, heads, d) = (64usize, 64usize, 32usize, 128usize);
+        let shape = StateShape {
+            rows,
+            heads,
+            head_dim: d,
+        };
+        let pairs = shape.pairs();
+        let o = random_f32(&s, chunks * pairs * d, 21, 1.0);
+        let lse = random_f32(&s, chunks * pairs, 22, 10.0);
+        let mut out_lse = s.alloc_zeros::<f32>(pairs).unwrap();
+        let read = chunks * pairs * (d + 1) * 4;
+        let mut out = s.alloc_zeros::<f32>(pairs * d).unwrap();
+        g.throughput(Throughput::Bytes((read + pairs * (d + 1) * 4) as u64));
+        g.bench_function("merge_states_64x64x32x128_f32", |b| {
+            b.iter_custom(|iters| {
+                time_gpu(&dev, iters, || {
+                    merge::merge_states(&dev, shape, chunks, &o, &lse, &mut out, Some(&mut out_lse))
+                        .unwrap()
+                })
+            })
+        });
+        let mut out = s.alloc_zeros::<bf16>(pairs * d).unwrap();
+        g.throughput(Throughput::Bytes((read + pairs * (2 * d + 4)) as u64));
+        g.bench_function("merge_states_64x64x32x128_bf16", |b| {
+            b.iter_custom(|iters| {
+                time_gpu(&dev, iters, || {
+                    merge::merge_states(&dev, shape, chunks, &o, &lse, &mut out, Some(&mut out_lse))
+                        .unwrap()
+                })
+            })
+        });
+    }
+
+    {
+        let (rows, heads, d) = (128usize, 32usize, 128usize);
+        let shape = StateShape {
+            rows,
+            heads,
+            head_dim: d,
+        };
+        let pairs = shape.pairs();
+        let mut o_a = random_f32(&s, pairs * d, 23, 1.0);
+        let mut lse_a = random_f32(&s, pairs, 24, 10.0);
+        let o_b = random_f32(&s, pairs * d, 25, 1.0);
+        let lse_b = random_f32(&s, pairs, 26, 10.0);
+        // Reads a and b, writes a.
+        g.throughput(Throughput::Bytes((3 * pairs * (d + 1) * 4) as u64));
+        g.bench_function("merge_state_in_place_128x32x128", |b| {
+            b.iter_custom(|iters| {
+                time_gpu(&dev, iters, || {
+                    merge::merge_state_in_place(&dev, shape, &mut o_a, &mut lse_a, &o_b, &lse_b)
+                        .unwrap()
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+/// Cascade (shared-prefix) decode attention against plain paged decode over the same KV: B
+/// sequences whose first `prefix` keys are the same blocks (as the KV manager shares a common
+/// prompt) plus 256 keys of their own each, GQA 32/8, d 128, blocks of 16, planned once.
+fn bench_cascade(c: &mut Criterion) {
+    if !turbo_kernels::cuda_available() {
+        eprintln!("skipping cascade benches: no CUDA device");
+        return;
+    }
+    let dev = CudaDevice::new(0).expect("CUDA device");
+    let s = dev.stream.clone();
+    let mut g = c.benchmark_group("cuda_cascade");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500));
+    let (heads, kv_heads, d, bs, suffix) = (32usize, 8usize, 128usize, 16usize, 256usize);
+    for prefix in [8192usize, 32768] {
+        for batch in [64usize, 128] {
+            let prefix_blocks = prefix / bs;
+            let own_blocks = suffix / bs;
+            let n_blocks = prefix_blocks + batch * own_blocks;
+            let cache_len = n_blocks * bs * kv_heads * d;
+            let k = random_bf16(&s, cache_len, 21);
+            let v = random_bf16(&s, cache_len, 22);
+            let q = random_bf16(&s, batch * heads * d, 23);
+            let mut out = s.alloc_zeros::<bf16>(batch * heads * d).unwrap();
+            let tables: Vec<Vec<u32>> = (0..batch)
+                .map(|b| {
+                    (0..prefix_blocks as u32)
+                        .chain((0..own_blocks).map(|i| (prefix_blocks + b * own_blocks + i) as u32))
+                        .collect()
+                })
+                .collect();
+            let spans: Vec<QuerySpan> = tables
+                .iter()
+                .enumerate()
+                .map(|(b, t)| QuerySpan {
+                    q_start: b,
+                    n_q: 1,
+                    kv_len: prefix + suffix,
+                    block_table: t,
+                })
+                .collect();
+            let layout = attention::KvLayout {
+                block_size: bs,
+                n_kv_heads: kv_heads,
+                head_dim: d,
+            };
+            // Keys attended, over all sequences (what plain attention reads).
+            g.throughput(Throughput::Elements((batch * (prefix + suffix)) as u64));
+            for (name, cascade_min_shared) in [
+                ("cascade", Some(attention::CASCADE_MIN_SHARED)),
+                ("plain", None),
+            ] {
+                let options = attention::PlanOptions {
+                    cascade_min_shared,
+                    ..Default::default()
+                };
+                let mut plan = attention::AttentionPlan::new(
+                    &dev, layout, heads, batch, &spans, n_blocks, options,
+                )
+                .unwrap();
+                assert_eq!(plan.cascade_rows() > 0, cascade_min_shared.is_some());
+                g.bench_function(format!("{name}_prefix{prefix}_b{batch}"), |b| {
+                    b.iter_custom(|iters| {
+                        time_gpu(&dev, iters, || {
+                            plan.run(&dev, &q, &k, &v, 0.088, &mut out, None).unwrap()
+                        })
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench, bench_merge, bench_cascade);
 criterion_main!(benches);

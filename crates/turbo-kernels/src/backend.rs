@@ -3,10 +3,11 @@
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::ops;
+use crate::ops::attention::{AttentionPlan, KvLayout, PlanOptions};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use rayon::prelude::*;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use turbo_core::backend::{Backend, BatchLayout, OwnedSpans, Result};
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::WeightMatrix;
@@ -37,9 +38,11 @@ pub struct CudaBatch {
     positions: CudaSlice<u32>,
     slots: CudaSlice<u32>,
     inv_freq: CudaSlice<f32>,
-    /// For attention's launch.
+    /// For attention's plan.
     spans: OwnedSpans,
     tokens: usize,
+    /// Attention's plan, made by the first layer that runs attention and reused by the others.
+    attention: Mutex<Option<AttentionPlan>>,
 }
 
 #[derive(Clone)]
@@ -183,6 +186,7 @@ impl Backend for CudaBackend {
                 .map_err(CudaError::from)?,
             spans: OwnedSpans::new(layout.spans),
             tokens: layout.positions.len(),
+            attention: Mutex::new(None),
         })
     }
 
@@ -351,23 +355,46 @@ impl Backend for CudaBackend {
         scale: f32,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        let spans = batch.spans.spans();
-        let layout = ops::attention::KvLayout {
+        let layout = KvLayout {
             block_size: cache.spec.block_size,
             n_kv_heads: cache.spec.n_kv_heads,
             head_dim: cache.spec.head_dim,
         };
-        Ok(ops::attention::paged_attention(
+        let n_blocks = cache.spec.max_blocks;
+        let mut plan = batch
+            .attention
+            .lock()
+            .map_err(|_| CudaError::Shape("attention plan lock poisoned".into()))?;
+        let fits = plan
+            .as_ref()
+            .is_some_and(|p| p.fits(layout, n_heads, batch.tokens, n_blocks));
+        if !fits {
+            *plan = Some(AttentionPlan::new(
+                &self.dev,
+                layout,
+                n_heads,
+                batch.tokens,
+                &batch.spans.spans(),
+                n_blocks,
+                PlanOptions::default(),
+            )?);
+        }
+        let plan = plan.as_mut().expect("planned above");
+        Ok(plan.run(
             &self.dev,
             &q.data,
             &cache.keys[layer],
             &cache.values[layer],
-            layout,
-            n_heads,
-            &spans,
             scale,
             &mut out.data,
             None,
         )?)
+    }
+
+    /// Free device memory as the driver reports it (`cuMemGetInfo` in this device's context),
+    /// after the stream's pending work, so that buffers freed by earlier steps are counted.
+    fn free_memory(&self) -> Option<usize> {
+        self.dev.stream.synchronize().ok()?;
+        self.dev.ctx.mem_get_info().ok().map(|(free, _total)| free)
     }
 }

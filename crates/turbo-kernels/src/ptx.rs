@@ -35,6 +35,7 @@ pub const MODULES: &[KernelModule] = &[
     module!("elementwise"),
     module!("attention"),
     module!("sampling"),
+    module!("merge"),
 ];
 
 /// `kernels/ptx/manifest.txt`: `name sha256` per line.

@@ -7,8 +7,10 @@
 //! with the CPU reference run on the same bf16 values converted to f32.
 //!
 //! Under `KvSplit::Auto`, spans of at least `PREFILL_MIN_ROWS` rows with head_dim 64 or 128 go to
-//! the tensor-core prefill kernel, everything else to the row kernel; `Off` and `Chunk` send every
-//! row to the row kernel. The prefill cases below run both.
+//! the tensor-core prefill kernel, everything else to a row kernel; `Off` and `Chunk` send every
+//! row to a row kernel. Every split runs with both row kernels: the grouped tensor-core decode
+//! kernel (`RowKernel::Auto`, head_dim 64 and 128; the CUDA-core one for the others) and the
+//! per-head CUDA-core kernel (`RowKernel::PerHead`).
 //!
 //! Tolerances:
 //! - out: each output is a convex combination of values in [-1, 1], so |o| <= 1. The kernels
@@ -16,8 +18,9 @@
 //!   (summation order, exp2 vs exp: ~1e-6) plus the final rounding to bf16 (relative 2^-8,
 //!   absolute <= 2^-9 for |o| <= 1). 1.5e-2 absolute leaves ample room for that, and is still far
 //!   below what a wrong key, block, head, position or softmax weight would cause. The prefill
-//!   kernel also rounds the softmax weights to bf16 for its P·V product (relative 2^-9 each, so at
-//!   most 2^-9 · Σ p|v| / Σ p <= 2^-9 on the output), which the margin covers too.
+//!   and grouped decode kernels also round the softmax weights to bf16 for their P·V product
+//!   (relative 2^-9 each, so at most 2^-9 · Σ p|v| / Σ p <= 2^-9 on the output), which the margin
+//!   covers too.
 //! - lse: f32 on both sides, no bf16 rounding. A score's rounding error is ~1e-6 of its size
 //!   and the sum of up to a few thousand positive terms differs by at most ~n·eps relatively
 //!   (a few 1e-4 at worst, which ln turns into the same absolute error), so
@@ -30,7 +33,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use turbo_attention::{PagedKv, QuerySpan};
 use turbo_kernels::ops::attention::{
-    paged_attention, paged_attention_split, KvLayout, KvSplit, PREFILL_MIN_ROWS,
+    paged_attention, paged_attention_with, AttentionPlan, KvLayout, KvSplit, PlanOptions,
+    RowKernel, PREFILL_MIN_ROWS,
 };
 use turbo_kernels::CudaDevice;
 
@@ -125,6 +129,15 @@ impl Problem {
         }
     }
 
+    /// Makes the first `blocks` blocks of every member's table those of the first member, as the
+    /// KV manager's prefix sharing does for a common prompt.
+    fn share_prefix(&mut self, members: &[usize], blocks: usize) {
+        let prefix = self.tables[members[0]][..blocks].to_vec();
+        for &m in &members[1..] {
+            self.tables[m][..blocks].copy_from_slice(&prefix);
+        }
+    }
+
     fn spans(&self) -> Vec<QuerySpan<'_>> {
         self.case
             .seqs
@@ -202,20 +215,20 @@ impl Device {
         self.lse = s.clone_htod(&vec![f32::NAN; self.lse.len()]).unwrap();
     }
 
-    /// Runs the kernels with `split` (Auto through the public entry point); returns out and, when
-    /// asked for, lse.
+    /// Runs the kernels with `options` (the defaults through the public entry point); returns out
+    /// and, when asked for, lse.
     fn run(
         &mut self,
         dev: &CudaDevice,
         p: &Problem,
         scale: f32,
-        split: KvSplit,
+        options: PlanOptions,
         with_lse: bool,
     ) -> (Vec<f32>, Option<Vec<f32>>) {
         self.poison(dev);
         let spans = p.spans();
         let lse = with_lse.then_some(&mut self.lse);
-        if split == KvSplit::Auto {
+        if options == PlanOptions::default() {
             paged_attention(
                 dev,
                 &self.q,
@@ -230,7 +243,7 @@ impl Device {
             )
             .unwrap();
         } else {
-            paged_attention_split(
+            paged_attention_with(
                 dev,
                 &self.q,
                 &self.k,
@@ -239,7 +252,7 @@ impl Device {
                 p.case.n_heads,
                 &spans,
                 scale,
-                split,
+                options,
                 &mut self.out,
                 lse,
             )
@@ -297,20 +310,37 @@ fn compare(
     eprintln!("{what}: ok, max |out - reference| = {worst:.2e}");
 }
 
-/// Runs `case` with each of `splits` at the usual scale 1/√d and at a sharper one (peaked
-/// softmax, so the running maximum matters), comparing out and lse with the reference each time.
+/// Runs `case` with each of `splits` and both row kernels at the usual scale 1/√d and at a
+/// sharper one (peaked softmax, so the running maximum matters), comparing out and lse with the
+/// reference each time.
 fn check_case(dev: &CudaDevice, case: &Case, splits: &[KvSplit]) {
-    let p = Problem::new(case);
-    let mut gpu = Device::upload(dev, &p);
+    let options: Vec<PlanOptions> = splits
+        .iter()
+        .flat_map(|&split| {
+            [RowKernel::Auto, RowKernel::PerHead].map(|row_kernel| PlanOptions {
+                split,
+                row_kernel,
+                ..PlanOptions::default()
+            })
+        })
+        .collect();
+    check_problem(dev, &Problem::new(case), &options);
+}
+
+/// Runs `p` with each of `options` at the usual scale and a sharper one, comparing out and lse
+/// with the reference each time.
+fn check_problem(dev: &CudaDevice, p: &Problem, options: &[PlanOptions]) {
+    let case = &p.case;
+    let mut gpu = Device::upload(dev, p);
     for scale in [1.0 / (case.head_dim as f32).sqrt(), 1.5] {
         let (ref_out, ref_lse) = p.reference(scale);
-        for &split in splits {
+        for &o in options {
             let what = format!(
-                "{}/{} heads, d {}, blocks of {}, scale {scale}, {split:?}",
+                "{}/{} heads, d {}, blocks of {}, scale {scale}, {o:?}",
                 case.n_heads, case.n_kv_heads, case.head_dim, case.block_size
             );
-            let (out, lse) = gpu.run(dev, &p, scale, split, true);
-            compare(&what, &p, (&out, lse.as_deref()), (&ref_out, &ref_lse));
+            let (out, lse) = gpu.run(dev, p, scale, o, true);
+            compare(&what, p, (&out, lse.as_deref()), (&ref_out, &ref_lse));
         }
     }
 }
@@ -395,6 +425,28 @@ fn block_boundaries_gqa3_d64_bs4() {
             KvSplit::Chunk(16),
         ],
     );
+}
+
+/// Query-head groups of 8, 16 (a full tile) and 32 (two tiles per KV head: MQA), d 128 and 64.
+#[test]
+fn large_query_head_groups() {
+    require_gpu!();
+    let dev = device();
+    for (n_heads, n_kv_heads, head_dim) in [(16, 2, 128), (32, 2, 64), (32, 1, 128)] {
+        let case = Case {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            block_size: 16,
+            seqs: vec![(1, 1), (1, 33), (1, 700), (1, 3000), (2, 50)],
+            seed: 11,
+        };
+        check_case(
+            &dev,
+            &case,
+            &[KvSplit::Auto, KvSplit::Off, KvSplit::Chunk(200)],
+        );
+    }
 }
 
 /// Multi-head attention (GQA ratio 1), d 64, blocks of 16, including a long decode.
@@ -530,8 +582,12 @@ fn lse_is_optional() {
     let mut gpu = Device::upload(&dev, &p);
     let scale = 0.125;
     for split in [KvSplit::Auto, KvSplit::Off, KvSplit::Chunk(50)] {
-        let (with, _) = gpu.run(&dev, &p, scale, split, true);
-        let (without, lse) = gpu.run(&dev, &p, scale, split, false);
+        let options = PlanOptions {
+            split,
+            ..PlanOptions::default()
+        };
+        let (with, _) = gpu.run(&dev, &p, scale, options, true);
+        let (without, lse) = gpu.run(&dev, &p, scale, options, false);
         assert!(lse.is_none());
         let same = with
             .iter()
@@ -750,74 +806,99 @@ fn rejects_bad_shapes() {
     assert!(r.is_err());
 }
 
-/// Rough timings, not a check: `cargo test --release --test gpu_attention -- --ignored --nocapture`.
-/// Decode of B sequences over 4096 keys and one 2048- or 8192-row prefill, GQA 32/8, d 128,
-/// blocks of 16; prefill rates count causal attention's 2·S²·d·heads FLOP.
+/// Cascade attention: decode rows (and two-row spans) of sequences that share leading blocks, the
+/// shared part computed once per group by the multi-query pass and merged with each row's own
+/// keys. Groups of 4 (a 640-key prefix) and 2 (320 keys), a 40-member group (160 query rows and
+/// heads: two tiles of the pass, the second partial), a prefill span and a lone decode that share
+/// blocks with a group but are not in it, and GQA 32/8 d 128 as well as 9/3 d 64 with blocks of 4.
+/// Every plan must actually take the cascade path (checked on the plan), and match the reference
+/// with and without cascade, with every split and row kernel.
 #[test]
-#[ignore]
-fn timing() {
+fn cascade_shared_prefixes() {
     require_gpu!();
     let dev = device();
-    let mut cases: Vec<(String, Vec<(usize, usize)>)> = [1, 8, 64]
-        .iter()
-        .map(|&b| (format!("decode {b} x 4096"), vec![(1, 4096); b]))
-        .collect();
-    cases.push(("decode 1 x 32768".into(), vec![(1, 32768)]));
-    cases.push(("prefill 2048".into(), vec![(2048, 2048)]));
-    cases.push(("prefill 8192".into(), vec![(8192, 8192)]));
-    for (name, seqs) in cases {
-        let case = Case {
+    let mut cases = Vec::new();
+    let mut seqs = vec![
+        (1, 700),
+        (1, 641),
+        (2, 1000),
+        (1, 2000),
+        (1, 400),
+        (1, 330),
+        (1, 900),
+        (20, 700),
+    ];
+    seqs.extend(std::iter::repeat_n((1, 310), 40));
+    let big: Vec<usize> = (8..48).collect();
+    cases.push((
+        Case {
             n_heads: 32,
             n_kv_heads: 8,
             head_dim: 128,
             block_size: 16,
             seqs,
-            seed: 9,
-        };
-        let p = Problem::new(&case);
-        let gpu = Device::upload(&dev, &p);
+            seed: 21,
+        },
+        vec![(vec![0, 1, 2, 3, 7], 40), (vec![4, 5], 20), (big, 18)],
+    ));
+    cases.push((
+        Case {
+            n_heads: 9,
+            n_kv_heads: 3,
+            head_dim: 64,
+            block_size: 4,
+            seqs: vec![(1, 300), (1, 257), (3, 600), (1, 90), (1, 95)],
+            seed: 22,
+        },
+        vec![(vec![0, 1, 2], 64), (vec![3, 4], 20)],
+    ));
+    for (case, groups) in cases {
+        let mut p = Problem::new(&case);
+        for (members, blocks) in &groups {
+            p.share_prefix(members, *blocks);
+        }
         let spans = p.spans();
-        let mut out = dev.stream.alloc_zeros::<bf16>(p.q.len()).unwrap();
-        let kv_bytes: usize = case.seqs.iter().map(|s| s.1).sum::<usize>() * 8 * 128 * 2 * 2;
-        for split in [KvSplit::Auto, KvSplit::Off] {
-            let mut go = || {
-                paged_attention_split(
-                    &dev,
-                    &gpu.q,
-                    &gpu.k,
-                    &gpu.v,
-                    p.layout(),
-                    32,
-                    &spans,
-                    0.088,
-                    split,
-                    &mut out,
-                    None,
-                )
-                .unwrap()
-            };
-            go();
-            dev.stream.synchronize().unwrap();
-            let iters = 20;
-            let t = std::time::Instant::now();
-            for _ in 0..iters {
-                go();
-            }
-            dev.stream.synchronize().unwrap();
-            let us = t.elapsed().as_secs_f64() * 1e6 / iters as f64;
-            let n_q: usize = case.seqs.iter().map(|s| s.0).sum();
-            if n_q > case.seqs.len() {
-                let flop = 2.0 * (n_q * n_q * 128 * 32) as f64;
-                eprintln!(
-                    "{name}, {split:?}: {us:.1} us, {:.1} TFLOP/s",
-                    flop / us / 1e6
-                );
-            } else {
-                eprintln!(
-                    "{name}, {split:?}: {us:.1} us, {:.0} GB/s of K+V (each read once per KV head)",
-                    kv_bytes as f64 / us / 1e3
-                );
+        let forced = PlanOptions {
+            cascade_min_shared: Some(1),
+            ..PlanOptions::default()
+        };
+        let plan = AttentionPlan::new(
+            &dev,
+            p.layout(),
+            case.n_heads,
+            p.n_tokens,
+            &spans,
+            p.k.len() / (case.block_size * case.n_kv_heads * case.head_dim),
+            forced,
+        )
+        .unwrap();
+        let cascade_rows: usize = groups
+            .iter()
+            .map(|(m, _)| {
+                m.iter()
+                    .filter(|&&s| case.seqs[s].0 < 16)
+                    .map(|&s| case.seqs[s].0)
+                    .sum::<usize>()
+            })
+            .sum();
+        assert_eq!(
+            plan.cascade_rows(),
+            cascade_rows,
+            "every decode row of a group goes through the cascade pass"
+        );
+        drop(spans);
+        let mut options = Vec::new();
+        for split in [KvSplit::Auto, KvSplit::Off, KvSplit::Chunk(100)] {
+            for row_kernel in [RowKernel::Auto, RowKernel::PerHead] {
+                for cascade_min_shared in [Some(1), None] {
+                    options.push(PlanOptions {
+                        split,
+                        row_kernel,
+                        cascade_min_shared,
+                    });
+                }
             }
         }
+        check_problem(&dev, &p, &options);
     }
 }

@@ -2,30 +2,42 @@
 //! [`turbo_attention::paged_attention`]: each query row attends to its sequence's keys `0..=pos`
 //! through the sequence's block table, query head `h` reading KV head `h / (n_heads / n_kv_heads)`.
 //!
-//! Two kernels share the work:
+//! A step's attention is planned once ([`AttentionPlan::new`]: which kernel computes which rows,
+//! how keys are split, where states go; all its tables uploaded in one copy) and the plan is run
+//! for every layer ([`AttentionPlan::run`]). Three kernels share the work:
 //! - Prefill spans (at least [`PREFILL_MIN_ROWS`] query rows of one sequence) with head_dim 64 or
 //!   128 go, under [`KvSplit::Auto`], to a tensor-core FlashAttention-2 kernel: one CTA computes 128
 //!   consecutive rows of a span for one head, walking the keys in tiles of 32 (d128) or 64 (d64)
 //!   (`mma.sync` bf16 with f32 accumulation, online softmax).
-//! - Every other row (decode rows, short spans, other head dimensions, and all rows under an
-//!   explicit [`KvSplit::Off`] or [`KvSplit::Chunk`]) goes to the row kernel: one CTA computes one
-//!   (query row, head) over one chunk of that row's keys. When those rows alone would leave the GPU
-//!   idle (decode of few sequences), they are split into chunks whose states `(o, lse)` go to f32
-//!   scratch and a second kernel merges them ("flash-decoding"); otherwise each CTA covers all of
+//! - Every other row (decode rows, short spans) goes to a row kernel: one CTA computes one query
+//!   row over one range of its keys, for all the query heads of a KV head at once with tensor cores
+//!   (head_dim 64 and 128: each K and V row read once per KV head) or for one query head with CUDA
+//!   cores (the other head dimensions). When those rows alone would leave the GPU idle (decode of
+//!   few or long sequences), their keys are split into ranges whose states `(o, lse)` go to f32
+//!   scratch and a merge kernel combines them ("flash-decoding"); otherwise each CTA covers all of
 //!   its row's keys and writes the output directly.
 //!
-//! A batch may mix both: the two launches cover disjoint rows.
+//! - Cascade: when decode rows of several sequences share leading KV blocks (a common prompt prefix
+//!   the KV manager shares), [`turbo_attention::cascade::cascade_groups`] finds the groups and
+//!   their attention over the shared prefix is one multi-query pass per KV head (the prefill
+//!   kernel's body, with the group's rows and query heads as its tile rows), reading each shared
+//!   key once for the whole group; each row's own remaining keys go to the row kernel, and the
+//!   merge kernel combines the states.
+//!
+//! A batch may mix all of them: the launches cover disjoint rows (or, with cascade, disjoint keys
+//! of a row, merged).
 
 use super::check;
 use crate::device::CudaDevice;
 use crate::error::Result;
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use half::bf16;
+use std::ops::Range;
 use turbo_attention::QuerySpan;
 
 /// Shape of one layer's paged KV: `[block][slot in block][kv head][head_dim]`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvLayout {
     pub block_size: usize,
     pub n_kv_heads: usize,
@@ -36,26 +48,78 @@ pub struct KvLayout {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvSplit {
     /// Prefill spans (see [`PREFILL_MIN_ROWS`]) go to the tensor-core prefill kernel; the other
-    /// rows are split only when their (row, head) pairs would not fill the GPU, into chunks sized
-    /// so that the CTAs about fill it (at least [`MIN_AUTO_CHUNK`] keys each).
+    /// rows are split only when their CTAs would not fill the GPU, into ranges sized so that the
+    /// CTAs about fill it (at least [`MIN_AUTO_CHUNK`] keys each).
     Auto,
-    /// Every row to the row kernel, one CTA per (row, head) over all of the row's keys, writing the
-    /// output directly.
+    /// Every row to a row kernel, one CTA per (row, head group) over all of the row's keys,
+    /// writing the output directly.
     Off,
-    /// Every row to the row kernel, in chunks of this many keys (at least 1), always merged by the
-    /// second kernel, also for rows with a single chunk.
+    /// Every row to a row kernel, in ranges of this many keys (at least 1), always merged by the
+    /// merge kernel, also for rows with a single range.
     Chunk(usize),
 }
 
-/// Threads of the chunk kernel (`ATTN_THREADS`: 4 warps).
-const CHUNK_THREADS: u32 = 128;
+/// Which row kernel computes the rows that are not prefill.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowKernel {
+    /// Tensor cores with the query heads of a KV head grouped where the head dimension has such a
+    /// kernel, else CUDA cores.
+    Auto,
+    /// CUDA cores, one CTA per query head (every supported head dimension).
+    PerHead,
+}
+
+/// Choices a plan is made with; the default is what the model uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanOptions {
+    pub split: KvSplit,
+    pub row_kernel: RowKernel,
+    /// Cascade attention over shared prefixes of at least this many keys (`None`: never).
+    pub cascade_min_shared: Option<usize>,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            split: KvSplit::Auto,
+            row_kernel: RowKernel::Auto,
+            cascade_min_shared: Some(CASCADE_MIN_SHARED),
+        }
+    }
+}
+
+/// The shortest shared prefix the default plan computes by cascade. Below it, the prefix is a
+/// small part of each row's keys and the extra launch and merge cost about what they save.
+pub const CASCADE_MIN_SHARED: usize = 256;
+/// The smallest prefix chunk the cascade pass makes when it splits a shared prefix among CTAs.
+const CASCADE_MIN_CHUNK: usize = 512;
+
+/// Threads of the row kernels (`ATTN_THREADS`, `DEC_THREADS`: 4 warps).
+const ROW_THREADS: u32 = 128;
 /// Threads of the merge kernel (`ATTN_MERGE_THREADS`).
 const MERGE_THREADS: u32 = 128;
-/// The smallest chunk [`KvSplit::Auto`] makes: below it, merging costs more than it gains.
-pub const MIN_AUTO_CHUNK: usize = 128;
-/// CTAs per SM that [`KvSplit::Auto`] aims for: about two waves (4 to 5 chunk CTAs fit an SM at
-/// once). Batches with more (row, head) pairs than that are not split.
-const AUTO_CTAS_PER_SM: usize = 8;
+/// Query heads the grouped decode kernel puts in one CTA (`DEC_ROWS`: one 16-row mma tile).
+const GROUPED_ROWS: usize = 16;
+
+/// Dynamic shared memory of the grouped decode kernel: per warp (`DEC_WARPS`), a ring of
+/// `DEC_STAGES` stages of 16 keys' K and V rows.
+fn grouped_smem(head_dim: usize) -> usize {
+    4 * 3 * 2 * 16 * head_dim * 2
+}
+/// The smallest key range [`KvSplit::Auto`] makes: below it, a CTA's fixed costs (loading Q,
+/// merging its warps' states) and the merge pass cost more than the parallelism gains.
+pub const MIN_AUTO_CHUNK: usize = 256;
+/// Key ranges are whole multiples of this: the grouped kernel's four warps take 16 keys each in
+/// turn, so a multiple of 64 keeps them evenly loaded.
+const CHUNK_ALIGN: usize = 64;
+/// Waves of resident CTAs [`KvSplit::Auto`] aims for when it splits: one, of chunks as long as
+/// possible (on an H100 a CTA streams its keys at a fraction of the bandwidth its SM share allows
+/// until it has several steps in flight, so short chunks cost more than a second wave saves).
+const AUTO_WAVES: usize = 1;
+/// Waves the cascade pass's CTAs aim for (compute-heavy tiles: two balance the last wave).
+const CASCADE_WAVES: usize = 2;
+/// A state slot meaning "write the output directly" (`ATTN_NO_STATE`).
+const NO_STATE: u32 = u32::MAX;
 
 /// Head dimensions the attention kernels are instantiated for.
 pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
@@ -65,8 +129,10 @@ pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
 /// kernel, where the prefill kernel's 128-row CTAs would be mostly empty; the threshold is a
 /// choice, not a measured crossover.
 pub const PREFILL_MIN_ROWS: usize = 16;
+
 /// The shape a prefill kernel was instantiated with (`ATTN_PREFILL_KERNEL` in
 /// `kernels/attention.cu`; the two must agree).
+#[derive(Clone, Copy, Debug)]
 struct PrefillKernel {
     name: &'static str,
     /// Warps per CTA.
@@ -112,8 +178,8 @@ fn prefill_kernel(head_dim: usize) -> Option<PrefillKernel> {
     })
 }
 
-/// The chunk kernel for a head dimension, which must be one of [`SUPPORTED_HEAD_DIMS`].
-fn chunk_kernel(head_dim: usize) -> Option<&'static str> {
+/// The per-head (CUDA-core) row kernel for a head dimension.
+fn per_head_kernel(head_dim: usize) -> Option<&'static str> {
     Some(match head_dim {
         32 => "attn_chunk_d32",
         64 => "attn_chunk_d64",
@@ -125,7 +191,714 @@ fn chunk_kernel(head_dim: usize) -> Option<&'static str> {
     })
 }
 
-/// Causal attention of the query rows of `spans` over paged KV.
+/// The grouped (tensor-core) decode kernel for a head dimension, if there is one.
+fn grouped_kernel(head_dim: usize) -> Option<&'static str> {
+    match head_dim {
+        64 => Some("attn_decode_d64"),
+        128 => Some("attn_decode_d128"),
+        _ => None,
+    }
+}
+
+/// A row kernel's launch: its work items, and how many CTAs each item takes (`grid.y`).
+#[derive(Debug)]
+struct RowLaunch {
+    kernel: &'static str,
+    /// Dynamic shared memory, bytes.
+    smem: usize,
+    items: Range<usize>,
+    n_items: usize,
+    grid_y: usize,
+}
+
+/// The prefill kernel's launch.
+#[derive(Debug)]
+struct PrefillLaunch {
+    kernel: PrefillKernel,
+    items: Range<usize>,
+    ctas: usize,
+}
+
+/// The cascade pass's launch (`attn_shared_d*`): items of 8 u32, the query rows of every group
+/// (flattened rows `f` are row `shared_tokens[f / group]`, head `f % group` of the item's KV head),
+/// and each row's first state slot.
+#[derive(Debug)]
+struct SharedLaunch {
+    kernel: &'static str,
+    smem: usize,
+    items: Range<usize>,
+    n_items: usize,
+    shared_tokens: Range<usize>,
+    token_state: Range<usize>,
+}
+
+/// The merge kernel's launch: per merge row its state slots, and its query row.
+#[derive(Debug)]
+struct MergeLaunch {
+    row_states: Range<usize>,
+    /// `None` when merge row `r` is query row `r`.
+    rows: Option<Range<usize>>,
+    n_rows: usize,
+}
+
+/// One step's attention, planned once and run for every layer: which kernel computes which query
+/// rows, how their keys are split, and where partial states go, with all of it (block tables
+/// included) uploaded to the device in one copy.
+pub struct AttentionPlan {
+    layout: KvLayout,
+    n_heads: usize,
+    n_tokens: usize,
+    /// Cache blocks the plan's tables may name (checked when planning).
+    n_blocks: usize,
+    meta: CudaSlice<u32>,
+    tables: Range<usize>,
+    seq_table_start: Range<usize>,
+    token_seq: Range<usize>,
+    prefill: Option<PrefillLaunch>,
+    shared: Option<SharedLaunch>,
+    rows: Option<RowLaunch>,
+    merge: Option<MergeLaunch>,
+    /// `[slot][n_heads][head_dim]` and `[slot][n_heads]` partial states (one element when unused).
+    part_o: CudaSlice<f32>,
+    part_lse: CudaSlice<f32>,
+}
+
+/// Host-side tables of a plan, concatenated into one upload.
+#[derive(Default)]
+struct Meta(Vec<u32>);
+
+impl Meta {
+    /// Appends a section, starting 16 bytes aligned (kernels read work items as `uint4`; the
+    /// upload itself is aligned far more).
+    fn push(&mut self, data: &[u32]) -> Range<usize> {
+        self.0.resize(self.0.len().next_multiple_of(4), 0);
+        let start = self.0.len();
+        self.0.extend_from_slice(data);
+        start..self.0.len()
+    }
+}
+
+impl AttentionPlan {
+    /// Plans causal attention of `n_tokens` query rows grouped by `spans` over a paged cache of
+    /// `n_blocks` blocks of `layout`. As in the CPU reference, a row that no span covers is treated
+    /// as position 0 of the first span's sequence.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        dev: &CudaDevice,
+        layout: KvLayout,
+        n_heads: usize,
+        n_tokens: usize,
+        spans: &[QuerySpan],
+        n_blocks: usize,
+        options: PlanOptions,
+    ) -> Result<Self> {
+        let KvLayout {
+            block_size,
+            n_kv_heads,
+            head_dim,
+        } = layout;
+        check(per_head_kernel(head_dim).is_some(), || {
+            format!(
+                "paged_attention: head_dim {head_dim} unsupported (32, 64, 96, 128, 192 or 256)"
+            )
+        })?;
+        check(
+            block_size > 0
+                && n_kv_heads > 0
+                && n_heads > 0
+                && n_heads % n_kv_heads == 0
+                && n_heads <= 65535
+                && block_size <= i32::MAX as usize,
+            || {
+                format!(
+                    "paged_attention: {n_heads} query heads, {n_kv_heads} KV heads, block size {block_size}"
+                )
+            },
+        )?;
+        check(n_tokens <= i32::MAX as usize, || {
+            format!("paged_attention: {n_tokens} query rows")
+        })?;
+        check(n_tokens == 0 || !spans.is_empty(), || {
+            format!("paged_attention: {n_tokens} query rows but no spans")
+        })?;
+        let fits_u32 = |n: usize| u32::try_from(n).is_ok();
+
+        // Each row's sequence and position; rows no span covers stay (0, 0), as in the CPU
+        // reference.
+        let mut token_seq = vec![0u32; n_tokens];
+        let mut token_pos = vec![0u32; n_tokens];
+        for (s, span) in spans.iter().enumerate() {
+            check(
+                span.n_q <= span.kv_len
+                    && span.q_start + span.n_q <= n_tokens
+                    && span.kv_len <= span.block_table.len() * block_size
+                    && span.kv_len <= i32::MAX as usize,
+                || {
+                    format!(
+                        "paged_attention: span {s} (q_start {}, n_q {}, kv_len {}, {} blocks of {block_size}) \
+                         does not fit {n_tokens} rows",
+                        span.q_start,
+                        span.n_q,
+                        span.kv_len,
+                        span.block_table.len()
+                    )
+                },
+            )?;
+            for i in 0..span.n_q {
+                token_seq[span.q_start + i] = s as u32;
+                token_pos[span.q_start + i] = (span.kv_len - span.n_q + i) as u32;
+            }
+        }
+        // The blocks each sequence's rows reach; only those are uploaded, and each must exist.
+        let mut needed = vec![0usize; spans.len()];
+        for (&s, &pos) in token_seq.iter().zip(&token_pos) {
+            let n = pos as usize / block_size + 1;
+            needed[s as usize] = needed[s as usize].max(n);
+        }
+        let mut meta = Meta::default();
+        let mut starts = Vec::with_capacity(spans.len());
+        for (s, span) in spans.iter().enumerate() {
+            let table = span.block_table;
+            check(needed[s] <= table.len(), || {
+                format!(
+                    "paged_attention: span {s} reaches {} blocks, its table has {}",
+                    needed[s],
+                    table.len()
+                )
+            })?;
+            check(fits_u32(meta.0.len()), || {
+                "paged_attention: block tables too long".to_string()
+            })?;
+            starts.push(meta.0.len() as u32);
+            for &b in &table[..needed[s]] {
+                check((b as usize) < n_blocks, || {
+                    format!("paged_attention: span {s} names block {b}, the cache has {n_blocks}")
+                })?;
+                meta.0.push(b);
+            }
+        }
+        let tables = 0..meta.0.len();
+        let seq_table_start = meta.push(&starts);
+        let token_seq_sec = meta.push(&token_seq);
+
+        // Prefill spans: under Auto, with a prefill kernel for this head_dim, the spans of at least
+        // PREFILL_MIN_ROWS rows that still own all of their rows (where spans overlap, the last one
+        // wins, as in the CPU reference), cut into items of up to the kernel's rows per CTA:
+        // [first row, rows, position of the first row, sequence].
+        // (The kernel addresses cache rows, block · block_size + slot, as u32, with !0 for none.)
+        let prefill_choice = if options.split == KvSplit::Auto
+            && n_blocks.saturating_mul(block_size) < u32::MAX as usize
+        {
+            prefill_kernel(head_dim)
+        } else {
+            None
+        };
+        let mut in_prefill = vec![false; n_tokens];
+        let mut prefill = None;
+        if let Some(pk) = prefill_choice {
+            let rows_per_item = pk.rows();
+            let mut items: Vec<[u32; 4]> = Vec::new();
+            for (s, span) in spans.iter().enumerate() {
+                let rows = span.q_start..span.q_start + span.n_q;
+                if span.n_q < PREFILL_MIN_ROWS
+                    || token_seq[rows.clone()].iter().any(|&x| x as usize != s)
+                {
+                    continue;
+                }
+                in_prefill[rows].fill(true);
+                for i0 in (0..span.n_q).step_by(rows_per_item) {
+                    items.push([
+                        (span.q_start + i0) as u32,
+                        (span.n_q - i0).min(rows_per_item) as u32,
+                        (span.kv_len - span.n_q + i0) as u32,
+                        s as u32,
+                    ]);
+                }
+            }
+            if !items.is_empty() {
+                // Most keys first, so that the last wave of CTAs is made of the short items.
+                items.sort_by_key(|it| std::cmp::Reverse(it[1] + it[2]));
+                let ctas = items.len() * n_heads;
+                check(ctas <= i32::MAX as usize, || {
+                    format!("paged_attention: {ctas} prefill CTAs")
+                })?;
+                let flat: Vec<u32> = items.iter().flatten().copied().collect();
+                prefill = Some(PrefillLaunch {
+                    kernel: pk,
+                    items: meta.push(&flat),
+                    ctas,
+                });
+            }
+        }
+
+        // The rows left to a row kernel, and the kernel.
+        let row_tokens: Vec<u32> = (0..n_tokens as u32)
+            .filter(|&t| !in_prefill[t as usize])
+            .collect();
+        let group = n_heads / n_kv_heads;
+        let grouped = match options.row_kernel {
+            RowKernel::Auto => grouped_kernel(head_dim),
+            RowKernel::PerHead => None,
+        };
+        let (kernel, grid_y) = match grouped {
+            Some(k) => (k, n_kv_heads * group.div_ceil(GROUPED_ROWS)),
+            None => (per_head_kernel(head_dim).expect("checked above"), n_heads),
+        };
+        let keys = |t: u32| token_pos[t as usize] as usize + 1;
+        let sms = dev
+            .ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .max(1) as usize;
+
+        // Cascade groups among the spans left to the row kernels (those that own all their rows):
+        // per row, the shared keys its states start after, and how many prefix chunks precede
+        // its own states.
+        let mut shared_keys = vec![0usize; n_tokens];
+        let mut prefix_chunks = vec![0usize; n_tokens];
+        let mut shared_plan: Vec<(Vec<u32>, usize, usize, usize)> = Vec::new(); // rows, len, chunks, seq
+        let shared_kernel = prefill_kernel(head_dim)
+            .filter(|_| n_blocks.saturating_mul(block_size) < u32::MAX as usize);
+        if let (Some(min_shared), Some(pk)) = (options.cascade_min_shared, shared_kernel) {
+            let candidates: Vec<usize> = (0..spans.len())
+                .filter(|&s| {
+                    let span = &spans[s];
+                    let rows = span.q_start..span.q_start + span.n_q;
+                    span.n_q > 0
+                        && !in_prefill[rows.clone()].iter().any(|&p| p)
+                        && token_seq[rows].iter().all(|&x| x as usize == s)
+                })
+                .collect();
+            let sub: Vec<QuerySpan> = candidates.iter().map(|&s| spans[s]).collect();
+            let groups =
+                turbo_attention::cascade::cascade_groups(&sub, block_size, min_shared.max(1));
+            for g in groups {
+                let members: Vec<usize> = g.members.iter().map(|&i| candidates[i]).collect();
+                let rows: Vec<u32> = members
+                    .iter()
+                    .flat_map(|&s| {
+                        let sp = &spans[s];
+                        (sp.q_start as u32)..(sp.q_start + sp.n_q) as u32
+                    })
+                    .collect();
+                // Enough prefix chunks that the pass's CTAs about fill the GPU twice over, each
+                // at least CASCADE_MIN_CHUNK keys.
+                let tiles = (rows.len() * group).div_ceil(pk.rows()) * n_kv_heads;
+                let chunks = (sms * 2 * CASCADE_WAVES)
+                    .div_ceil(tiles)
+                    .min(g.shared_len.div_ceil(CASCADE_MIN_CHUNK))
+                    .max(1);
+                for &t in &rows {
+                    shared_keys[t as usize] = g.shared_len;
+                    prefix_chunks[t as usize] = chunks;
+                }
+                shared_plan.push((rows, g.shared_len, chunks, members[0]));
+            }
+        }
+        // Keys each row leaves to the row kernel.
+        let own_keys = |t: u32| keys(t) - shared_keys[t as usize];
+
+        let chunk = match options.split {
+            KvSplit::Off => None,
+            KvSplit::Chunk(c) => {
+                check(c >= 1, || "paged_attention: chunks of 0 keys".to_string())?;
+                Some(c)
+            }
+            KvSplit::Auto => {
+                // Resident CTAs per SM: the grouped kernel is built for 2 (its registers), the
+                // per-head one for 4.
+                let resident = if grouped.is_some() { 2 } else { 4 };
+                let target = sms * resident * AUTO_WAVES;
+                let ctas = row_tokens.len() * grid_y;
+                if ctas >= sms * resident {
+                    None
+                } else {
+                    let total_keys: usize = row_tokens.iter().map(|&t| own_keys(t)).sum();
+                    let max_keys = row_tokens.iter().map(|&t| own_keys(t)).max().unwrap_or(0);
+                    let c = (total_keys * grid_y)
+                        .div_ceil(target)
+                        .max(MIN_AUTO_CHUNK)
+                        .next_multiple_of(CHUNK_ALIGN);
+                    (c < max_keys).then_some(c)
+                }
+            }
+        };
+
+        // Work items [row, first key, end key, state slot]; rows with several ranges, cascade rows
+        // (or all rows under an explicit chunk size) get state slots, contiguous per row (the
+        // prefix chunks' first), and a merge row.
+        let mut items: Vec<u32> = Vec::new();
+        let mut row_states: Vec<u32> = Vec::new();
+        let mut merge_rows: Vec<u32> = Vec::new();
+        let mut token_state = vec![0u32; n_tokens];
+        let mut n_states = 0usize;
+        for &t in &row_tokens {
+            let (first, n) = (shared_keys[t as usize], keys(t));
+            let c = chunk.unwrap_or(n - first).max(1);
+            let ranges = (n - first).div_ceil(c);
+            let prefix = prefix_chunks[t as usize];
+            let merged = matches!(options.split, KvSplit::Chunk(_)) || ranges > 1 || prefix > 0;
+            if merged {
+                row_states.push(n_states as u32);
+                merge_rows.push(t);
+                token_state[t as usize] = n_states as u32;
+                n_states += prefix;
+            }
+            for i in 0..ranges {
+                let state = if merged {
+                    n_states += 1;
+                    check(fits_u32(n_states), || {
+                        "paged_attention: too many key ranges".to_string()
+                    })?;
+                    (n_states - 1) as u32
+                } else {
+                    NO_STATE
+                };
+                let (k0, k1) = (first + i * c, (first + (i + 1) * c).min(n));
+                items.extend_from_slice(&[t, k0 as u32, k1 as u32, state]);
+            }
+        }
+        let n_items = items.len() / 4;
+        check(
+            n_items <= i32::MAX as usize && grid_y <= 65535 && fits_u32(meta.0.len() + items.len()),
+            || format!("paged_attention: {n_items} work items"),
+        )?;
+        let rows = (n_items > 0).then(|| RowLaunch {
+            kernel,
+            smem: if grouped.is_some() {
+                grouped_smem(head_dim)
+            } else {
+                0
+            },
+            items: meta.push(&items),
+            n_items,
+            grid_y,
+        });
+        // The cascade pass: per group, its rows × query heads in tiles of the kernel's rows, per
+        // KV head and prefix chunk.
+        let shared = match shared_kernel {
+            Some(pk) if !shared_plan.is_empty() => {
+                let mut tokens: Vec<u32> = Vec::new();
+                let mut sitems: Vec<u32> = Vec::new();
+                for (rows, len, chunks, seq) in &shared_plan {
+                    let f_base = tokens.len() * group;
+                    let flat = rows.len() * group;
+                    tokens.extend_from_slice(rows);
+                    let csize = len.div_ceil(*chunks);
+                    for f0 in (0..flat).step_by(pk.rows()) {
+                        for kv in 0..n_kv_heads {
+                            for c in 0..*chunks {
+                                let (k0, k1) = (c * csize, ((c + 1) * csize).min(*len));
+                                if k0 >= k1 {
+                                    continue;
+                                }
+                                sitems.extend_from_slice(&[
+                                    (f_base + f0) as u32,
+                                    (flat - f0).min(pk.rows()) as u32,
+                                    k0 as u32,
+                                    k1 as u32,
+                                    *seq as u32,
+                                    c as u32,
+                                    kv as u32,
+                                    0,
+                                ]);
+                            }
+                        }
+                    }
+                }
+                let n_items = sitems.len() / 8;
+                check(
+                    n_items <= i32::MAX as usize && fits_u32(tokens.len() * group),
+                    || format!("paged_attention: {n_items} cascade items"),
+                )?;
+                Some(SharedLaunch {
+                    kernel: if head_dim == 64 {
+                        "attn_shared_d64"
+                    } else {
+                        "attn_shared_d128"
+                    },
+                    smem: pk.smem_bytes(head_dim),
+                    items: meta.push(&sitems),
+                    n_items,
+                    shared_tokens: meta.push(&tokens),
+                    token_state: meta.push(&token_state),
+                })
+            }
+            _ => None,
+        };
+        let merge = if merge_rows.is_empty() {
+            None
+        } else {
+            row_states.push(n_states as u32);
+            let all = merge_rows.len() == n_tokens;
+            Some(MergeLaunch {
+                row_states: meta.push(&row_states),
+                rows: (!all).then(|| meta.push(&merge_rows)),
+                n_rows: merge_rows.len(),
+            })
+        };
+        check(fits_u32(meta.0.len()), || {
+            "paged_attention: plan too large".to_string()
+        })?;
+
+        let meta_dev = dev.stream.clone_htod(&meta.0)?;
+        let slots = n_states.max(1);
+        Ok(AttentionPlan {
+            layout,
+            n_heads,
+            n_tokens,
+            n_blocks,
+            meta: meta_dev,
+            tables,
+            seq_table_start,
+            token_seq: token_seq_sec,
+            prefill,
+            shared,
+            rows,
+            merge,
+            part_o: dev.stream.alloc_zeros::<f32>(slots * n_heads * head_dim)?,
+            part_lse: dev.stream.alloc_zeros::<f32>(slots * n_heads)?,
+        })
+    }
+
+    /// Query rows whose shared prefix the cascade pass computes (0 without cascade).
+    pub fn cascade_rows(&self) -> usize {
+        self.shared.as_ref().map_or(0, |sh| sh.shared_tokens.len())
+    }
+
+    /// Whether the plan was made for this shape (so that a batch's plan is reused only by layers
+    /// it fits).
+    pub fn fits(&self, layout: KvLayout, n_heads: usize, n_tokens: usize, n_blocks: usize) -> bool {
+        self.layout == layout
+            && self.n_heads == n_heads
+            && self.n_tokens == n_tokens
+            && self.n_blocks <= n_blocks
+    }
+
+    /// Runs the planned attention on one layer's cache: `q` and `out` are `[tokens, n_heads,
+    /// head_dim]` bf16; `lse`, when given, receives `[tokens, n_heads]` natural-log sum-exps of the
+    /// scaled scores.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &mut self,
+        dev: &CudaDevice,
+        q: &CudaSlice<bf16>,
+        k_cache: &CudaSlice<bf16>,
+        v_cache: &CudaSlice<bf16>,
+        scale: f32,
+        out: &mut CudaSlice<bf16>,
+        mut lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()> {
+        let KvLayout {
+            block_size,
+            n_kv_heads,
+            head_dim,
+        } = self.layout;
+        let n_heads = self.n_heads;
+        let row_len = n_heads * head_dim;
+        let n_tokens = self.n_tokens;
+        check(
+            q.len() >= n_tokens * row_len && out.len() >= n_tokens * row_len,
+            || {
+                format!(
+                    "paged_attention: q has {} and out {} elements for {n_tokens} rows of {row_len}",
+                    q.len(),
+                    out.len()
+                )
+            },
+        )?;
+        if let Some(l) = lse.as_deref() {
+            check(l.len() >= n_tokens * n_heads, || {
+                format!(
+                    "paged_attention: lse has {} elements for {n_tokens} rows of {n_heads}",
+                    l.len()
+                )
+            })?;
+        }
+        let block_len = block_size * n_kv_heads * head_dim;
+        check(
+            k_cache.len().min(v_cache.len()) / block_len >= self.n_blocks,
+            || {
+                format!(
+                    "paged_attention: the cache holds fewer than the {} blocks planned for",
+                    self.n_blocks
+                )
+            },
+        )?;
+        if n_tokens == 0 {
+            return Ok(());
+        }
+
+        let null: u64 = 0;
+        let n_heads_i = n_heads as i32;
+        let group = (n_heads / n_kv_heads) as i32;
+        let n_kv_heads_i = n_kv_heads as i32;
+        let block_size_i = block_size as i32;
+        let block_shift: i32 = if block_size.is_power_of_two() {
+            block_size.trailing_zeros() as i32
+        } else {
+            -1
+        };
+        let head_dim_i = head_dim as i32;
+        let meta = &self.meta;
+        let section = |r: &Range<usize>| -> CudaView<'_, u32> { meta.slice(r.clone()) };
+        let tables = section(&self.tables);
+        let seq_start = section(&self.seq_table_start);
+
+        if let Some(p) = &self.prefill {
+            let items = section(&p.items);
+            let f = dev.function("attention", p.kernel.name)?;
+            let smem = p.kernel.smem_bytes(head_dim);
+            if smem > 48 * 1024 {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )?;
+            }
+            let mut b = dev.stream.launch_builder(&f);
+            b.arg(q)
+                .arg(k_cache)
+                .arg(v_cache)
+                .arg(&tables)
+                .arg(&seq_start)
+                .arg(&items)
+                .arg(&n_heads_i)
+                .arg(&group)
+                .arg(&n_kv_heads_i)
+                .arg(&block_size_i)
+                .arg(&block_shift)
+                .arg(&scale)
+                .arg(&mut *out);
+            match lse.as_deref_mut() {
+                Some(l) => b.arg(l),
+                None => b.arg(&null),
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (p.ctas as u32, 1, 1),
+                block_dim: (32 * p.kernel.warps as u32, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            // SAFETY: the arguments match attn_prefill_d*'s parameters; every item's rows lie in
+            // one span (so within q and out, checked above), its keys 0..pos+rows are that span's
+            // keys, whose blocks were checked against the cache (n_blocks, checked above) when
+            // the plan was made and uploaded in its table.
+            unsafe { b.launch(cfg)? };
+        }
+
+        if let Some(sh) = &self.shared {
+            let items = section(&sh.items);
+            let tokens = section(&sh.shared_tokens);
+            let token_state = section(&sh.token_state);
+            let f = dev.function("attention", sh.kernel)?;
+            if sh.smem > 48 * 1024 {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    sh.smem as i32,
+                )?;
+            }
+            let mut b = dev.stream.launch_builder(&f);
+            b.arg(q)
+                .arg(k_cache)
+                .arg(v_cache)
+                .arg(&tables)
+                .arg(&seq_start)
+                .arg(&items)
+                .arg(&n_heads_i)
+                .arg(&group)
+                .arg(&n_kv_heads_i)
+                .arg(&block_size_i)
+                .arg(&block_shift)
+                .arg(&scale)
+                .arg(&tokens)
+                .arg(&token_state)
+                .arg(&mut self.part_o)
+                .arg(&mut self.part_lse);
+            let warps = prefill_kernel(head_dim).map_or(4, |k| k.warps) as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (sh.n_items as u32, 1, 1),
+                block_dim: (32 * warps, 1, 1),
+                shared_mem_bytes: sh.smem as u32,
+            };
+            // SAFETY: the arguments match attn_shared_d*'s parameters; every item's flattened rows
+            // name rows of q in its group, its keys lie in the group's shared prefix (blocks
+            // checked when planning, identical in every member's table), and its state slots
+            // (token_state[row] + chunk) were reserved for the row's prefix chunks.
+            unsafe { b.launch(cfg)? };
+        }
+
+        if let Some(r) = &self.rows {
+            let items = section(&r.items);
+            let token_seq = section(&self.token_seq);
+            let f = dev.function("attention", r.kernel)?;
+            if r.smem > 48 * 1024 {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    r.smem as i32,
+                )?;
+            }
+            let mut b = dev.stream.launch_builder(&f);
+            b.arg(q)
+                .arg(k_cache)
+                .arg(v_cache)
+                .arg(&tables)
+                .arg(&seq_start)
+                .arg(&token_seq)
+                .arg(&items)
+                .arg(&n_heads_i)
+                .arg(&group)
+                .arg(&n_kv_heads_i)
+                .arg(&block_size_i)
+                .arg(&block_shift)
+                .arg(&scale)
+                .arg(&mut self.part_o)
+                .arg(&mut self.part_lse)
+                .arg(&mut *out);
+            match lse.as_deref_mut() {
+                Some(l) => b.arg(l),
+                None => b.arg(&null),
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (r.n_items as u32, r.grid_y as u32, 1),
+                block_dim: (ROW_THREADS, 1, 1),
+                shared_mem_bytes: r.smem as u32,
+            };
+            // SAFETY: the arguments match attn_chunk_d* / attn_decode_d*'s parameters; every
+            // item names a row of q and out, a non-empty key range within the row's keys (whose
+            // blocks were checked when planning), and a state slot below the scratch's size or
+            // NO_STATE.
+            unsafe { b.launch(cfg)? };
+        }
+
+        if let Some(m) = &self.merge {
+            let row_states = section(&m.row_states);
+            let rows = m.rows.as_ref().map(section);
+            let f = dev.function("attention", "attn_merge")?;
+            let mut b = dev.stream.launch_builder(&f);
+            b.arg(&self.part_o).arg(&self.part_lse).arg(&row_states);
+            match &rows {
+                Some(r) => b.arg(r),
+                None => b.arg(&null),
+            };
+            b.arg(&n_heads_i).arg(&head_dim_i).arg(&mut *out);
+            match lse {
+                Some(l) => b.arg(l),
+                None => b.arg(&null),
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (m.n_rows as u32, n_heads as u32, 1),
+                block_dim: (MERGE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match attn_merge's parameters; row_states has one entry per
+            // merge row plus one, indexing the state slots the row kernel just wrote, and the
+            // merge rows (when given) are rows of `out`.
+            unsafe { b.launch(cfg)? };
+        }
+        Ok(())
+    }
+}
+
+/// Causal attention of the query rows of `spans` over paged KV, planned and run at once (the model
+/// plans once per step instead: [`AttentionPlan`]).
 ///
 /// `q` and `out` are `[tokens, n_heads, head_dim]` bf16 with `tokens = q.len() / (n_heads *
 /// head_dim)`; `k_cache` and `v_cache` are `[block][slot][kv head][head_dim]` bf16; `lse`, when
@@ -144,7 +917,7 @@ pub fn paged_attention(
     out: &mut CudaSlice<bf16>,
     lse: Option<&mut CudaSlice<f32>>,
 ) -> Result<()> {
-    paged_attention_split(
+    paged_attention_with(
         dev,
         q,
         k_cache,
@@ -153,14 +926,40 @@ pub fn paged_attention(
         n_heads,
         spans,
         scale,
-        KvSplit::Auto,
+        PlanOptions::default(),
         out,
         lse,
     )
 }
 
-/// [`paged_attention`] with an explicit choice of how keys are split among CTAs (for tests and
-/// tuning; every choice computes the same attention up to f32 rounding).
+/// [`paged_attention`] with explicit planning choices (for tests and tuning; every choice computes
+/// the same attention up to f32 rounding).
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_with(
+    dev: &CudaDevice,
+    q: &CudaSlice<bf16>,
+    k_cache: &CudaSlice<bf16>,
+    v_cache: &CudaSlice<bf16>,
+    layout: KvLayout,
+    n_heads: usize,
+    spans: &[QuerySpan],
+    scale: f32,
+    options: PlanOptions,
+    out: &mut CudaSlice<bf16>,
+    lse: Option<&mut CudaSlice<f32>>,
+) -> Result<()> {
+    check(
+        layout.n_kv_heads > 0 && layout.head_dim > 0 && layout.block_size > 0 && n_heads > 0,
+        || format!("paged_attention: layout {layout:?}, {n_heads} heads"),
+    )?;
+    let n_tokens = q.len() / (n_heads * layout.head_dim);
+    let block_len = layout.block_size * layout.n_kv_heads * layout.head_dim;
+    let n_blocks = k_cache.len().min(v_cache.len()) / block_len;
+    let mut plan = AttentionPlan::new(dev, layout, n_heads, n_tokens, spans, n_blocks, options)?;
+    plan.run(dev, q, k_cache, v_cache, scale, out, lse)
+}
+
+/// [`paged_attention`] with an explicit choice of how keys are split among CTAs.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention_split(
     dev: &CudaDevice,
@@ -175,392 +974,11 @@ pub fn paged_attention_split(
     out: &mut CudaSlice<bf16>,
     lse: Option<&mut CudaSlice<f32>>,
 ) -> Result<()> {
-    let KvLayout {
-        block_size,
-        n_kv_heads,
-        head_dim,
-    } = layout;
-    let kernel = chunk_kernel(head_dim);
-    check(kernel.is_some(), || {
-        format!("paged_attention: head_dim {head_dim} unsupported (32, 64, 96, 128, 192 or 256)")
-    })?;
-    check(
-        block_size > 0
-            && n_kv_heads > 0
-            && n_heads > 0
-            && n_heads % n_kv_heads == 0
-            && n_heads <= 65535
-            && block_size <= i32::MAX as usize,
-        || {
-            format!(
-                "paged_attention: {n_heads} query heads, {n_kv_heads} KV heads, block size {block_size}"
-            )
-        },
-    )?;
-    let row_len = n_heads * head_dim;
-    let n_tokens = q.len() / row_len;
-    check(out.len() >= n_tokens * row_len, || {
-        format!(
-            "paged_attention: out has {} elements for {n_tokens} rows of {row_len}",
-            out.len()
-        )
-    })?;
-    if let Some(l) = lse.as_deref() {
-        check(l.len() >= n_tokens * n_heads, || {
-            format!(
-                "paged_attention: lse has {} elements for {n_tokens} rows of {n_heads}",
-                l.len()
-            )
-        })?;
-    }
-    if n_tokens == 0 {
-        return Ok(());
-    }
-    check(n_tokens <= i32::MAX as usize, || {
-        format!("paged_attention: {n_tokens} query rows")
-    })?;
-    check(!spans.is_empty(), || {
-        format!("paged_attention: {n_tokens} query rows but no spans")
-    })?;
-    let block_len = block_size * n_kv_heads * head_dim;
-    let n_blocks = k_cache.len().min(v_cache.len()) / block_len;
-
-    // Each row's sequence and position; rows no span covers stay (0, 0), as in the CPU reference.
-    let mut token_seq = vec![0u32; n_tokens];
-    let mut token_pos = vec![0u32; n_tokens];
-    for (s, span) in spans.iter().enumerate() {
-        check(
-            span.n_q <= span.kv_len
-                && span.q_start + span.n_q <= n_tokens
-                && span.kv_len <= span.block_table.len() * block_size
-                && span.kv_len <= i32::MAX as usize,
-            || {
-                format!(
-                    "paged_attention: span {s} (q_start {}, n_q {}, kv_len {}, {} blocks of {block_size}) \
-                     does not fit {n_tokens} rows",
-                    span.q_start,
-                    span.n_q,
-                    span.kv_len,
-                    span.block_table.len()
-                )
-            },
-        )?;
-        for i in 0..span.n_q {
-            token_seq[span.q_start + i] = s as u32;
-            token_pos[span.q_start + i] = (span.kv_len - span.n_q + i) as u32;
-        }
-    }
-    // The blocks each sequence's rows reach; only those are uploaded, and each must exist.
-    let mut needed = vec![0usize; spans.len()];
-    for (&s, &pos) in token_seq.iter().zip(&token_pos) {
-        let n = pos as usize / block_size + 1;
-        needed[s as usize] = needed[s as usize].max(n);
-    }
-    let mut meta: Vec<u32> = Vec::new();
-    let mut seq_table_start = Vec::with_capacity(spans.len());
-    for (s, span) in spans.iter().enumerate() {
-        let table = span.block_table;
-        check(needed[s] <= table.len(), || {
-            format!(
-                "paged_attention: span {s} reaches {} blocks, its table has {}",
-                needed[s],
-                table.len()
-            )
-        })?;
-        seq_table_start.push(meta.len());
-        for &b in &table[..needed[s]] {
-            check((b as usize) < n_blocks, || {
-                format!("paged_attention: span {s} names block {b}, the cache has {n_blocks}")
-            })?;
-            meta.push(b);
-        }
-    }
-
-    // Prefill spans: under Auto, with a prefill kernel for this head_dim, the spans of at least
-    // PREFILL_MIN_ROWS rows that still own all of their rows (where spans overlap, the last one
-    // wins, as in the CPU reference), cut into items of up to the kernel's rows per CTA:
-    // [first row, rows, position of the first row, sequence].
-    // (The kernel addresses cache rows, block · block_size + slot, as u32, with !0 for none.)
-    let prefill = if split == KvSplit::Auto && n_blocks * block_size < u32::MAX as usize {
-        prefill_kernel(head_dim)
-    } else {
-        None
+    let options = PlanOptions {
+        split,
+        ..PlanOptions::default()
     };
-    let mut in_prefill = vec![false; n_tokens];
-    let mut prefill_items: Vec<[u32; 4]> = Vec::new();
-    if let Some(pk) = &prefill {
-        let rows_per_item = pk.rows();
-        for (s, span) in spans.iter().enumerate() {
-            let rows = span.q_start..span.q_start + span.n_q;
-            if span.n_q < PREFILL_MIN_ROWS
-                || token_seq[rows.clone()].iter().any(|&x| x as usize != s)
-            {
-                continue;
-            }
-            in_prefill[rows].fill(true);
-            for i0 in (0..span.n_q).step_by(rows_per_item) {
-                prefill_items.push([
-                    (span.q_start + i0) as u32,
-                    (span.n_q - i0).min(rows_per_item) as u32,
-                    (span.kv_len - span.n_q + i0) as u32,
-                    s as u32,
-                ]);
-            }
-        }
-        // Most keys first, so that the last wave of CTAs is made of the short items.
-        prefill_items.sort_by_key(|it| std::cmp::Reverse(it[1] + it[2]));
-    }
-    // The rows left to the row kernel; all of them unless some went to the prefill kernel.
-    let row_tokens: Vec<u32> = (0..n_tokens as u32)
-        .filter(|&t| !in_prefill[t as usize])
-        .collect();
-    let all_rows = row_tokens.len() == n_tokens;
-
-    let max_keys = row_tokens
-        .iter()
-        .map(|&t| token_pos[t as usize] as usize + 1)
-        .max()
-        .unwrap_or(0);
-    let chunk = match split {
-        KvSplit::Off => None,
-        KvSplit::Chunk(c) => {
-            check(c >= 1, || "paged_attention: chunks of 0 keys".to_string())?;
-            Some(c)
-        }
-        KvSplit::Auto => {
-            let sms = dev
-                .ctx
-                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-            let target = (sms.max(1) as usize) * AUTO_CTAS_PER_SM;
-            if row_tokens.len() * n_heads >= target {
-                None
-            } else {
-                let total_keys: usize = row_tokens
-                    .iter()
-                    .map(|&t| token_pos[t as usize] as usize + 1)
-                    .sum();
-                let c = (total_keys * n_heads).div_ceil(target).max(MIN_AUTO_CHUNK);
-                (c < max_keys).then_some(c)
-            }
-        }
-    };
-
-    // Sections of `meta` after the tables: seq_table_start, token_seq, token_pos; for the row
-    // kernel, with a split token_work ([rows + 1]) and work ([items][2]: token, chunk index), without
-    // one and with only some rows work for those rows (chunk 0 each); with only some rows and a split
-    // the merge's rows; the prefill items.
-    let fits_u32 = |n: usize| u32::try_from(n).is_ok();
-    let mut sections = Vec::new();
-    let mut push = |meta: &mut Vec<u32>, data: &[u32]| {
-        let start = meta.len();
-        meta.extend_from_slice(data);
-        sections.push(start..meta.len());
-        sections.len() - 1
-    };
-    let tables_end = meta.len();
-    let mut starts = Vec::with_capacity(seq_table_start.len());
-    for &x in &seq_table_start {
-        check(fits_u32(x), || {
-            "paged_attention: block tables too long".to_string()
-        })?;
-        starts.push(x as u32);
-    }
-    let sec_starts = push(&mut meta, &starts);
-    let sec_seq = push(&mut meta, &token_seq);
-    let sec_pos = push(&mut meta, &token_pos);
-    let (n_items, sec_token_work, sec_work) = match chunk {
-        None if all_rows => (n_tokens, None, None),
-        None => {
-            let work: Vec<u32> = row_tokens.iter().flat_map(|&t| [t, 0]).collect();
-            (row_tokens.len(), None, Some(push(&mut meta, &work)))
-        }
-        Some(c) => {
-            let mut token_work = Vec::with_capacity(row_tokens.len() + 1);
-            let mut work = Vec::new();
-            for &t in &row_tokens {
-                check(fits_u32(work.len() / 2), || {
-                    "paged_attention: too many chunks".to_string()
-                })?;
-                token_work.push((work.len() / 2) as u32);
-                for i in 0..(token_pos[t as usize] as usize + 1).div_ceil(c) {
-                    work.push(t);
-                    work.push(i as u32);
-                }
-            }
-            let n_items = work.len() / 2;
-            check(fits_u32(n_items), || {
-                "paged_attention: too many chunks".to_string()
-            })?;
-            token_work.push(n_items as u32);
-            let tw = push(&mut meta, &token_work);
-            (n_items, Some(tw), Some(push(&mut meta, &work)))
-        }
-    };
-    let sec_merge_rows = (chunk.is_some() && !all_rows).then(|| push(&mut meta, &row_tokens));
-    let flat_items: Vec<u32> = prefill_items.iter().flatten().copied().collect();
-    let sec_items = push(&mut meta, &flat_items);
-    let n_prefill_ctas = prefill_items.len() * n_heads;
-    check(
-        n_items <= i32::MAX as usize && n_prefill_ctas <= i32::MAX as usize && fits_u32(meta.len()),
-        || format!("paged_attention: {n_items} work items, {n_prefill_ctas} prefill CTAs"),
-    )?;
-    let meta = dev.stream.clone_htod(&meta)?;
-    let section = |i: usize| meta.slice(sections[i].clone());
-    let tables = meta.slice(0..tables_end);
-    let seq_start_v = section(sec_starts);
-
-    let null: u64 = 0;
-    let n_heads_i = n_heads as i32;
-    let group = (n_heads / n_kv_heads) as i32;
-    let n_kv_heads_i = n_kv_heads as i32;
-    let block_size_i = block_size as i32;
-    let block_shift: i32 = if block_size.is_power_of_two() {
-        block_size.trailing_zeros() as i32
-    } else {
-        -1
-    };
-    let head_dim_i = head_dim as i32;
-    let mut lse = lse;
-
-    if let Some(pk) = prefill.filter(|_| !prefill_items.is_empty()) {
-        let items_v = section(sec_items);
-        let f = dev.function("attention", pk.name)?;
-        let smem = pk.smem_bytes(head_dim);
-        if smem > 48 * 1024 {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )?;
-        }
-        let mut b = dev.stream.launch_builder(&f);
-        b.arg(q)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(&tables)
-            .arg(&seq_start_v)
-            .arg(&items_v)
-            .arg(&n_heads_i)
-            .arg(&group)
-            .arg(&n_kv_heads_i)
-            .arg(&block_size_i)
-            .arg(&block_shift)
-            .arg(&scale)
-            .arg(&mut *out);
-        match lse.as_deref_mut() {
-            Some(l) => b.arg(l),
-            None => b.arg(&null),
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (n_prefill_ctas as u32, 1, 1),
-            block_dim: (32 * pk.warps as u32, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        // SAFETY: the arguments match attn_prefill_d*'s parameters; every item's rows lie in one
-        // span (so within q and out), its keys 0..pos+rows are that span's keys, whose blocks were
-        // checked against the cache and uploaded in its table.
-        unsafe { b.launch(cfg)? };
-    }
-    if row_tokens.is_empty() {
-        return Ok(());
-    }
-
-    let (token_seq_v, token_pos_v) = (section(sec_seq), section(sec_pos));
-    let chunk_u32 = chunk.map_or(u32::MAX, |c| c.min(u32::MAX as usize) as u32);
-    let chunk_cfg = LaunchConfig {
-        grid_dim: (n_items as u32, n_heads as u32, 1),
-        block_dim: (CHUNK_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let f = dev.function("attention", kernel.expect("checked above"))?;
-    let work_v = sec_work.map(section);
-
-    match chunk {
-        None => {
-            let mut b = dev.stream.launch_builder(&f);
-            b.arg(q)
-                .arg(k_cache)
-                .arg(v_cache)
-                .arg(&tables)
-                .arg(&seq_start_v)
-                .arg(&token_seq_v)
-                .arg(&token_pos_v);
-            match &work_v {
-                Some(w) => b.arg(w),
-                None => b.arg(&null),
-            };
-            b.arg(&n_heads_i)
-                .arg(&group)
-                .arg(&n_kv_heads_i)
-                .arg(&block_size_i)
-                .arg(&block_shift)
-                .arg(&chunk_u32)
-                .arg(&scale)
-                .arg(&null)
-                .arg(&null)
-                .arg(&mut *out);
-            match lse {
-                Some(l) => b.arg(l),
-                None => b.arg(&null),
-            };
-            // SAFETY: the arguments match attn_chunk_d*'s parameters; every row index, block id and
-            // table offset the kernel derives was checked against the buffers' sizes above (work,
-            // when given, names each of the rows left to this kernel once, with chunk 0 of a
-            // chunk covering all its keys).
-            unsafe { b.launch(chunk_cfg)? };
-        }
-        Some(_) => {
-            let token_work_v = section(sec_token_work.expect("made with the split"));
-            let work_v = work_v.expect("made with the split");
-            let mut part_o = dev
-                .stream
-                .alloc_zeros::<f32>(n_items * n_heads * head_dim)?;
-            let mut part_lse = dev.stream.alloc_zeros::<f32>(n_items * n_heads)?;
-            let mut b = dev.stream.launch_builder(&f);
-            b.arg(q)
-                .arg(k_cache)
-                .arg(v_cache)
-                .arg(&tables)
-                .arg(&seq_start_v)
-                .arg(&token_seq_v)
-                .arg(&token_pos_v)
-                .arg(&work_v)
-                .arg(&n_heads_i)
-                .arg(&group)
-                .arg(&n_kv_heads_i)
-                .arg(&block_size_i)
-                .arg(&block_shift)
-                .arg(&chunk_u32)
-                .arg(&scale)
-                .arg(&mut part_o)
-                .arg(&mut part_lse)
-                .arg(&null)
-                .arg(&null);
-            // SAFETY: as above; the scratch holds n_items × n_heads states.
-            unsafe { b.launch(chunk_cfg)? };
-
-            let merge_rows_v = sec_merge_rows.map(section);
-            let merge = dev.function("attention", "attn_merge")?;
-            let mut b = dev.stream.launch_builder(&merge);
-            b.arg(&part_o).arg(&part_lse).arg(&token_work_v);
-            match &merge_rows_v {
-                Some(r) => b.arg(r),
-                None => b.arg(&null),
-            };
-            b.arg(&n_heads_i).arg(&head_dim_i).arg(&mut *out);
-            match lse {
-                Some(l) => b.arg(l),
-                None => b.arg(&null),
-            };
-            let merge_cfg = LaunchConfig {
-                grid_dim: (row_tokens.len() as u32, n_heads as u32, 1),
-                block_dim: (MERGE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the arguments match attn_merge's parameters; token_work has one entry per
-            // merge row plus one, indexing the n_items states just written, and the merge rows
-            // (when given) are rows of `out`.
-            unsafe { b.launch(merge_cfg)? };
-        }
-    }
-    Ok(())
+    paged_attention_with(
+        dev, q, k_cache, v_cache, layout, n_heads, spans, scale, options, out, lse,
+    )
 }

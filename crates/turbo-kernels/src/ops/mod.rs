@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod elementwise;
 pub mod linear;
+pub mod merge;
 pub mod norm;
 pub mod sampling;
 
