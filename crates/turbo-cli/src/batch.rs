@@ -1,7 +1,7 @@
 //! `turbo generate --prompts-file F.jsonl`: many requests at once through the persistent batch.
 
 use crate::generate::Output;
-use crate::runtime::{LoadedModelInfo, ModelTask};
+use crate::runtime::{KvArgs, LoadedModelInfo, ModelTask};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -31,8 +31,7 @@ pub struct BatchArgs {
     pub ignore_eos: bool,
     pub max_batch: usize,
     pub max_batched_tokens: usize,
-    pub kv_blocks: Option<usize>,
-    pub kv_cache_gb: Option<f64>,
+    pub kv: KvArgs,
 }
 
 pub struct BatchTask(pub BatchArgs);
@@ -79,23 +78,16 @@ impl ModelTask for BatchTask {
             bail!("{} holds no requests", args.file.display());
         }
         let block_size = info.block_size;
-        let kv_spec = model.kv_spec(block_size, 1);
-        // Default: room for every slot to hold a full context (capped at 4096 tokens each).
-        let num_blocks = match (args.kv_blocks, args.kv_cache_gb) {
-            (Some(n), _) => n,
-            (None, Some(gb)) => {
-                let per_block =
-                    kv_spec.bytes_per_token() / 4 * model.backend().kv_element_bytes() * block_size;
-                (gb * 1e9 / per_block as f64) as usize
-            }
-            (None, None) => args.max_batch * info.context_length.min(4096).div_ceil(block_size),
-        };
+        // CPU default: room for every slot to hold a full context (capped at 4096 tokens each).
+        let cpu_default = args.max_batch * info.context_length.min(4096);
+        let num_blocks = args.kv.num_blocks(&model, &info, cpu_default)?;
         let config = BatchConfig {
             max_batch: args.max_batch,
             max_batched_tokens: args.max_batched_tokens.max(args.max_batch),
             block_size,
             num_blocks,
             prefill_chunk: 512,
+            prefix_caching: true,
         };
         let prompts: Vec<Vec<u32>> = requests.iter().map(|r| r.prompt.clone()).collect();
         let mut batch = PersistentBatch::new(model, tokenizer, config)?;

@@ -1,11 +1,16 @@
-//! `turbo bench`: prefill and decode throughput, measured like llama-bench's pp and tg tests.
+//! `turbo bench`: prefill and decode throughput, measured like llama-bench's pp and tg tests;
+//! with `--multi-round` or `--shared-prefix`, what the KV cache saves (see [`multi_round`] and
+//! [`shared_prefix`]).
 
-use crate::runtime::ModelArgs;
-use crate::runtime::{EngineTask, LoadedModelInfo};
+mod multi_round;
+mod shared_prefix;
+
+use crate::runtime::{EngineTask, KvArgs, LoadedModelInfo, ModelArgs};
 use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
 use turbo_core::Backend;
+use turbo_llama::tokenizer::TextTokenizer;
 use turbo_scheduler::{Engine, GenerationRequest, Session};
 
 #[derive(Args)]
@@ -15,14 +20,42 @@ pub struct BenchArgs {
     /// Prompt length of the prefill test.
     #[arg(long, default_value_t = 512)]
     prompt_tokens: usize,
-    /// Tokens generated in the decode test.
-    #[arg(long, default_value_t = 128)]
-    gen_tokens: usize,
+    /// Tokens generated: in the decode test (default 128), per round of --multi-round (default
+    /// 64), per request of --shared-prefix (default 16).
+    #[arg(long)]
+    gen_tokens: Option<usize>,
     /// Context the decode test starts from (a prompt of this many tokens, prefilled untimed).
     #[arg(long, default_value_t = 1)]
     decode_context: usize,
-    #[arg(long, default_value_t = 3)]
-    repeats: usize,
+    /// Runs per measurement (default 3; 1 with --shared-prefix).
+    #[arg(long)]
+    repeats: Option<usize>,
+    /// Multi-round chat: time to first token of each of N rounds of one conversation, with the
+    /// KV cache (a round prefills only its new message) and without (it prefills the whole
+    /// history).
+    #[arg(long, conflicts_with = "shared_prefix")]
+    multi_round: Option<usize>,
+    /// Prefix sharing: N requests sharing a system prompt of --prefix-tokens run at once, with
+    /// prefix sharing and without; prefill work, KV blocks and wall time of each.
+    #[arg(long)]
+    shared_prefix: Option<usize>,
+    /// Tokens of the shared system prompt of --shared-prefix.
+    #[arg(long, default_value_t = 2000)]
+    prefix_tokens: usize,
+    /// Tokens of each user message: per round of --multi-round (about; default 150), per request
+    /// of --shared-prefix (exactly; default 32).
+    #[arg(long)]
+    user_tokens: Option<usize>,
+    /// Batch slots of --shared-prefix.
+    #[arg(long, default_value_t = 64)]
+    max_batch: usize,
+    /// Tokens per forward pass of --shared-prefix.
+    #[arg(long, default_value_t = 2048)]
+    max_batched_tokens: usize,
+    /// KV cache size of --multi-round and --shared-prefix (default on the CPU: one full context,
+    /// or room for every --shared-prefix request unshared).
+    #[command(flatten)]
+    kv: KvArgs,
     /// Print one JSON object with every measurement.
     #[arg(long)]
     json: bool,
@@ -46,6 +79,38 @@ Early machines were programmed by rewiring panels; later, stored programs let th
 perform many tasks. Compilers translated human-readable code into machine instructions, operating \
 systems shared one computer among many users, and networks joined computers into a single system. ";
 
+/// Sentences that user messages are cut from.
+const PROSE: &[&str] = &[
+    "I am planning a two-week trip through the north of Portugal in late September, travelling by train where I can. ",
+    "My partner likes old towns and wine, while I would rather spend the mornings walking along the coast or in the hills. ",
+    "We have a budget of about ninety euros a day for the two of us, not counting the flights. ",
+    "Last year we tried to see too much in too little time and came home more tired than when we left. ",
+    "This time I would like fewer places and longer stays, ideally three or four nights in each. ",
+    "Neither of us drives, so anything that needs a car is out unless there is a reliable bus. ",
+    "We also want at least one day with nothing planned at all, just to sit in a square and read. ",
+    "Could you suggest how to split the days, and which towns are worth the detour? ",
+    "I have read that the Douro valley is beautiful at harvest time but also very busy with tour groups. ",
+    "Is it better to stay in a small village there, or in a larger town with more connections? ",
+    "We are vegetarian, which I hear can be a little difficult in traditional restaurants. ",
+    "Any advice on what to order, or on phrases that would help, would be very welcome. ",
+    "Finally, we would like to bring back something made locally that is not just a souvenir. ",
+    "Please keep the answer practical: times, distances and rough prices help more than descriptions. ",
+    "If something in my plan seems unrealistic, tell me plainly rather than being polite about it. ",
+    "We can be flexible about the order of the towns, but we must fly home from Porto. ",
+];
+
+/// `PROSE` from sentence `start` on (cyclically), `header` first, until the text has at least
+/// `tokens` tokens.
+fn prose(tokenizer: &TextTokenizer, header: &str, start: usize, tokens: usize) -> Result<String> {
+    let mut text = header.to_string();
+    let mut i = start;
+    while tokenizer.encode(&text)?.len() < tokens {
+        text.push_str(PROSE[i % PROSE.len()]);
+        i += 1;
+    }
+    Ok(text)
+}
+
 fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
@@ -53,13 +118,49 @@ fn median(v: &[f64]) -> f64 {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
-    anyhow::ensure!(args.repeats > 0, "--repeats must be positive");
-    anyhow::ensure!(
-        args.prompt_tokens > 0 && args.gen_tokens > 0,
-        "token counts must be positive"
-    );
+    let positive = |v: Option<usize>, name: &str| -> Result<()> {
+        anyhow::ensure!(v != Some(0), "{name} must be positive");
+        Ok(())
+    };
+    positive(args.repeats, "--repeats")?;
+    positive(args.gen_tokens, "--gen-tokens")?;
+    positive(args.user_tokens, "--user-tokens")?;
+    positive(args.multi_round, "--multi-round")?;
+    positive(args.shared_prefix, "--shared-prefix")?;
     let path = args.model.resolve()?;
     let model = args.model.clone();
+    if let Some(rounds) = args.multi_round {
+        return model.run_model(multi_round::MultiRound {
+            rounds,
+            user_tokens: args.user_tokens.unwrap_or(150),
+            gen_tokens: args.gen_tokens.unwrap_or(64),
+            repeats: args.repeats.unwrap_or(3),
+            kv: args.kv,
+            json: args.json,
+            model: path.display().to_string(),
+        });
+    }
+    if let Some(requests) = args.shared_prefix {
+        anyhow::ensure!(args.max_batch > 0, "--max-batch must be positive");
+        return model.run_model(shared_prefix::SharedPrefix {
+            requests,
+            prefix_tokens: args.prefix_tokens,
+            user_tokens: args.user_tokens.unwrap_or(32),
+            gen_tokens: args.gen_tokens.unwrap_or(16),
+            repeats: args.repeats.unwrap_or(1),
+            max_batch: args.max_batch,
+            max_batched_tokens: args.max_batched_tokens.max(args.max_batch),
+            kv: args.kv,
+            json: args.json,
+            model: path.display().to_string(),
+        });
+    }
+    anyhow::ensure!(
+        !args.kv.is_set(),
+        "--kv-blocks, --kv-cache-gb and --kv-cache-fraction apply to --multi-round and \
+         --shared-prefix; the prefill and decode tests run one sequence"
+    );
+    anyhow::ensure!(args.prompt_tokens > 0, "--prompt-tokens must be positive");
     model.run(Bench { args, path })
 }
 
@@ -73,10 +174,12 @@ impl EngineTask for Bench {
 
     fn run<B: Backend>(self, mut engine: Engine<B>, info: LoadedModelInfo) -> Result<()> {
         let Bench { args, path } = self;
+        let gen_tokens = args.gen_tokens.unwrap_or(128);
+        let repeats = args.repeats.unwrap_or(3);
         anyhow::ensure!(
             args.prompt_tokens < info.context_length
                 && args.decode_context >= 1
-                && args.decode_context + args.gen_tokens < info.context_length,
+                && args.decode_context + gen_tokens < info.context_length,
             "the model's context is {} tokens",
             info.context_length
         );
@@ -102,18 +205,18 @@ impl EngineTask for Bench {
         run_once(&prompt[..prompt.len().min(16)], 2)?; // warm-up: page in the weights
         let mut prefill = Vec::new();
         let mut decode = Vec::new();
-        for _ in 0..args.repeats {
+        for _ in 0..repeats {
             let c = run_once(&prompt, 1)?;
             prefill.push(args.prompt_tokens as f64 / (c.timings.prefill_ms / 1e3));
             // The decode prompt, then gen_tokens forward passes after the first sampled token.
-            let c = run_once(&decode_prompt, args.gen_tokens + 1)?;
-            decode.push(args.gen_tokens as f64 / (c.timings.decode_ms / 1e3));
+            let c = run_once(&decode_prompt, gen_tokens + 1)?;
+            decode.push(gen_tokens as f64 / (c.timings.decode_ms / 1e3));
         }
         let report = Report {
             device: engine.model().backend().name(),
             model: path.display().to_string(),
             prompt_tokens: args.prompt_tokens,
-            gen_tokens: args.gen_tokens,
+            gen_tokens,
             decode_context: args.decode_context,
             prefill_tok_s_median: median(&prefill),
             decode_tok_s_median: median(&decode),
@@ -129,7 +232,7 @@ impl EngineTask for Bench {
                 "pp{:<6} {:8.1} tok/s (median of {}; runs {:?})",
                 report.prompt_tokens,
                 report.prefill_tok_s_median,
-                args.repeats,
+                repeats,
                 report
                     .prefill_tok_s
                     .iter()
@@ -141,7 +244,7 @@ impl EngineTask for Bench {
                 report.gen_tokens,
                 report.decode_tok_s_median,
                 report.decode_context,
-                args.repeats,
+                repeats,
                 report
                     .decode_tok_s
                     .iter()

@@ -1,6 +1,6 @@
 //! `turbo generate`: one completion, streamed or as JSON.
 
-use crate::runtime::{chat_template, ModelArgs, SamplingArgs};
+use crate::runtime::{chat_template, KvArgs, ModelArgs, SamplingArgs};
 use crate::runtime::{EngineTask, LoadedModelInfo};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -37,12 +37,10 @@ pub struct GenerateArgs {
     /// Tokens per forward pass with --prompts-file (decode tokens plus prefill chunks).
     #[arg(long, default_value_t = 2048)]
     max_batched_tokens: usize,
-    /// KV cache size in blocks with --prompts-file.
-    #[arg(long, conflicts_with = "kv_cache_gb")]
-    kv_blocks: Option<usize>,
-    /// KV cache size in GB with --prompts-file.
-    #[arg(long)]
-    kv_cache_gb: Option<f64>,
+    /// KV cache size with --prompts-file (default on the CPU: a context of up to 4096 tokens
+    /// per batch slot).
+    #[command(flatten)]
+    kv: KvArgs,
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
     #[command(flatten)]
@@ -94,11 +92,15 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             ignore_eos: args.ignore_eos,
             max_batch: args.max_batch,
             max_batched_tokens: args.max_batched_tokens,
-            kv_blocks: args.kv_blocks,
-            kv_cache_gb: args.kv_cache_gb,
+            kv: args.kv.clone(),
         });
         return args.model.run_model(task);
     }
+    anyhow::ensure!(
+        !args.kv.is_set(),
+        "--kv-blocks, --kv-cache-gb and --kv-cache-fraction size the persistent batch of \
+         --prompts-file; a single prompt runs with room for one full context"
+    );
     let prompt = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) => std::fs::read_to_string(f)
@@ -120,7 +122,7 @@ impl EngineTask for Generate {
     fn run<B: Backend>(self, mut engine: Engine<B>, info: LoadedModelInfo) -> Result<()> {
         let Generate { args, prompt } = self;
         let ids = if args.chat {
-            let template = chat_template(&engine, info.chat_template.as_deref())?;
+            let template = chat_template(engine.tokenizer(), info.chat_template.as_deref())?;
             let text = template.render(&[ChatMessage::new("user", prompt)], true)?;
             engine.tokenizer().encode(&text)?
         } else {

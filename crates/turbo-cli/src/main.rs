@@ -32,7 +32,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Show a model's configuration, tensor types and parameter count.
     Info(info::InfoArgs),
-    /// Measure prefill and decode throughput.
+    /// Measure prefill and decode throughput, or what the KV cache saves (--multi-round,
+    /// --shared-prefix).
     Bench(bench::BenchArgs),
 }
 

@@ -637,3 +637,233 @@ fn prompts_file_runs_every_request_in_input_order() {
     std::fs::write(&file, "{\"prompt\": \"ok\"}\nnot json\n").unwrap();
     expect_error(&args, "line 2");
 }
+
+#[test]
+fn kv_cache_size_flags() {
+    let (dir, model) = gguf_fixture(64);
+    let file = dir.path().join("prompts.jsonl");
+    std::fs::write(&file, "{\"prompt\": \"hello\", \"max_tokens\": 2}\n").unwrap();
+    let batch = |extra: &[&str]| -> Vec<String> {
+        let mut args: Vec<String> = ["generate", "--device", "cpu", "--model", p(&model)]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        args.extend(["--prompts-file".into(), p(&file).into()]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    };
+    let error = |extra: &[&str], phrase: &str| {
+        let args = batch(extra);
+        expect_error(&args.iter().map(String::as_str).collect::<Vec<_>>(), phrase);
+    };
+    for bad in ["0", "1.5", "-0.2", "nan", "inf"] {
+        error(
+            &[format!("--kv-cache-fraction={bad}").as_str()],
+            "--kv-cache-fraction must be in (0, 1]",
+        );
+    }
+    error(&["--kv-cache-gb", "0"], "--kv-cache-gb must be a positive");
+    error(
+        &["--kv-cache-gb", "nan"],
+        "--kv-cache-gb must be a positive",
+    );
+    error(&["--kv-cache-gb", "1e-12"], "less than one KV block");
+    error(&["--kv-blocks", "0"], "--kv-blocks must be positive");
+    let both = batch(&["--kv-blocks", "8", "--kv-cache-fraction", "0.5"]);
+    expect_usage_error(&both.iter().map(String::as_str).collect::<Vec<_>>());
+    // A fraction of MemAvailable on the CPU, and a size in GB, both run.
+    for ok in [["--kv-cache-fraction", "0.01"], ["--kv-cache-gb", "0.01"]] {
+        let args = batch(&ok);
+        let out = turbo(&args.iter().map(String::as_str).collect::<Vec<_>>(), None);
+        assert!(out.status.success(), "{ok:?}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout).lines().count(), 1);
+    }
+    // A single prompt does not run in the persistent batch: the flags would do nothing.
+    expect_error(
+        &generate_args(p(&model), &["--kv-blocks", "8"]),
+        "--prompts-file",
+    );
+    // Chat takes them too.
+    let out = turbo(
+        &[
+            "chat",
+            "--model",
+            p(&model),
+            "--max-tokens",
+            "2",
+            "--kv-cache-fraction",
+            "0.01",
+        ],
+        Some("hello\n"),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    expect_error(
+        &["chat", "--model", p(&model), "--kv-cache-fraction", "2"],
+        "kv-cache-fraction",
+    );
+}
+
+#[test]
+fn chat_reuses_the_conversation_kv_and_fails_clearly_on_a_tiny_cache() {
+    let (_dir, path) = gguf_fixture(256);
+    let out = turbo(
+        &["chat", "--model", p(&path), "--max-tokens", "4"],
+        Some("hello there\nand again\n"),
+    );
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // "[4 tokens, ... tok/s; prompt N new + M cached tokens in T ms]" per turn.
+    let cached: Vec<usize> = stderr
+        .lines()
+        .filter_map(|l| l.split(" new + ").nth(1)?.split(' ').next()?.parse().ok())
+        .collect();
+    assert_eq!(cached.len(), 2, "{stderr}");
+    assert_eq!(cached[0], 0, "{stderr}");
+    assert!(cached[1] > 0, "the second turn reuses the first: {stderr}");
+
+    // A cache of one block cannot hold a turn: the turn is refused, the chat goes on.
+    let out = turbo(
+        &[
+            "chat",
+            "--model",
+            p(&path),
+            "--kv-blocks",
+            "1",
+            "--max-tokens",
+            "4",
+        ],
+        Some("hello there\n/exit\n"),
+    );
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("KV blocks"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn bench_multi_round_compares_cached_and_uncached() {
+    let (_dir, path) = gguf_fixture(512);
+    let args = [
+        "bench",
+        "--device",
+        "cpu",
+        "--model",
+        p(&path),
+        "--multi-round",
+        "3",
+        "--user-tokens",
+        "12",
+        "--gen-tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--json",
+    ];
+    let out = turbo(&args, None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    let (cached, uncached) = (
+        v["cached"].as_array().unwrap(),
+        v["uncached"].as_array().unwrap(),
+    );
+    assert_eq!((cached.len(), uncached.len()), (3, 3), "{v}");
+    for k in 0..3 {
+        // The same prompts; only the cached run finds history resident.
+        assert_eq!(cached[k]["prompt_tokens"], uncached[k]["prompt_tokens"]);
+        assert_eq!(uncached[k]["cached_tokens"], 0, "{v}");
+        assert!(cached[k]["ttft_ms_median"].as_f64().unwrap() > 0.0);
+        if k > 0 {
+            let prev = cached[k - 1]["prompt_tokens"].as_u64().unwrap();
+            assert!(cached[k]["cached_tokens"].as_u64().unwrap() >= prev, "{v}");
+        }
+    }
+    // The table form.
+    let out = turbo(&args[..args.len() - 1], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("TTFT uncached"));
+    expect_error(
+        &["bench", "--model", p(&path), "--multi-round", "0"],
+        "--multi-round",
+    );
+    expect_usage_error(&[
+        "bench",
+        "--model",
+        p(&path),
+        "--multi-round",
+        "2",
+        "--shared-prefix",
+        "2",
+    ]);
+    // More rounds than the context holds.
+    expect_error(
+        &[
+            "bench",
+            "--model",
+            p(&path),
+            "--multi-round",
+            "40",
+            "--user-tokens",
+            "20",
+            "--repeats",
+            "1",
+        ],
+        "context",
+    );
+}
+
+#[test]
+fn bench_shared_prefix_counts_prefill_and_blocks() {
+    let (_dir, path) = gguf_fixture(256);
+    let args = [
+        "bench",
+        "--device",
+        "cpu",
+        "--model",
+        p(&path),
+        "--shared-prefix",
+        "4",
+        "--prefix-tokens",
+        "40",
+        "--user-tokens",
+        "5",
+        "--gen-tokens",
+        "2",
+        "--block-size",
+        "8",
+        "--json",
+    ];
+    let out = turbo(&args, None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    let (s, u) = (&v["shared"], &v["unshared"]);
+    let count = |x: &serde_json::Value, k: &str| x[k].as_u64().unwrap();
+    assert_eq!(count(s, "prompt_tokens"), 4 * 45, "{v}");
+    assert_eq!(count(u, "prompt_tokens"), 4 * 45, "{v}");
+    assert_eq!(count(u, "prefill_tokens_run"), 4 * 45, "{v}");
+    assert_eq!(count(u, "cached_prompt_tokens"), 0, "{v}");
+    assert!(
+        count(s, "prefill_tokens_run") < count(u, "prefill_tokens_run"),
+        "{v}"
+    );
+    assert!(
+        count(s, "kv_blocks_peak") < count(u, "kv_blocks_peak"),
+        "{v}"
+    );
+    assert_eq!(
+        count(s, "prefill_tokens_run") + count(s, "cached_prompt_tokens"),
+        4 * 45,
+        "{v}"
+    );
+    expect_error(
+        &[
+            "bench",
+            "--model",
+            p(&path),
+            "--shared-prefix",
+            "2",
+            "--prefix-tokens",
+            "400",
+        ],
+        "context",
+    );
+}

@@ -15,6 +15,9 @@
 //! the model writes the KV of the uncomputed tokens → [`KvManager::commit`] →
 //! [`KvManager::append_token`] per generated token, reserving and committing as it goes →
 //! [`KvManager::finish`] (idle, resident) or [`KvManager::free`] (gone).
+//!
+//! [`KvManager::without_reuse`] turns all reuse off (no sharing, nothing resident after a
+//! request): the baseline that benchmarks of the cache compare against.
 
 use crate::block_cache::BlockCache;
 use crate::KvError;
@@ -31,7 +34,8 @@ pub enum SeqState {
     Active,
     /// Its request finished; it keeps its blocks until evicted (least recently used first).
     Idle,
-    /// Evicted or preempted: only its token ids remain, and `computed == 0`.
+    /// Evicted, preempted, or finished without reuse: only its token ids remain, and
+    /// `computed == 0`.
     Evicted,
 }
 
@@ -74,7 +78,8 @@ impl Sequence {
 /// Invariants (checked by [`KvManager::check`]): every block is free xor used (referenced) xor
 /// evictable (unreferenced but findable by hash); a block's reference count equals the number of
 /// tables holding it; a table covers its sequence's computed tokens; shared blocks are full and
-/// hashed by the tokens they hold.
+/// hashed by the tokens they hold. Without reuse: no block is hashed or shared, and no sequence is
+/// idle.
 #[derive(Debug, Clone)]
 pub struct KvManager {
     block_size: usize,
@@ -83,6 +88,8 @@ pub struct KvManager {
     /// Idle sequences by the time they finished: the first one is evicted first.
     idle: BTreeMap<u64, SeqId>,
     clock: u64,
+    /// Whether computed KV is reused: blocks shared by content, sequences kept resident.
+    reuse: bool,
 }
 
 impl KvManager {
@@ -95,7 +102,23 @@ impl KvManager {
             seqs: HashMap::new(),
             idle: BTreeMap::new(),
             clock: 0,
+            reuse: true,
         }
+    }
+
+    /// A manager that never reuses computed KV: every admission starts from nothing
+    /// (`cached == 0`), no block is shared, and a finished sequence gives its blocks back at once
+    /// (it is left evicted). What prefix sharing and sessions save is measured against this.
+    pub fn without_reuse(num_blocks: u32, block_size: usize) -> Self {
+        KvManager {
+            reuse: false,
+            ..Self::new(num_blocks, block_size)
+        }
+    }
+
+    /// Whether computed KV is reused (see [`KvManager::without_reuse`]).
+    pub fn reuses_kv(&self) -> bool {
+        self.reuse
     }
 
     pub fn block_size(&self) -> usize {
@@ -170,16 +193,27 @@ impl KvManager {
     /// Starts a request for `seq` whose full token list (e.g. the whole conversation) is
     /// `tokens`, reusing as much computed KV as is still resident: first the sequence's own
     /// blocks up to the common prefix with its previous tokens (a cache hit), then full blocks
-    /// found by hash, from any sequence or from evictable blocks. Blocks past the reused prefix
+    /// found by hash, from any sequence or from evictable blocks (those alone when they cover
+    /// more than the sequence's own). Blocks past the reused prefix
     /// are released. The sequence becomes active, with `computed = cached`.
     ///
     /// A reused block that holds more tokens than are reused must become writable; if another
     /// sequence shares it, it is dropped instead, and up to `block_size - 1` tokens are recomputed.
+    ///
+    /// Without reuse, every block of the sequence is released and nothing is cached.
     pub fn admit(&mut self, seq: SeqId, tokens: &[u32]) -> Admission {
         let bs = self.block_size;
         let mut s = self.seqs.remove(&seq).unwrap_or_else(Sequence::empty);
         if let Some(at) = s.idle_since.take() {
             self.idle.remove(&at);
+        }
+        if !self.reuse {
+            self.release_from(&mut s.blocks, 0);
+            s.tokens = tokens.to_vec();
+            s.computed = 0;
+            s.state = SeqState::Active;
+            self.seqs.insert(seq, s);
+            return Admission { cached: 0 };
         }
         let limit = tokens.len().saturating_sub(1);
         let common = s
@@ -190,6 +224,11 @@ impl KvManager {
             .count()
             .min(s.computed)
             .min(limit);
+        // A longer prefix that other sequences computed beats the sequence's own.
+        let common = match self.resident_prefix(tokens) > common {
+            true => 0,
+            false => common,
+        };
 
         // The sequence's own blocks, up to the common prefix.
         let mut cached = common;
@@ -236,6 +275,29 @@ impl KvManager {
         Admission { cached }
     }
 
+    /// Leading tokens of `tokens` whose KV a new sequence would find resident by hash, in whole
+    /// blocks and below the token count, as [`KvManager::admit`] would reuse them (0 without
+    /// reuse). Changes nothing.
+    pub fn resident_prefix(&self, tokens: &[u32]) -> usize {
+        if !self.reuse {
+            return 0;
+        }
+        let bs = self.block_size;
+        let limit = tokens.len().saturating_sub(1);
+        let mut parent = None;
+        let mut blocks = 0;
+        while (blocks + 1) * bs <= limit {
+            let chunk = &tokens[blocks * bs..(blocks + 1) * bs];
+            let hash = self.cache.chain_hash(parent, chunk);
+            if self.cache.lookup(hash, parent, chunk).is_none() {
+                break;
+            }
+            parent = Some(hash);
+            blocks += 1;
+        }
+        blocks * bs
+    }
+
     /// Re-admits `seq` with its own tokens, e.g. after [`KvManager::preempt`].
     pub fn resume(&mut self, seq: SeqId) -> Result<Admission, KvError> {
         let tokens = self.get(seq)?.tokens.clone();
@@ -271,7 +333,7 @@ impl KvManager {
     }
 
     /// Records that the KV of the tokens before `computed_upto` is written. Blocks this fills get
-    /// hashed and become findable for prefix sharing (and read-only).
+    /// hashed and become findable for prefix sharing (and read-only), unless reuse is off.
     pub fn commit(&mut self, seq: SeqId, computed_upto: usize) -> Result<(), KvError> {
         let bs = self.block_size;
         let s = self.active(seq)?;
@@ -285,7 +347,9 @@ impl KvManager {
             });
         }
         let s = self.seqs.get_mut(&seq).expect("checked active above");
-        for i in s.computed / bs..computed_upto / bs {
+        // Without reuse no block is ever hashed, so none can be found or shared.
+        let hash_upto = if self.reuse { computed_upto / bs } else { 0 };
+        for i in s.computed / bs..hash_upto {
             let parent = match i {
                 0 => None,
                 _ => match self.cache.hash(s.blocks[i - 1]) {
@@ -313,8 +377,12 @@ impl KvManager {
     }
 
     /// Ends the request of the active `seq`: it stays resident (idle) for its next turn, until its
-    /// blocks are needed. Reserved blocks past its computed tokens are released.
+    /// blocks are needed. Reserved blocks past its computed tokens are released. Without reuse it
+    /// keeps only its tokens (evicted), as its blocks would never be used again.
     pub fn finish(&mut self, seq: SeqId) -> Result<(), KvError> {
+        if !self.reuse {
+            return self.preempt(seq);
+        }
         self.active(seq)?;
         let mut s = self.seqs.remove(&seq).expect("checked active above");
         self.release_from(&mut s.blocks, s.computed.div_ceil(self.block_size));
@@ -363,7 +431,10 @@ impl KvManager {
         }
         let p = self.get(parent)?;
         let bs = self.block_size;
-        let shared = p.computed.min(p.tokens.len().saturating_sub(1)) / bs;
+        let shared = match self.reuse {
+            true => p.computed.min(p.tokens.len().saturating_sub(1)) / bs,
+            false => 0,
+        };
         let blocks = p.blocks[..shared].to_vec();
         let tokens = p.tokens.clone();
         for &b in &blocks {
@@ -412,7 +483,8 @@ impl KvManager {
             match s.state {
                 SeqState::Active if s.idle_since.is_none() => {}
                 SeqState::Idle
-                    if s.idle_since.and_then(|at| self.idle.get(&at)) == Some(&id)
+                    if self.reuse
+                        && s.idle_since.and_then(|at| self.idle.get(&at)) == Some(&id)
                         && s.blocks.len() == s.computed.div_ceil(bs) => {}
                 SeqState::Evicted
                     if s.idle_since.is_none() && s.blocks.is_empty() && s.computed == 0 => {}
@@ -422,7 +494,11 @@ impl KvManager {
             let mut parent = None;
             for (i, &b) in s.blocks.iter().enumerate() {
                 let hash = self.cache.hash(b);
-                if i < full {
+                if i < full && !self.reuse {
+                    if hash.is_some() || self.cache.refs(b) != 1 {
+                        return err(format!("block {i} ({b}) is shared with reuse off"));
+                    }
+                } else if i < full {
                     let expect = self
                         .cache
                         .chain_hash(parent, &s.tokens[i * bs..(i + 1) * bs]);

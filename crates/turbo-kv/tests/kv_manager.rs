@@ -91,7 +91,14 @@ fn sequences_sharing_a_system_prompt_share_its_blocks() {
         .collect();
 
     assert_eq!(m.admit(1, &a).cached, 0);
+    assert_eq!(m.resident_prefix(&b), 0, "nothing is computed yet");
     w.step(&mut m, 1).unwrap();
+    assert_eq!(m.resident_prefix(&b), 12);
+    assert_eq!(
+        m.resident_prefix(&b[..12]),
+        8,
+        "the last token is always run"
+    );
     assert_eq!(
         m.admit(2, &b).cached,
         12,
@@ -108,6 +115,38 @@ fn sequences_sharing_a_system_prompt_share_its_blocks() {
     let unshared = a.len().div_ceil(4) + b.len().div_ceil(4);
     assert_eq!(m.num_used(), unshared - 3);
     w.verify(&m, [1, 2]).unwrap();
+    m.check().unwrap();
+}
+
+#[test]
+fn without_reuse_nothing_is_shared_or_kept() {
+    let mut m = KvManager::without_reuse(32, 4);
+    let mut w = Written::default();
+    let a: Vec<u32> = range(12).into_iter().chain([100, 101]).collect();
+    let b: Vec<u32> = range(12).into_iter().chain([200]).collect();
+    assert_eq!(m.admit(1, &a).cached, 0);
+    w.step(&mut m, 1).unwrap();
+    assert_eq!(m.admit(2, &b).cached, 0, "the common prefix is not shared");
+    w.step(&mut m, 2).unwrap();
+    let (ta, tb) = (m.block_table(1).unwrap(), m.block_table(2).unwrap());
+    assert!(ta.iter().all(|x| !tb.contains(x)));
+    assert_eq!(m.num_used(), a.len().div_ceil(4) + b.len().div_ceil(4));
+    assert_eq!(m.fork(1, 3).unwrap().cached, 0);
+    m.free(3).unwrap();
+
+    // A finished sequence keeps nothing: its next turn recomputes everything.
+    m.finish(1).unwrap();
+    assert_eq!(m.state(1), Some(SeqState::Evicted));
+    assert_eq!(m.num_cached_idle(), 0);
+    let mut next_turn = a.clone();
+    next_turn.extend([300, 301]);
+    assert_eq!(m.admit(1, &next_turn).cached, 0);
+    w.step(&mut m, 1).unwrap();
+    w.verify(&m, [1, 2]).unwrap();
+    m.check().unwrap();
+    m.free(1).unwrap();
+    m.free(2).unwrap();
+    assert_eq!((m.num_used(), m.num_evictable()), (0, 0));
     m.check().unwrap();
 }
 
@@ -394,13 +433,24 @@ fn apply(m: &mut KvManager, w: &mut Written, op: Op) -> Result<(), TestCaseError
             }
             _ => 0,
         };
+        let resident = m.resident_prefix(&tokens);
         let a = m.admit(seq, &tokens);
         prop_assert!(a.cached < tokens.len() || a.cached == 0);
+        // What is findable by hash is reused, whatever the sequence held before.
         prop_assert!(
-            a.cached >= own_hit,
-            "cached {} < own hit {own_hit}",
+            a.cached >= resident,
+            "cached {} < resident {resident}",
             a.cached
         );
+        if m.reuses_kv() {
+            prop_assert!(
+                a.cached >= own_hit,
+                "cached {} < own hit {own_hit}",
+                a.cached
+            );
+        } else {
+            prop_assert_eq!(a.cached, 0, "reuse is off");
+        }
         prop_assert_eq!(m.computed(seq).unwrap(), a.cached);
         prop_assert_eq!(m.state(seq), Some(SeqState::Active));
         Ok(())
@@ -445,7 +495,10 @@ fn apply(m: &mut KvManager, w: &mut Written, op: Op) -> Result<(), TestCaseError
             let _ = m.append_token(seq, t);
         }
         Op::Finish(seq) => {
-            let _ = m.finish(seq);
+            if m.finish(seq).is_ok() && !m.reuses_kv() {
+                prop_assert_eq!(m.state(seq), Some(SeqState::Evicted));
+                prop_assert!(m.block_table(seq).unwrap().is_empty());
+            }
         }
         Op::Free(seq) => {
             let _ = m.free(seq);
@@ -467,6 +520,7 @@ fn apply(m: &mut KvManager, w: &mut Written, op: Op) -> Result<(), TestCaseError
                     m.block_table(child).unwrap(),
                 );
                 prop_assert_eq!(c, &p[..a.cached / bs]);
+                prop_assert!(m.reuses_kv() || a.cached == 0);
             }
         }
     }
@@ -476,13 +530,18 @@ fn apply(m: &mut KvManager, w: &mut Written, op: Op) -> Result<(), TestCaseError
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
+    /// Random interleavings of every operation, with KV reuse on (3 cases in 4) or off.
     #[test]
     fn invariants_and_kv_contents_hold(
         block_size in 1usize..5,
         num_blocks in 2u32..12,
+        reuse in prop::bool::weighted(0.75),
         ops in prop::collection::vec(op(), 1..120),
     ) {
-        let mut m = KvManager::new(num_blocks, block_size);
+        let mut m = match reuse {
+            true => KvManager::new(num_blocks, block_size),
+            false => KvManager::without_reuse(num_blocks, block_size),
+        };
         let mut w = Written::default();
         for op in ops {
             apply(&mut m, &mut w, op)?;

@@ -15,7 +15,8 @@
 //! Sessions: a request naming a session runs on that session's sequence, which stays resident
 //! after the request (idle, evicted least recently used first) so that its next turn prefills
 //! only its new tokens; after an eviction the next turn recomputes what is no longer resident.
-//! A request without a session gets a sequence of its own, freed when it ends.
+//! A request without a session gets a sequence of its own, freed when it ends. With
+//! [`BatchConfig::prefix_caching`] off, no KV is reused at all (every prompt is prefilled whole).
 //!
 //! Progress: a request is refused at submission if it could not fit in the KV cache alone, and a
 //! request is only ever preempted in favour of one admitted before it, so the oldest running
@@ -52,6 +53,11 @@ pub struct BatchConfig {
     pub num_blocks: usize,
     /// Most prompt tokens of one sequence per step, so long prompts do not stall decoding.
     pub prefill_chunk: usize,
+    /// Reuse computed KV: full blocks with equal content are shared between sequences (a common
+    /// system prompt is computed once) and a session's history stays resident for its next turn.
+    /// Off, every request prefills its whole prompt and keeps nothing afterwards: the baseline
+    /// that measures what the cache saves.
+    pub prefix_caching: bool,
 }
 
 impl Default for BatchConfig {
@@ -62,6 +68,7 @@ impl Default for BatchConfig {
             block_size: 16,
             num_blocks: 1024,
             prefill_chunk: 256,
+            prefix_caching: true,
         }
     }
 }
@@ -123,6 +130,12 @@ pub struct BatchStats {
     pub steps: u64,
     /// Tokens run through the model (prefill, recomputation and decode).
     pub tokens_run: u64,
+    /// Of `tokens_run`, those of prompts and of preempted sequences being recomputed: the
+    /// prefill work that cached KV did not save.
+    pub prefill_tokens_run: u64,
+    /// Most KV blocks held by sequences at once, measured after each step's scheduling (when
+    /// the step's blocks are reserved and before finished requests give theirs back).
+    pub kv_blocks_peak: usize,
     /// Preemptions since the batch was made.
     pub preemptions: u64,
 }
@@ -228,6 +241,8 @@ pub struct PersistentBatch<B: Backend> {
     next_stamp: u64,
     steps: u64,
     tokens_run: u64,
+    prefill_tokens_run: u64,
+    kv_blocks_peak: usize,
     preemptions: u64,
 }
 
@@ -242,7 +257,10 @@ impl<B: Backend> PersistentBatch<B> {
             .backend()
             .kv_cache(model.kv_spec(config.block_size, config.num_blocks))
             .map_err(LlamaError::from)?;
-        let kv = KvManager::new(config.num_blocks as u32, config.block_size);
+        let kv = match config.prefix_caching {
+            true => KvManager::new(config.num_blocks as u32, config.block_size),
+            false => KvManager::without_reuse(config.num_blocks as u32, config.block_size),
+        };
         Ok(PersistentBatch {
             model,
             tokenizer,
@@ -257,8 +275,17 @@ impl<B: Backend> PersistentBatch<B> {
             next_stamp: 0,
             steps: 0,
             tokens_run: 0,
+            prefill_tokens_run: 0,
+            kv_blocks_peak: 0,
             preemptions: 0,
         })
+    }
+
+    /// Takes the model and tokenizer back (e.g. to build a batch of another configuration);
+    /// requests still in the batch are dropped, and their handles report
+    /// [`RequestError::Disconnected`].
+    pub fn into_parts(self) -> (Llama<B>, TextTokenizer) {
+        (self.model, self.tokenizer)
     }
 
     pub fn model(&self) -> &Llama<B> {
@@ -294,6 +321,8 @@ impl<B: Backend> PersistentBatch<B> {
             idle_sessions: self.kv.num_cached_idle(),
             steps: self.steps,
             tokens_run: self.tokens_run,
+            prefill_tokens_run: self.prefill_tokens_run,
+            kv_blocks_peak: self.kv_blocks_peak,
             preemptions: self.preemptions,
         }
     }
@@ -401,6 +430,7 @@ impl<B: Backend> PersistentBatch<B> {
     pub fn step(&mut self) -> Result<StepReport, BatchError> {
         let mut report = StepReport::default();
         let work = self.schedule(&mut report)?;
+        self.kv_blocks_peak = self.kv_blocks_peak.max(self.kv.num_used());
         if work.is_empty() {
             return Ok(report);
         }
@@ -412,6 +442,7 @@ impl<B: Backend> PersistentBatch<B> {
             }
         };
         self.postprocess(&work, logits, &mut report)?;
+        self.prefill_tokens_run += report.prefill_tokens as u64;
         Ok(report)
     }
 
@@ -533,7 +564,9 @@ impl<B: Backend> PersistentBatch<B> {
     }
 
     /// Admits waiting requests into free slots, in order, while `budget` tokens last. A request
-    /// whose session is busy (running, or claimed by an earlier waiting request) is passed over.
+    /// whose session is busy (running, or claimed by an earlier waiting request) is passed over,
+    /// and so is a new one whose prefix a running request is still prefilling (it will share
+    /// those blocks once they are computed, rather than compute them a second time).
     /// As in nano-vllm, a request is admitted only if the KV of all its uncomputed tokens fits in
     /// the blocks not yet promised to the requests admitted before it in this step, though only
     /// its first chunk is reserved now; otherwise admission stops (first come, first served).
@@ -562,6 +595,10 @@ impl<B: Backend> PersistentBatch<B> {
             };
             let candidate = &self.waiting[i];
             if candidate.has_session && !claimed.insert(candidate.seq) {
+                i += 1;
+                continue;
+            }
+            if candidate.cached_prompt.is_none() && self.prefix_in_flight(&candidate.prompt)? {
                 i += 1;
                 continue;
             }
@@ -602,6 +639,31 @@ impl<B: Backend> PersistentBatch<B> {
             report.admitted += 1;
         }
         Ok(())
+    }
+
+    /// Whether a running sequence is computing full blocks of `prompt`'s prefix that are not
+    /// resident yet. Such blocks become shareable when their step commits them, so a request
+    /// admitted now would compute them a second time; waiting a few steps lets it share them.
+    /// The running sequence always advances, so the wait ends.
+    fn prefix_in_flight(&self, prompt: &[u32]) -> Result<bool, KvError> {
+        if !self.config.prefix_caching {
+            return Ok(false);
+        }
+        let bs = self.config.block_size;
+        let resident = self.kv.resident_prefix(prompt);
+        let limit = prompt.len().saturating_sub(1);
+        for live in self.slots.iter().flatten() {
+            let tokens = self.kv.tokens(live.seq)?;
+            let common = tokens
+                .iter()
+                .zip(prompt)
+                .take_while(|(a, b)| a == b)
+                .count();
+            if common.min(limit) / bs * bs > resident {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Undoes an admission that found too few blocks: the request waits with its sequence as it

@@ -266,6 +266,7 @@ fn batched_greedy_generation_equals_generation_alone() {
             block_size: BLOCK,
             num_blocks,
             prefill_chunk: 32,
+            prefix_caching: true,
         };
         let mut batch =
             PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config).unwrap();
@@ -331,6 +332,7 @@ fn sessions_keep_their_kv_until_evicted() {
         block_size: BLOCK,
         num_blocks,
         prefill_chunk: 128,
+        prefix_caching: true,
     };
     let mut batch =
         PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config.clone()).unwrap();
@@ -468,6 +470,7 @@ fn stress_random_requests_on_a_tiny_model() {
         block_size: 8,
         num_blocks: 40,
         prefill_chunk: 32,
+        prefix_caching: true,
     };
     let mut batch =
         PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config.clone()).unwrap();
@@ -694,6 +697,7 @@ fn refusals_cancellations_and_busy_sessions() {
         block_size: 8,
         num_blocks: 8,
         prefill_chunk: 16,
+        prefix_caching: true,
     };
     let mut batch =
         PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config).unwrap();
@@ -808,4 +812,143 @@ fn refusals_cancellations_and_busy_sessions() {
     assert!(batch.end_session("a").unwrap());
     assert_eq!(batch.kv().state(seq), None);
     assert_eq!(batch.stats().kv_blocks_used, 0);
+}
+
+/// With `prefix_caching` off nothing is reused: requests sharing a prefix and a session's next
+/// turn prefill their whole prompts, and nothing stays resident; with it on, the same requests
+/// skip the shared prefix and the session's history, hold fewer blocks, and generate the same
+/// tokens.
+#[test]
+fn prefix_caching_off_prefills_every_prompt_whole() {
+    let (spec, loaded, _dir) = tiny_model();
+    let system = random_tokens(&spec, 40, 1);
+    let with_system = |seed| {
+        let mut p = system.clone();
+        p.extend(random_tokens(&spec, 6, seed));
+        p
+    };
+    let shared: Vec<Vec<u32>> = (0..4).map(|i| with_system(10 + i)).collect();
+    let greedy = |prompt: &[u32], session: Option<&str>| Request {
+        max_tokens: 8,
+        ignore_eos: true,
+        session: session.map(Into::into),
+        ..Request::new(prompt.to_vec())
+    };
+    let run = |prefix_caching: bool| {
+        let config = BatchConfig {
+            max_batch: 4,
+            max_batched_tokens: 64,
+            block_size: 8,
+            num_blocks: 64,
+            prefill_chunk: 64,
+            prefix_caching,
+        };
+        let mut batch =
+            PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config).unwrap();
+        // One request first, so that the others find its prefix computed.
+        let mut outs = vec![];
+        let h = batch.submit(greedy(&shared[0], None));
+        batch.run_until_idle().unwrap();
+        outs.push(outcome(&h));
+        let hs: Vec<_> = shared[1..]
+            .iter()
+            .map(|p| batch.submit(greedy(p, None)))
+            .collect();
+        batch.run_until_idle().unwrap();
+        outs.extend(hs.iter().map(outcome));
+        // A session's two turns.
+        let turn1 = random_tokens(&spec, 20, 30);
+        let h = batch.submit(greedy(&turn1, Some("s")));
+        batch.run_until_idle().unwrap();
+        let c1 = outcome(&h);
+        let mut turn2 = turn1.clone();
+        turn2.extend(&c1.token_ids);
+        turn2.extend(random_tokens(&spec, 5, 31));
+        let h = batch.submit(greedy(&turn2, Some("s")));
+        batch.run_until_idle().unwrap();
+        outs.push(c1);
+        outs.push(outcome(&h));
+        batch.kv().check().unwrap();
+        let stats = batch.stats();
+        let prompts: Vec<Vec<u32>> = shared.iter().cloned().chain([turn1, turn2]).collect();
+        (outs, prompts, stats)
+    };
+    let (on, prompts, on_stats) = run(true);
+    let (off, _, off_stats) = run(false);
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    for (i, (a, b)) in on.iter().zip(&off).enumerate() {
+        assert_eq!(
+            b.cached_prompt_tokens, 0,
+            "request {i} reused KV with caching off"
+        );
+        assert_eq!(b.prefilled_tokens, prompts[i].len());
+        same_greedy(
+            &cpu_model(&loaded),
+            &format!("request {i}, caching on vs off"),
+            &prompts[i],
+            a,
+            b,
+        );
+    }
+    // Shared: the system prompt's 5 full blocks, for 3 requests; the session's first turn.
+    assert_eq!(on[1].cached_prompt_tokens, 40);
+    assert!(on[5].cached_prompt_tokens >= prompts[4].len());
+    assert_eq!(off_stats.prefill_tokens_run as usize, prompt_tokens);
+    let saved = 3 * 40 + on[5].cached_prompt_tokens;
+    assert_eq!(on_stats.prefill_tokens_run as usize, prompt_tokens - saved);
+    assert!(
+        on_stats.kv_blocks_peak < off_stats.kv_blocks_peak,
+        "{on_stats:?} vs {off_stats:?}"
+    );
+    // Only the session's history stays held, and only with caching on.
+    assert_eq!((off_stats.idle_sessions, off_stats.kv_blocks_used), (0, 0));
+    assert_eq!(on_stats.idle_sessions, 1);
+    assert!(on_stats.kv_blocks_used > 0);
+}
+
+/// Requests submitted together with a common prefix compute it once: those arriving while the
+/// first one prefills it wait for its blocks and share them, while a request with another
+/// prompt is admitted at once.
+#[test]
+fn concurrent_requests_compute_a_common_prefix_once() {
+    let (spec, loaded, _dir) = tiny_model();
+    let config = BatchConfig {
+        max_batch: 8,
+        max_batched_tokens: 64,
+        block_size: 8,
+        num_blocks: 64,
+        prefill_chunk: 16,
+        prefix_caching: true,
+    };
+    let mut batch =
+        PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config).unwrap();
+    let system = random_tokens(&spec, 40, 1);
+    let mut prompts: Vec<Vec<u32>> = (0..4)
+        .map(|i| {
+            let mut p = system.clone();
+            p.extend(random_tokens(&spec, 6, 10 + i));
+            p
+        })
+        .collect();
+    prompts.push(random_tokens(&spec, 30, 20));
+    let handles: Vec<RequestHandle> = prompts
+        .iter()
+        .map(|p| {
+            batch.submit(Request {
+                max_tokens: 4,
+                ignore_eos: true,
+                ..Request::new(p.clone())
+            })
+        })
+        .collect();
+    let first = batch.step().unwrap();
+    assert_eq!(first.admitted, 2, "the unrelated request joins at once");
+    batch.run_until_idle().unwrap();
+    let done: Vec<Completion> = handles.iter().map(outcome).collect();
+    for c in &done[1..4] {
+        assert_eq!(c.cached_prompt_tokens, 40, "{c:?}");
+    }
+    let stats = batch.stats();
+    assert_eq!(stats.prefill_tokens_run as usize, 46 + 3 * 6 + 30);
+    batch.kv().check().unwrap();
 }
