@@ -3,6 +3,7 @@
 use crate::error::{CudaError, Result};
 use crate::ptx::{KernelModule, MODULES};
 use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
@@ -30,6 +31,8 @@ pub struct CudaDevice {
     pub blas: CudaBlas,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
+    /// Dynamic shared memory each function has been opted in to, beyond the default 48 KiB.
+    smem_opt_in: Mutex<HashMap<(&'static str, &'static str), usize>>,
 }
 
 impl CudaDevice {
@@ -51,6 +54,7 @@ impl CudaDevice {
             blas,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            smem_opt_in: Mutex::new(HashMap::new()),
         })
     }
 
@@ -72,6 +76,30 @@ impl CudaDevice {
             .lock()
             .unwrap()
             .insert((module, name), f.clone());
+        Ok(f)
+    }
+
+    /// [`CudaDevice::function`], opted in to `smem_bytes` of dynamic shared memory when that is
+    /// above the default 48 KiB. The attribute stays with the function, so the driver is asked
+    /// once per function (and size), not at every launch.
+    pub fn function_with_smem(
+        &self,
+        module: &'static str,
+        name: &'static str,
+        smem_bytes: usize,
+    ) -> Result<CudaFunction> {
+        let f = self.function(module, name)?;
+        if smem_bytes > 48 * 1024 {
+            let mut opted = self.smem_opt_in.lock().unwrap();
+            let have = opted.entry((module, name)).or_insert(0);
+            if *have < smem_bytes {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem_bytes as i32,
+                )?;
+                *have = smem_bytes;
+            }
+        }
         Ok(f)
     }
 

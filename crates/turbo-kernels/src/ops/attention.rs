@@ -30,7 +30,7 @@
 use super::check;
 use crate::device::CudaDevice;
 use crate::error::Result;
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use half::bf16;
 use std::ops::Range;
@@ -746,14 +746,8 @@ impl AttentionPlan {
 
         if let Some(p) = &self.prefill {
             let items = section(&p.items);
-            let f = dev.function("attention", p.kernel.name)?;
             let smem = p.kernel.smem_bytes(head_dim);
-            if smem > 48 * 1024 {
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )?;
-            }
+            let f = dev.function_with_smem("attention", p.kernel.name, smem)?;
             let mut b = dev.stream.launch_builder(&f);
             b.arg(q)
                 .arg(k_cache)
@@ -788,13 +782,7 @@ impl AttentionPlan {
             let items = section(&sh.items);
             let tokens = section(&sh.shared_tokens);
             let token_state = section(&sh.token_state);
-            let f = dev.function("attention", sh.kernel)?;
-            if sh.smem > 48 * 1024 {
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    sh.smem as i32,
-                )?;
-            }
+            let f = dev.function_with_smem("attention", sh.kernel, sh.smem)?;
             let mut b = dev.stream.launch_builder(&f);
             b.arg(q)
                 .arg(k_cache)
@@ -828,13 +816,7 @@ impl AttentionPlan {
         if let Some(r) = &self.rows {
             let items = section(&r.items);
             let token_seq = section(&self.token_seq);
-            let f = dev.function("attention", r.kernel)?;
-            if r.smem > 48 * 1024 {
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    r.smem as i32,
-                )?;
-            }
+            let f = dev.function_with_smem("attention", r.kernel, r.smem)?;
             let mut b = dev.stream.launch_builder(&f);
             b.arg(q)
                 .arg(k_cache)
