@@ -128,7 +128,7 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
     const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
     const int sub = lane / G, part = lane % G;
     const int head = blockIdx.y;
-    // k0 < k1: the host makes no empty work items.
+    // An empty range (k0 == k1, as a fixed split makes) gives o = 0 and lse = -inf.
     const uint4 it = reinterpret_cast<const uint4*>(items)[blockIdx.x];
     const uint32_t token = it.x, k0 = it.y, k1 = it.z, state = it.w;
     const uint32_t* table = tables + seq_table_start[token_seq[token]];
@@ -214,8 +214,7 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
     float mx = attn_neg_inf();
 #pragma unroll
     for (int w = 0; w < S; w++) mx = fmaxf(mx, sm_m[w]);
-    // An empty group weighs exactly 0; so do all when no key was seen (not reachable: every
-    // work item has at least one key).
+    // An empty group weighs exactly 0; so do all when no key was seen (an empty range).
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < S; w++) sum += sm_m[w] == attn_neg_inf() ? 0.f : exp2f(sm_m[w] - mx) * sm_l[w];
@@ -1015,7 +1014,7 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
                 acc = fmaf(c, sm_o[(w * DEC_ROWS + r) * OSTRIDE + d], acc);
             }
         }
-        // Every item has a key, so some warp saw one and sum > 0.
+        // sum == 0 only for an empty range: o = 0, lse = -inf.
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         const float lse = sum > 0.f ? mx * ATTN_LN2 + logf(sum) : attn_neg_inf();
         const size_t head = (size_t)(h0 + r);

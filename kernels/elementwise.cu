@@ -15,6 +15,16 @@ __device__ __forceinline__ long long ew_stride() {
 // The angle p * f is carried exactly as hi + lo (hi = fl(p * f), lo = fma(p, f, -hi)), so large
 // positions lose no accuracy to the f32 product: sincosf(hi) (full range reduction, not the fast
 // intrinsic) is corrected to first order in lo (|lo| <= ulp(hi) / 2, so the error is ~lo^2 / 2).
+__device__ __forceinline__ float2 ew_rope(float2 ab, float pos, float f) {
+    const float hi = pos * f;
+    const float lo = fmaf(pos, f, -hi);
+    float s, c;
+    sincosf(hi, &s, &c);
+    const float sn = fmaf(lo, c, s);
+    const float cs = fmaf(-lo, s, c);
+    return make_float2(ab.x * cs - ab.y * sn, ab.x * sn + ab.y * cs);
+}
+
 // Grid-stride, one thread per pair.
 extern "C" __global__ void rope_bf16(__nv_bfloat16* x, int tokens, int heads, int head_dim,
                                      const unsigned* positions, const float* inv_freq) {
@@ -24,16 +34,43 @@ extern "C" __global__ void rope_bf16(__nv_bfloat16* x, int tokens, int heads, in
     for (long long p = ew_thread(); p < pairs; p += ew_stride()) {
         const int i = (int)(p % half);
         const long long t = p / half / heads;
-        const float pos = (float)positions[t];
-        const float f = inv_freq[i];
-        const float hi = pos * f;
-        const float lo = fmaf(pos, f, -hi);
-        float s, c;
-        sincosf(hi, &s, &c);
-        const float sn = fmaf(lo, c, s);
-        const float cs = fmaf(-lo, s, c);
-        const float2 ab = __bfloat1622float2(xp[p]);
-        xp[p] = __floats2bfloat162_rn(ab.x * cs - ab.y * sn, ab.x * sn + ab.y * cs);
+        const float2 r = ew_rope(__bfloat1622float2(xp[p]), (float)positions[t], inv_freq[i]);
+        xp[p] = __floats2bfloat162_rn(r.x, r.y);
+    }
+}
+
+// The attention block's step after the fused QKV product, in one pass: each row of qkv is
+// [q | k | v] (q_cols + 2 kv_cols, head_dim consecutive per head); q ([tokens, q_cols]) receives
+// the rotated queries, and the rotated keys and the values of token t go straight to slot
+// slots[t] of the paged caches (kv_cols per slot; a slot >= cache_slots is skipped). The rotation
+// is rope_bf16's, rounded to bf16 the same way. One block per token, a thread per pair.
+extern "C" __global__ void qkv_rope_kv_bf16(const __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k_cache,
+                                            __nv_bfloat16* v_cache, const unsigned* positions,
+                                            const unsigned* slots, const float* inv_freq, int q_cols,
+                                            int kv_cols, int head_dim, long long cache_slots) {
+    const int t = blockIdx.x;
+    const int half = head_dim / 2;
+    const float pos = (float)positions[t];
+    const unsigned slot = slots[t];
+    const bool store = (long long)slot < cache_slots;
+    const __nv_bfloat162* src =
+        reinterpret_cast<const __nv_bfloat162*>(qkv + (size_t)t * (size_t)(q_cols + 2 * kv_cols));
+    __nv_bfloat162* qd = reinterpret_cast<__nv_bfloat162*>(q + (size_t)t * (size_t)q_cols);
+    __nv_bfloat162* kd = reinterpret_cast<__nv_bfloat162*>(k_cache + (size_t)slot * (size_t)kv_cols);
+    __nv_bfloat162* vd = reinterpret_cast<__nv_bfloat162*>(v_cache + (size_t)slot * (size_t)kv_cols);
+    const int qp = q_cols / 2, kp = kv_cols / 2;
+    for (int p = threadIdx.x; p < qp + 2 * kp; p += blockDim.x) {
+        if (p < qp) {
+            const float2 r = ew_rope(__bfloat1622float2(src[p]), pos, inv_freq[p % half]);
+            qd[p] = __floats2bfloat162_rn(r.x, r.y);
+        } else if (!store) {
+            continue;
+        } else if (p < qp + kp) {
+            const float2 r = ew_rope(__bfloat1622float2(src[p]), pos, inv_freq[(p - qp) % half]);
+            kd[p - qp] = __floats2bfloat162_rn(r.x, r.y);
+        } else {
+            vd[p - qp - kp] = src[p];
+        }
     }
 }
 

@@ -90,6 +90,10 @@ pub struct ModelArgs {
     /// the model was trained for, its output degrades; this is for measuring long contexts.
     #[arg(long)]
     pub context: Option<usize>,
+    /// On a GPU, launch every decode step's kernels one by one instead of replaying the step
+    /// recorded as a CUDA graph (for comparison and debugging).
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -173,6 +177,7 @@ impl ModelArgs {
         match device {
             Device::Cuda(ordinal) => {
                 let backend = CudaBackend::new(ordinal)?;
+                backend.set_graphs(!self.no_cuda_graphs);
                 let model = Llama::new(backend, &loaded.config, &loaded.weights)?;
                 task.run(model, loaded.tokenizer, info)
             }

@@ -1,6 +1,7 @@
 //! The interface every compute backend implements, so that a model's forward pass is written once.
 
 use crate::cpu::KvCacheSpec;
+use crate::sampling::{PenaltyLists, SampleParams};
 use crate::WeightMatrix;
 use thiserror::Error;
 use turbo_attention::QuerySpan;
@@ -48,6 +49,8 @@ impl OwnedSpans {
 /// What a forward pass tells the backend about its batch, once, before the layers run.
 #[derive(Clone, Copy, Debug)]
 pub struct BatchLayout<'a> {
+    /// Token id of each row.
+    pub ids: &'a [u32],
     /// Position of each token in its sequence (for RoPE).
     pub positions: &'a [u32],
     /// KV-cache slot of each token (`block * block_size + offset`).
@@ -56,6 +59,31 @@ pub struct BatchLayout<'a> {
     pub spans: &'a [QuerySpan<'a>],
     /// RoPE inverse frequencies, one per rotated pair.
     pub inv_freq: &'a [f32],
+    /// Rows whose logits the step computes (e.g. each sequence's last), in output order.
+    pub outputs: &'a [u32],
+    /// Query heads of attention.
+    pub n_heads: usize,
+    /// Columns of the logits.
+    pub vocab: usize,
+    /// How to choose a token from each output row's logits, when the step samples.
+    pub sampling: Option<Sampling<'a>>,
+}
+
+/// Per output row, its sampling parameters and penalized tokens (see [`crate::sampling`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Sampling<'a> {
+    pub params: &'a [SampleParams],
+    pub penalties: &'a PenaltyLists,
+}
+
+/// The rows a prepared batch's activations need. A backend may pad a step to a shape it has run
+/// before (so that it can replay the recorded step); padded rows compute nothing anyone reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchRows {
+    /// Rows of every activation up to the final norm.
+    pub tokens: usize,
+    /// Rows of the gathered outputs and their logits.
+    pub outputs: usize,
 }
 
 /// The operations of a LLaMA-style decoder, over the backend's own buffers.
@@ -71,7 +99,9 @@ pub trait Backend: Send + Sync {
     type Matrix: Send + Sync;
     /// Paged KV storage for all layers.
     type KvCache: Send + Sync;
-    /// A [`BatchLayout`] made resident (e.g. uploaded once per forward pass, not once per layer).
+    /// A [`BatchLayout`] made resident (uploaded once per forward pass, not once per layer), with
+    /// the step's logits and sampled tokens. One is kept and refilled step after step, so that
+    /// its buffers keep their addresses.
     type Batch: Send + Sync;
 
     /// Human-readable device name, for logs and benchmark records.
@@ -92,6 +122,9 @@ pub trait Backend: Send + Sync {
     /// A `[rows, cols]` tensor whose contents are unspecified until written.
     fn tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
     fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
+    /// Makes `t` hold `rows` rows (contents unspecified), keeping its storage when it is large
+    /// enough; returns whether the storage was replaced.
+    fn resize(&self, t: &mut Self::Tensor, rows: usize) -> Result<bool>;
     fn kv_cache(&self, spec: KvCacheSpec) -> Result<Self::KvCache>;
     fn kv_spec(&self, cache: &Self::KvCache) -> KvCacheSpec;
     /// Bytes of one stored key or value element (f32 on the CPU, bf16 on a GPU), for sizing the
@@ -102,10 +135,36 @@ pub trait Backend: Send + Sync {
     fn free_memory(&self) -> Option<usize> {
         None
     }
-    fn prepare_batch(&self, layout: &BatchLayout) -> Result<Self::Batch>;
+    /// An empty batch, for [`Backend::prepare_batch`] to fill.
+    fn new_batch(&self) -> Result<Self::Batch>;
+    /// Makes `layout` resident in `batch` (reusing its buffers), for a step over `cache`; returns
+    /// the rows the step's activations need.
+    fn prepare_batch(
+        &self,
+        batch: &mut Self::Batch,
+        layout: &BatchLayout,
+        cache: &Self::KvCache,
+    ) -> Result<BatchRows>;
+    /// Runs `step`, the device work of the step `batch` was prepared for. A backend may record
+    /// the work the first time it sees a step of this shape and replay the recording for later
+    /// ones instead of calling `step` (a CUDA graph), so `step` must issue the same work on the
+    /// same buffers for every batch of a shape: only the batch's contents may differ.
+    fn run_step(&self, batch: &Self::Batch, step: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let _ = batch;
+        step()
+    }
+    /// Forgets every recorded step of `batch`: a buffer a step uses has been replaced.
+    fn forget_steps(&self, batch: &Self::Batch) {
+        let _ = batch;
+    }
 
-    /// Rows `ids` of the embedding table, decoded to f32.
-    fn embed(&self, table: &Self::Matrix, ids: &[u32], out: &mut Self::Tensor) -> Result<()>;
+    /// The embedding table's rows for the batch's token ids.
+    fn embed(
+        &self,
+        table: &Self::Matrix,
+        batch: &Self::Batch,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
     fn rms_norm(
         &self,
         x: &Self::Tensor,
@@ -141,8 +200,22 @@ pub trait Backend: Send + Sync {
         b: &mut Self::Tensor,
         c: &mut Self::Tensor,
     ) -> Result<()>;
-    /// `out[i] = x[rows[i]]`.
-    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor) -> Result<()>;
+    /// `out[i] = x[outputs[i]]` for the batch's output rows.
+    fn gather_outputs(
+        &self,
+        x: &Self::Tensor,
+        batch: &Self::Batch,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// The output rows' logits, `x · headᵀ` in f32, kept in the batch.
+    fn logits(&self, x: &Self::Tensor, head: &Self::Matrix, batch: &Self::Batch) -> Result<()>;
+    /// Chooses each output row's token from its logits by the batch's sampling (penalizing the
+    /// logits in place); an error if the batch was prepared without sampling.
+    fn sample(&self, batch: &Self::Batch) -> Result<()>;
+    /// The output rows' logits, `[outputs, vocab]` row-major.
+    fn read_logits(&self, batch: &Self::Batch) -> Result<Vec<f32>>;
+    /// The output rows' sampled tokens.
+    fn read_tokens(&self, batch: &Self::Batch) -> Result<Vec<u32>>;
     /// Stores keys and values of the batch's tokens at their slots of `layer`.
     fn write_kv(
         &self,
@@ -152,6 +225,27 @@ pub trait Backend: Send + Sync {
         v: &Self::Tensor,
         batch: &Self::Batch,
     ) -> Result<()>;
+    /// The attention block's step after the fused QKV product (`qkv` rows are `[q | k | v]`):
+    /// `q` receives the rotated queries, and the rotated keys and the values are stored at the
+    /// batch's slots of `layer`. `k` and `v` are scratch a backend may use (this default splits
+    /// into them, rotates and writes; a GPU does it all in one kernel).
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_rope_write(
+        &self,
+        qkv: &Self::Tensor,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &mut Self::Tensor,
+        head_dim: usize,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        batch: &Self::Batch,
+    ) -> Result<()> {
+        self.split3(qkv, q, k, v)?;
+        self.rope(q, head_dim, batch)?;
+        self.rope(k, head_dim, batch)?;
+        self.write_kv(cache, layer, k, v, batch)
+    }
     /// Causal attention of the batch's queries over each sequence's cached KV.
     #[allow(clippy::too_many_arguments)]
     fn attention(

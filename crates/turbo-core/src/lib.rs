@@ -5,6 +5,7 @@ pub mod backend;
 pub mod cpu;
 pub mod dtype;
 pub mod quant;
+pub mod sampling;
 pub mod storage;
 
 pub use backend::{Backend, BackendError};

@@ -32,16 +32,33 @@ fn cache(rng: &mut ChaCha8Rng, blocks: usize) -> CpuKvCache {
     cache
 }
 
+/// A batch of `positions.len()` rows over `spans`, all of them outputs, with token id 0.
+fn layout<'a>(
+    positions: &'a [u32],
+    slots: &'a [u32],
+    spans: &'a [QuerySpan<'a>],
+) -> BatchLayout<'a> {
+    BatchLayout {
+        ids: &ZEROS[..positions.len()],
+        positions,
+        slots,
+        spans,
+        inv_freq: &[],
+        outputs: &[],
+        n_heads: N_HEADS,
+        vocab: 0,
+        sampling: None,
+    }
+}
+
+static ZEROS: [u32; 4096] = [0; 4096];
+
 fn attend(backend: &CpuBackend, cache: &CpuKvCache, q: &[f32], spans: &[QuerySpan]) -> Vec<f32> {
     let rows = q.len() / (N_HEADS * D);
     let (positions, slots) = (vec![0u32; rows], vec![0u32; rows]);
-    let batch = backend
-        .prepare_batch(&BatchLayout {
-            positions: &positions,
-            slots: &slots,
-            spans,
-            inv_freq: &[],
-        })
+    let mut batch = backend.new_batch().unwrap();
+    backend
+        .prepare_batch(&mut batch, &layout(&positions, &slots, spans), cache)
         .unwrap();
     let q = HostTensor {
         data: q.to_vec(),
@@ -126,13 +143,9 @@ fn a_malformed_batch_is_an_error() {
         block_table: &table,
     }];
     let (positions, slots) = ([7u32], [0u32]);
-    let batch = backend
-        .prepare_batch(&BatchLayout {
-            positions: &positions,
-            slots: &slots,
-            spans: &spans,
-            inv_freq: &[],
-        })
+    let mut batch = backend.new_batch().unwrap();
+    backend
+        .prepare_batch(&mut batch, &layout(&positions, &slots, &spans), &cache)
         .unwrap();
     let q = backend
         .upload(&vec![0.5; N_HEADS * D], 1, N_HEADS * D)

@@ -376,5 +376,78 @@ fn bench_cascade(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench, bench_merge, bench_cascade);
+/// The sampler at batch 1, 64 and 128 over 49152 (SmolLM2) and 128256 (Llama 3) logits: greedy,
+/// top-k 50 + top-p 0.9 at temperature 0.8 (the gathered top-k path), and top-p 0.95 alone (the
+/// radix-select path), penalty off so every run sees the same logits. Throughput is the logits'
+/// bytes, read once.
+fn bench_sampling(c: &mut Criterion) {
+    use turbo_core::sampling::SampleParams;
+    use turbo_kernels::ops::sampling;
+    if !turbo_kernels::cuda_available() {
+        eprintln!("skipping sampling benches: no CUDA device");
+        return;
+    }
+    let dev = CudaDevice::new(0).expect("CUDA device");
+    let s = dev.stream.clone();
+    let mut g = c.benchmark_group("cuda_sampling");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500));
+    let configs = [
+        ("greedy", SampleParams::GREEDY),
+        (
+            "topk50_topp0.9_t0.8",
+            SampleParams {
+                temperature: 0.8,
+                top_k: 50,
+                top_p: 0.9,
+                uniform: 0.37,
+                ..SampleParams::GREEDY
+            },
+        ),
+        (
+            "topp0.95_t1",
+            SampleParams {
+                temperature: 1.0,
+                top_p: 0.95,
+                uniform: 0.37,
+                ..SampleParams::GREEDY
+            },
+        ),
+    ];
+    for vocab in [49_152usize, 128_256] {
+        for batch in [1usize, 64, 128] {
+            let mut logits = random_f32(&s, batch * vocab, 31, 8.0);
+            let offsets = s.alloc_zeros::<u32>(batch + 1).unwrap();
+            let tokens = s.alloc_zeros::<u32>(1).unwrap();
+            let mut out = s.alloc_zeros::<u32>(batch).unwrap();
+            g.throughput(Throughput::Bytes((batch * vocab * 4) as u64));
+            for (name, p) in configs {
+                let params = s
+                    .clone_htod(&sampling::param_words(&vec![p; batch]))
+                    .unwrap();
+                g.bench_function(format!("sample_{name}_b{batch}_v{vocab}"), |b| {
+                    b.iter_custom(|iters| {
+                        time_gpu(&dev, iters, || {
+                            sampling::sample(
+                                &dev,
+                                &mut logits,
+                                batch,
+                                vocab,
+                                &params.as_view(),
+                                &offsets.as_view(),
+                                &tokens.as_view(),
+                                &mut out.as_view_mut(),
+                            )
+                            .unwrap()
+                        })
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench, bench_merge, bench_cascade, bench_sampling);
 criterion_main!(benches);

@@ -3,14 +3,19 @@
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::ops;
-use crate::ops::attention::{AttentionPlan, KvLayout, PlanOptions};
-use cudarc::driver::CudaSlice;
+use crate::ops::attention::{AttentionPlan, KvLayout, KvSplit, PlanOptions};
+use cudarc::driver::sys::CUstreamCaptureMode;
+use cudarc::driver::{CudaGraph, CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use rayon::prelude::*;
-use std::sync::{Arc, Mutex};
-use turbo_core::backend::{Backend, BatchLayout, OwnedSpans, Result};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use turbo_core::backend::{Backend, BatchLayout, BatchRows, Result};
 use turbo_core::cpu::KvCacheSpec;
-use turbo_core::WeightMatrix;
+use turbo_core::sampling::SampleParams;
+use turbo_core::{BackendError, WeightMatrix};
 
 /// Activations: a row-major `[rows, cols]` bf16 buffer on the device.
 pub struct CudaTensor {
@@ -29,40 +34,205 @@ pub struct CudaMatrix {
 /// Paged KV for all layers: `[block][slot][kv head][head_dim]` bf16, allocated up front.
 pub struct CudaKvCache {
     pub spec: KvCacheSpec,
+    /// Unique per cache made by this process: a recorded step names the cache it ran on (a new
+    /// cache may reuse a dropped one's addresses, layer by layer or not).
+    id: u64,
     pub keys: Vec<CudaSlice<bf16>>,
     pub values: Vec<CudaSlice<bf16>>,
 }
 
-/// A batch layout on the device: uploaded once per forward pass.
+/// Decode steps of at most this many sequences are recorded as CUDA graphs.
+pub const MAX_GRAPH_ROWS: usize = 256;
+/// The most key ranges a recorded decode step splits each row into.
+const MAX_GRAPH_SPLIT: usize = 64;
+/// Words of one row's [`SampleParams`].
+const PARAM_WORDS: usize = std::mem::size_of::<SampleParams>() / 4;
+
+/// The rows a decode step of `n` sequences is padded to, so that few shapes are recorded: 1, 2,
+/// 4, 8, then multiples of 8.
+pub fn graph_rows(n: usize) -> usize {
+    if n <= 8 {
+        n.next_power_of_two()
+    } else {
+        n.next_multiple_of(8)
+    }
+}
+
+/// What a recorded step depends on beyond its buffers' contents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct StepShape {
+    rows: usize,
+    /// Key ranges per row ([`KvSplit::Fixed`]).
+    split: usize,
+    sampling: bool,
+    /// The KV cache's id: a recording names the cache it ran on.
+    cache: u64,
+}
+
+/// A recorded step. CUDA graphs must not be used from two threads at once; the batch only
+/// touches them under its mutex.
+struct StepGraph(CudaGraph);
+
+// SAFETY: see `StepGraph`: every use is serialized by `CudaBatch::graphs`'s mutex.
+unsafe impl Send for StepGraph {}
+
+/// Sections of a step's one upload (u32 words): token ids, positions, KV slots, output rows, the
+/// output rows' sampling parameters and penalty-list offsets, then the penalized tokens (last,
+/// as the only section whose length does not follow from the row counts).
+#[derive(Clone, Debug, Default)]
+struct Sections {
+    ids: Range<usize>,
+    positions: Range<usize>,
+    slots: Range<usize>,
+    outputs: Range<usize>,
+    params: Range<usize>,
+    penalty_offsets: Range<usize>,
+    penalty_tokens: Range<usize>,
+}
+
+/// A batch on the device, refilled every step: one upload of its tables, the attention plan, the
+/// logits and sampled tokens, and the steps recorded for its shapes.
 pub struct CudaBatch {
-    positions: CudaSlice<u32>,
-    slots: CudaSlice<u32>,
-    inv_freq: CudaSlice<f32>,
-    /// For attention's plan.
-    spans: OwnedSpans,
+    upload: CudaSlice<u32>,
+    sections: Sections,
+    inv_freq: Vec<f32>,
+    inv_freq_dev: CudaSlice<f32>,
+    /// Rows of activations (padded) and of outputs (padded), and the outputs asked for.
     tokens: usize,
-    /// Attention's plan, made by the first layer that runs attention and reused by the others.
+    outputs: usize,
+    real_outputs: usize,
+    vocab: usize,
+    n_heads: usize,
+    sampling: bool,
     attention: Mutex<Option<AttentionPlan>>,
+    logits: Mutex<CudaSlice<f32>>,
+    sampled: Mutex<CudaSlice<u32>>,
+    /// `Some` when this step may be recorded or replayed.
+    shape: Option<StepShape>,
+    /// The id of the cache of the last step.
+    cache: u64,
+    /// Per shape: `None` once run directly (the warm-up that loads kernels and lets cuBLAS pick
+    /// its algorithms), then its recording.
+    graphs: Mutex<HashMap<StepShape, Option<StepGraph>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
+    m.lock()
+        .map_err(|_| BackendError::Device("a step panicked while holding the batch".into()))
+}
+
+/// Grows `buf` to at least `len` elements (to a power of two, so that growth is rare); true when
+/// it was replaced.
+fn ensure_len<T: DeviceRepr + ValidAsZeroBits>(
+    dev: &CudaDevice,
+    buf: &mut CudaSlice<T>,
+    len: usize,
+) -> Result<bool> {
+    if buf.len() >= len {
+        return Ok(false);
+    }
+    *buf = dev
+        .stream
+        .alloc_zeros::<T>(len.next_power_of_two())
+        .map_err(CudaError::from)?;
+    Ok(true)
+}
+
+impl CudaBatch {
+    fn view(&self, r: &Range<usize>) -> CudaView<'_, u32> {
+        self.upload.slice(r.clone())
+    }
+}
+
+/// How many decode steps were recorded as CUDA graphs, and how many replayed one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    pub recorded: usize,
+    pub replayed: usize,
 }
 
 #[derive(Clone)]
 pub struct CudaBackend {
     dev: Arc<CudaDevice>,
+    graphs: Arc<AtomicBool>,
+    recorded: Arc<AtomicUsize>,
+    replayed: Arc<AtomicUsize>,
 }
 
 impl CudaBackend {
     pub fn new(ordinal: usize) -> Result<Self> {
         Ok(CudaBackend {
             dev: Arc::new(CudaDevice::new(ordinal)?),
+            graphs: Arc::new(AtomicBool::new(true)),
+            recorded: Arc::new(AtomicUsize::new(0)),
+            replayed: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    pub fn graph_stats(&self) -> GraphStats {
+        GraphStats {
+            recorded: self.recorded.load(Ordering::Relaxed),
+            replayed: self.replayed.load(Ordering::Relaxed),
+        }
     }
 
     pub fn device(&self) -> &CudaDevice {
         &self.dev
     }
 
-    fn upload_u32(&self, v: &[u32]) -> Result<CudaSlice<u32>> {
-        Ok(self.dev.stream.clone_htod(v).map_err(CudaError::from)?)
+    /// Whether decode steps are recorded and replayed as CUDA graphs (on by default). Off, every
+    /// step issues its kernels one by one: the reference the graphs are tested against.
+    pub fn set_graphs(&self, enabled: bool) {
+        self.graphs.store(enabled, Ordering::Relaxed);
+    }
+
+    /// The padded rows and key ranges per row of a step that can be recorded: a decode step
+    /// (one new token per sequence) of at most [`MAX_GRAPH_ROWS`] sequences, with a grouped
+    /// decode kernel for the head dimension and no shared prefix worth a cascade pass.
+    fn graph_shape(&self, layout: &BatchLayout, spec: &KvCacheSpec) -> Option<(usize, usize)> {
+        let n = layout.ids.len();
+        let decode = n > 0
+            && n <= MAX_GRAPH_ROWS
+            && layout.spans.len() == n
+            && layout.outputs.len() == n
+            && layout
+                .spans
+                .iter()
+                .enumerate()
+                .all(|(i, s)| s.n_q == 1 && s.q_start == i)
+            && layout
+                .outputs
+                .iter()
+                .enumerate()
+                .all(|(i, &r)| r as usize == i);
+        if !self.graphs.load(Ordering::Relaxed)
+            || !decode
+            || !ops::attention::GROUPED_HEAD_DIMS.contains(&spec.head_dim)
+            || layout.n_heads % spec.n_kv_heads != 0
+        {
+            return None;
+        }
+        let shared = turbo_attention::cascade::cascade_groups(
+            layout.spans,
+            spec.block_size,
+            ops::attention::CASCADE_MIN_SHARED,
+        );
+        if !shared.is_empty() {
+            return None;
+        }
+        let rows = graph_rows(n);
+        let keys = layout.spans.iter().map(|s| s.kv_len);
+        let split = ops::attention::decode_split(
+            &self.dev,
+            rows,
+            layout.n_heads,
+            spec.n_kv_heads,
+            keys.clone().sum(),
+            keys.max().unwrap_or(0),
+        )
+        .next_power_of_two()
+        .min(MAX_GRAPH_SPLIT);
+        Some((rows, split))
     }
 }
 
@@ -131,6 +301,12 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn resize(&self, t: &mut CudaTensor, rows: usize) -> Result<bool> {
+        let moved = ensure_len(&self.dev, &mut t.data, (rows * t.cols).max(1))?;
+        t.rows = rows;
+        Ok(moved)
+    }
+
     fn download(&self, t: &CudaTensor) -> Result<Vec<f32>> {
         let host = self
             .dev
@@ -160,8 +336,10 @@ impl Backend for CudaBackend {
                 })
                 .collect()
         };
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Ok(CudaKvCache {
             spec,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             keys: alloc()?,
             values: alloc()?,
         })
@@ -175,28 +353,246 @@ impl Backend for CudaBackend {
         2
     }
 
-    fn prepare_batch(&self, layout: &BatchLayout) -> Result<CudaBatch> {
+    fn new_batch(&self) -> Result<CudaBatch> {
+        let stream = &self.dev.stream;
         Ok(CudaBatch {
-            positions: self.upload_u32(layout.positions)?,
-            slots: self.upload_u32(layout.slots)?,
-            inv_freq: self
-                .dev
-                .stream
-                .clone_htod(layout.inv_freq)
-                .map_err(CudaError::from)?,
-            spans: OwnedSpans::new(layout.spans),
-            tokens: layout.positions.len(),
+            upload: stream.alloc_zeros::<u32>(1).map_err(CudaError::from)?,
+            sections: Sections::default(),
+            inv_freq: Vec::new(),
+            inv_freq_dev: stream.alloc_zeros::<f32>(1).map_err(CudaError::from)?,
+            tokens: 0,
+            outputs: 0,
+            real_outputs: 0,
+            vocab: 0,
+            n_heads: 0,
+            sampling: false,
             attention: Mutex::new(None),
+            logits: Mutex::new(stream.alloc_zeros::<f32>(1).map_err(CudaError::from)?),
+            sampled: Mutex::new(stream.alloc_zeros::<u32>(1).map_err(CudaError::from)?),
+            shape: None,
+            cache: 0,
+            graphs: Mutex::new(HashMap::new()),
         })
     }
 
-    fn embed(&self, table: &CudaMatrix, ids: &[u32], out: &mut CudaTensor) -> Result<()> {
-        let ids_dev = self.upload_u32(ids)?;
+    fn prepare_batch(
+        &self,
+        batch: &mut CudaBatch,
+        layout: &BatchLayout,
+        cache: &CudaKvCache,
+    ) -> Result<BatchRows> {
+        let n = layout.ids.len();
+        let unsupported = |m: String| BackendError::Unsupported(m);
+        if layout.positions.len() != n
+            || layout.slots.len() != n
+            || layout.outputs.iter().any(|&r| r as usize >= n)
+        {
+            return Err(unsupported(format!(
+                "batch of {n} ids with {} positions, {} slots and outputs {:?}",
+                layout.positions.len(),
+                layout.slots.len(),
+                layout.outputs
+            )));
+        }
+        if let Some(s) = &layout.sampling {
+            if s.params.len() != layout.outputs.len() || s.penalties.rows() != s.params.len() {
+                return Err(unsupported(format!(
+                    "{} output rows with {} sampling parameters and {} penalty lists",
+                    layout.outputs.len(),
+                    s.params.len(),
+                    s.penalties.rows()
+                )));
+            }
+        }
+        let spec = cache.spec;
+        let graph = self.graph_shape(layout, &spec);
+        let (tokens, split) = graph.unwrap_or((n, 0));
+        let outputs = if graph.is_some() {
+            tokens
+        } else {
+            layout.outputs.len()
+        };
+
+        // The one upload: padded rows embed token 0 at position 0, write no KV (a slot past the
+        // cache is skipped) and output themselves, greedily.
+        let mut host: Vec<u32> = Vec::with_capacity(3 * tokens + (PARAM_WORDS + 2) * outputs + 1);
+        let push = |host: &mut Vec<u32>, data: &[u32], len: usize, pad: &dyn Fn(usize) -> u32| {
+            let start = host.len();
+            host.extend_from_slice(data);
+            host.extend((data.len()..len).map(pad));
+            start..host.len()
+        };
+        let ids = push(&mut host, layout.ids, tokens, &|_| 0);
+        let positions = push(&mut host, layout.positions, tokens, &|_| 0);
+        let slots = push(&mut host, layout.slots, tokens, &|_| u32::MAX);
+        let outputs_sec = push(&mut host, layout.outputs, outputs, &|r| r as u32);
+        let (params, penalty_offsets, penalty_tokens) = match &layout.sampling {
+            Some(s) => {
+                let words: &[u32] = bytemuck::cast_slice(s.params);
+                let greedy: &[u32] =
+                    bytemuck::cast_slice(std::slice::from_ref(&SampleParams::GREEDY));
+                let params = push(&mut host, words, outputs * PARAM_WORDS, &|i| {
+                    greedy[i % PARAM_WORDS]
+                });
+                let last = s.penalties.offsets.last().copied().unwrap_or(0);
+                let offsets = push(&mut host, &s.penalties.offsets, outputs + 1, &|_| last);
+                let toks = push(
+                    &mut host,
+                    &s.penalties.tokens,
+                    s.penalties.tokens.len().max(1),
+                    &|_| 0,
+                );
+                (params, offsets, toks)
+            }
+            None => {
+                let at = host.len();
+                (at..at, at..at, at..at)
+            }
+        };
+        let mut moved = ensure_len(&self.dev, &mut batch.upload, host.len())?;
+        self.dev
+            .stream
+            .memcpy_htod(&host, &mut batch.upload.slice_mut(..host.len()))
+            .map_err(CudaError::from)?;
+        batch.sections = Sections {
+            ids,
+            positions,
+            slots,
+            outputs: outputs_sec,
+            params,
+            penalty_offsets,
+            penalty_tokens,
+        };
+        if batch.inv_freq != layout.inv_freq {
+            moved = true;
+            batch.inv_freq = layout.inv_freq.to_vec();
+            batch.inv_freq_dev = self
+                .dev
+                .stream
+                .clone_htod(layout.inv_freq)
+                .map_err(CudaError::from)?;
+        }
+        moved |= ensure_len(
+            &self.dev,
+            batch
+                .logits
+                .get_mut()
+                .map_err(|_| unsupported("poisoned".into()))?,
+            (outputs * layout.vocab).max(1),
+        )?;
+        moved |= ensure_len(
+            &self.dev,
+            batch
+                .sampled
+                .get_mut()
+                .map_err(|_| unsupported("poisoned".into()))?,
+            outputs.max(1),
+        )?;
+
+        // Attention's plan, made now so that a recorded step replays it with new tables.
+        let kv_layout = KvLayout {
+            block_size: spec.block_size,
+            n_kv_heads: spec.n_kv_heads,
+            head_dim: spec.head_dim,
+        };
+        let options = if graph.is_some() {
+            PlanOptions {
+                split: KvSplit::Fixed(split),
+                cascade_min_shared: None,
+                ..PlanOptions::default()
+            }
+        } else {
+            PlanOptions::default()
+        };
+        let old = batch
+            .attention
+            .get_mut()
+            .map_err(|_| unsupported("poisoned".into()))?
+            .take();
+        let (plan, plan_moved) = AttentionPlan::new_reusing(
+            &self.dev,
+            kv_layout,
+            layout.n_heads,
+            tokens,
+            layout.spans,
+            spec.max_blocks,
+            options,
+            old,
+        )?;
+        moved |= plan_moved;
+        *batch
+            .attention
+            .get_mut()
+            .map_err(|_| unsupported("poisoned".into()))? = Some(plan);
+
+        batch.tokens = tokens;
+        batch.outputs = outputs;
+        batch.real_outputs = layout.outputs.len();
+        batch.vocab = layout.vocab;
+        batch.n_heads = layout.n_heads;
+        batch.sampling = layout.sampling.is_some();
+        batch.shape = graph.map(|(rows, split)| StepShape {
+            rows,
+            split,
+            sampling: layout.sampling.is_some(),
+            cache: cache.id,
+        });
+        // Recordings on another cache are never replayed again.
+        moved |= std::mem::replace(&mut batch.cache, cache.id) != cache.id;
+        if moved {
+            self.forget_steps(batch);
+        }
+        Ok(BatchRows { tokens, outputs })
+    }
+
+    fn run_step(&self, batch: &CudaBatch, step: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let Some(shape) = batch.shape.filter(|_| self.graphs.load(Ordering::Relaxed)) else {
+            return step();
+        };
+        let mut graphs = lock(&batch.graphs)?;
+        match graphs.get(&shape) {
+            Some(Some(graph)) => {
+                graph.0.launch().map_err(CudaError::from)?;
+                self.replayed.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            None => {
+                step()?;
+                graphs.insert(shape, None);
+                Ok(())
+            }
+            Some(None) => {
+                let stream = &self.dev.stream;
+                stream
+                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(CudaError::from)?;
+                let recorded = step();
+                // The capture always ends, also when the step failed part-way.
+                let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+                recorded?;
+                let graph = graph.map_err(CudaError::from)?.ok_or_else(|| {
+                    BackendError::Device("recording a step captured no work".into())
+                })?;
+                graph.launch().map_err(CudaError::from)?;
+                graphs.insert(shape, Some(StepGraph(graph)));
+                self.recorded.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+        }
+    }
+
+    fn forget_steps(&self, batch: &CudaBatch) {
+        if let Ok(mut graphs) = batch.graphs.lock() {
+            graphs.clear();
+        }
+    }
+
+    fn embed(&self, table: &CudaMatrix, batch: &CudaBatch, out: &mut CudaTensor) -> Result<()> {
         Ok(ops::elementwise::embed(
             &self.dev,
             &table.data,
-            &ids_dev,
-            ids.len(),
+            &batch.view(&batch.sections.ids),
+            batch.tokens,
             table.cols,
             &mut out.data,
         )?)
@@ -240,8 +636,8 @@ impl Backend for CudaBackend {
             x.rows,
             heads,
             head_dim,
-            &batch.positions,
-            &batch.inv_freq,
+            &batch.view(&batch.sections.positions),
+            &batch.inv_freq_dev,
         )?)
     }
 
@@ -310,17 +706,81 @@ impl Backend for CudaBackend {
         Ok(ops::elementwise::add(&self.dev, &mut x.data, &y.data, n)?)
     }
 
-    fn gather_rows(&self, x: &CudaTensor, rows: &[usize], out: &mut CudaTensor) -> Result<()> {
-        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let idx = self.upload_u32(&idx)?;
+    fn gather_outputs(
+        &self,
+        x: &CudaTensor,
+        batch: &CudaBatch,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
         Ok(ops::elementwise::gather_rows(
             &self.dev,
             &x.data,
-            &idx,
-            rows.len(),
+            &batch.view(&batch.sections.outputs),
+            batch.outputs,
             x.cols,
             &mut out.data,
         )?)
+    }
+
+    fn logits(&self, x: &CudaTensor, head: &CudaMatrix, batch: &CudaBatch) -> Result<()> {
+        if head.rows != batch.vocab {
+            return Err(BackendError::Unsupported(format!(
+                "logits over {} rows, the batch was prepared for a vocabulary of {}",
+                head.rows, batch.vocab
+            )));
+        }
+        let mut logits = lock(&batch.logits)?;
+        Ok(ops::linear::linear_f32_out(
+            &self.dev,
+            &x.data,
+            &head.data,
+            x.rows,
+            head.cols,
+            head.rows,
+            &mut logits,
+        )?)
+    }
+
+    fn sample(&self, batch: &CudaBatch) -> Result<()> {
+        if !batch.sampling {
+            return Err(BackendError::Unsupported(
+                "sampling a batch prepared without sampling".into(),
+            ));
+        }
+        let mut logits = lock(&batch.logits)?;
+        let mut sampled = lock(&batch.sampled)?;
+        let sec = &batch.sections;
+        Ok(ops::sampling::sample(
+            &self.dev,
+            &mut logits,
+            batch.outputs,
+            batch.vocab,
+            &batch.view(&sec.params),
+            &batch.view(&sec.penalty_offsets),
+            &batch.view(&sec.penalty_tokens),
+            &mut sampled.slice_mut(..batch.outputs),
+        )?)
+    }
+
+    fn read_logits(&self, batch: &CudaBatch) -> Result<Vec<f32>> {
+        let logits = lock(&batch.logits)?;
+        let len = batch.real_outputs * batch.vocab;
+        let mut host = vec![0f32; len];
+        self.dev
+            .stream
+            .memcpy_dtoh(&logits.slice(..len), &mut host)
+            .map_err(CudaError::from)?;
+        Ok(host)
+    }
+
+    fn read_tokens(&self, batch: &CudaBatch) -> Result<Vec<u32>> {
+        let sampled = lock(&batch.sampled)?;
+        let mut host = vec![0u32; batch.real_outputs];
+        self.dev
+            .stream
+            .memcpy_dtoh(&sampled.slice(..batch.real_outputs), &mut host)
+            .map_err(CudaError::from)?;
+        Ok(host)
     }
 
     fn write_kv(
@@ -339,9 +799,36 @@ impl Backend for CudaBackend {
             values,
             &k.data,
             &v.data,
-            &batch.slots,
+            &batch.view(&batch.sections.slots),
             batch.tokens,
             slot_len,
+        )?)
+    }
+
+    fn qkv_rope_write(
+        &self,
+        qkv: &CudaTensor,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        _v: &mut CudaTensor,
+        head_dim: usize,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        batch: &CudaBatch,
+    ) -> Result<()> {
+        let (q_cols, kv_cols) = (q.cols, k.cols);
+        let (keys, values) = (&mut cache.keys[layer], &mut cache.values[layer]);
+        Ok(ops::elementwise::qkv_rope_kv(
+            &self.dev,
+            &qkv.data,
+            &mut q.data,
+            keys,
+            values,
+            batch.tokens,
+            (q_cols, kv_cols, head_dim),
+            &batch.view(&batch.sections.positions),
+            &batch.view(&batch.sections.slots),
+            &batch.inv_freq_dev,
         )?)
     }
 
@@ -355,31 +842,16 @@ impl Backend for CudaBackend {
         scale: f32,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        let layout = KvLayout {
-            block_size: cache.spec.block_size,
-            n_kv_heads: cache.spec.n_kv_heads,
-            head_dim: cache.spec.head_dim,
-        };
-        let n_blocks = cache.spec.max_blocks;
-        let mut plan = batch
-            .attention
-            .lock()
-            .map_err(|_| CudaError::Shape("attention plan lock poisoned".into()))?;
-        let fits = plan
-            .as_ref()
-            .is_some_and(|p| p.fits(layout, n_heads, batch.tokens, n_blocks));
-        if !fits {
-            *plan = Some(AttentionPlan::new(
-                &self.dev,
-                layout,
-                n_heads,
-                batch.tokens,
-                &batch.spans.spans(),
-                n_blocks,
-                PlanOptions::default(),
-            )?);
+        if n_heads != batch.n_heads {
+            return Err(BackendError::Unsupported(format!(
+                "attention with {n_heads} heads, the batch was prepared for {}",
+                batch.n_heads
+            )));
         }
-        let plan = plan.as_mut().expect("planned above");
+        let mut plan = lock(&batch.attention)?;
+        let plan = plan.as_mut().ok_or_else(|| {
+            BackendError::Unsupported("attention over a batch that was never prepared".into())
+        })?;
         Ok(plan.run(
             &self.dev,
             &q.data,

@@ -4,7 +4,7 @@ use crate::error::{CudaError, Result};
 use crate::ptx::{KernelModule, MODULES};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -23,12 +23,18 @@ pub fn cuda_available() -> bool {
     device_count() > 0
 }
 
+/// cuBLAS's workspace: set explicitly so that products recorded into a CUDA graph use a buffer
+/// that outlives the recording (cuBLAS may not allocate while a stream is being captured).
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
 /// One GPU: a context, the single stream all work is issued on, a cuBLAS handle bound to it, and
 /// kernel modules loaded on first use.
 pub struct CudaDevice {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub blas: CudaBlas,
+    _blas_workspace: CudaSlice<u8>,
+    sm_count: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     /// Dynamic shared memory each function has been opted in to, beyond the default 48 KiB.
@@ -46,16 +52,47 @@ impl CudaDevice {
             }));
         }
         let ctx = CudaContext::new(ordinal)?;
-        let stream = ctx.default_stream();
+        // SAFETY: all of this device's work is issued on the one stream made below, in order, so
+        // cudarc's per-buffer events (which order uses across streams) have nothing to order.
+        unsafe { ctx.disable_event_tracking() };
+        // A stream of its own rather than the legacy default stream, which cannot be captured
+        // into a graph.
+        let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
+        let mut workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
+        {
+            let (ptr, _sync) = workspace.device_ptr_mut(&stream);
+            // SAFETY: the workspace is this device's, lives as long as the handle (both are
+            // fields of the device) and is only used on the handle's stream.
+            let status = unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    BLAS_WORKSPACE_BYTES,
+                )
+            };
+            status.result()?;
+        }
+        let sm_count = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )?
+            .max(1) as usize;
         Ok(CudaDevice {
             ctx,
             stream,
             blas,
+            _blas_workspace: workspace,
+            sm_count,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             smem_opt_in: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Streaming multiprocessors.
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
     }
 
     pub fn name(&self) -> String {

@@ -11,6 +11,6 @@ mod error;
 pub mod ops;
 pub mod ptx;
 
-pub use backend::{CudaBackend, CudaKvCache, CudaMatrix, CudaTensor};
+pub use backend::{CudaBackend, CudaKvCache, CudaMatrix, CudaTensor, GraphStats};
 pub use device::{cuda_available, device_count, CudaDevice};
 pub use error::{CudaError, Result};

@@ -381,6 +381,9 @@ fn ragged_batch_gqa4_d128_bs16() {
             KvSplit::Off,
             KvSplit::Chunk(256),
             KvSplit::Chunk(37),
+            KvSplit::Fixed(1),
+            KvSplit::Fixed(4),
+            KvSplit::Fixed(64),
         ],
     );
 }
@@ -423,6 +426,8 @@ fn block_boundaries_gqa3_d64_bs4() {
             KvSplit::Chunk(4),
             KvSplit::Chunk(5),
             KvSplit::Chunk(16),
+            KvSplit::Fixed(2),
+            KvSplit::Fixed(8),
         ],
     );
 }
@@ -530,7 +535,11 @@ fn large_decode_batch() {
         seqs,
         seed: 6,
     };
-    check_case(&dev, &case, &[KvSplit::Auto, KvSplit::Chunk(100)]);
+    check_case(
+        &dev,
+        &case,
+        &[KvSplit::Auto, KvSplit::Chunk(100), KvSplit::Fixed(2)],
+    );
 }
 
 /// The other head dimensions, a block size of 8, and block sizes that are no power of two

@@ -138,7 +138,16 @@ fn rope_matches_reference() {
         let x = random_bf16(&mut rng, n, 2.0);
         let mut x_d = upload(&dev, &x);
         let (pos_d, freq_d) = (upload(&dev, &positions), upload(&dev, &inv_freq));
-        ops::elementwise::rope(&dev, &mut x_d, tokens, heads, head_dim, &pos_d, &freq_d).unwrap();
+        ops::elementwise::rope(
+            &dev,
+            &mut x_d,
+            tokens,
+            heads,
+            head_dim,
+            &pos_d.slice(..),
+            &freq_d,
+        )
+        .unwrap();
         let got = download(&dev, &x_d);
 
         let xf = to_f32(&x);
@@ -281,7 +290,7 @@ fn embed_copies_table_rows() {
             }
             let ids_d = upload(&dev, &ids);
             let mut out_d = poisoned(&dev, n * dim);
-            ops::elementwise::embed(&dev, &table_d, &ids_d, n, dim, &mut out_d).unwrap();
+            ops::elementwise::embed(&dev, &table_d, &ids_d.slice(..), n, dim, &mut out_d).unwrap();
             assert_gathered(&what, &download(&dev, &out_d), &table, &ids, dim);
         }
     }
@@ -293,7 +302,7 @@ fn embed_copies_table_rows() {
     let (table_d, ids_d) = (upload(&dev, &table), upload(&dev, &ids));
     // Ones, not NaN, so that NaN in row 1 must come from the kernel.
     let mut out_d = upload(&dev, &vec![bf16::ONE; 3 * dim]);
-    ops::elementwise::embed(&dev, &table_d, &ids_d, 3, dim, &mut out_d).unwrap();
+    ops::elementwise::embed(&dev, &table_d, &ids_d.slice(..), 3, dim, &mut out_d).unwrap();
     let got = download(&dev, &out_d);
     assert!(
         got[dim..2 * dim].iter().all(|v| v.is_nan()),
@@ -318,7 +327,8 @@ fn gather_rows_copies_rows() {
                 .collect();
             let idx_d = upload(&dev, &idx);
             let mut out_d = poisoned(&dev, n * cols);
-            ops::elementwise::gather_rows(&dev, &x_d, &idx_d, n, cols, &mut out_d).unwrap();
+            ops::elementwise::gather_rows(&dev, &x_d, &idx_d.slice(..), n, cols, &mut out_d)
+                .unwrap();
             assert_gathered(&what, &download(&dev, &out_d), &x, &idx, cols);
         }
     }
@@ -348,7 +358,7 @@ fn write_kv_scatters_to_slots() {
                 &mut v_cache,
                 &k_d,
                 &v_d,
-                &slots_d,
+                &slots_d.slice(..),
                 tokens,
                 slot_len,
             )
@@ -550,5 +560,100 @@ fn split3_splits_columns() {
             assert_eq!(bits(&b[r * cb..(r + 1) * cb]), bits(&row[ca..ca + cb]));
             assert_eq!(bits(&c[r * cc..(r + 1) * cc]), bits(&row[ca + cb..]));
         }
+    }
+}
+
+/// The fused step after the QKV product equals its parts (split3, rope of q and k, write_kv,
+/// each tested against references above) on fresh random rows: the same rotation rounded once to
+/// bf16, so equal to the bit; padded rows with a slot past the cache write nothing.
+#[test]
+fn qkv_rope_kv_equals_its_parts() {
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    for (tokens, heads, kv_heads, head_dim) in [(1, 32, 8, 128), (19, 9, 3, 64), (4, 4, 4, 32)] {
+        let what = format!("qkv_rope_kv tokens={tokens} heads={heads}/{kv_heads} d={head_dim}");
+        let (q_cols, kv_cols) = (heads * head_dim, kv_heads * head_dim);
+        let width = q_cols + 2 * kv_cols;
+        let inv_freq: Vec<f32> = (0..head_dim / 2)
+            .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / head_dim as f32))
+            .collect();
+        let positions: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..=40_000)).collect();
+        let cache_slots = tokens + 5;
+        let mut slots: Vec<u32> = (0..cache_slots as u32).collect();
+        slots.shuffle(&mut rng);
+        slots.truncate(tokens);
+        if tokens > 2 {
+            slots[1] = u32::MAX; // a padded row
+        }
+        let qkv = random_bf16(&mut rng, tokens * width, 2.0);
+        let (qkv_d, pos_d, slots_d, freq_d) = (
+            upload(&dev, &qkv),
+            upload(&dev, &positions),
+            upload(&dev, &slots),
+            upload(&dev, &inv_freq),
+        );
+
+        let mut q = poisoned(&dev, tokens * q_cols);
+        let mut k_cache = poisoned(&dev, cache_slots * kv_cols);
+        let mut v_cache = poisoned(&dev, cache_slots * kv_cols);
+        ops::elementwise::qkv_rope_kv(
+            &dev,
+            &qkv_d,
+            &mut q,
+            &mut k_cache,
+            &mut v_cache,
+            tokens,
+            (q_cols, kv_cols, head_dim),
+            &pos_d.slice(..),
+            &slots_d.slice(..),
+            &freq_d,
+        )
+        .unwrap();
+
+        let (mut q2, mut k2, mut v2) = (
+            poisoned(&dev, tokens * q_cols),
+            poisoned(&dev, tokens * kv_cols),
+            poisoned(&dev, tokens * kv_cols),
+        );
+        ops::elementwise::split3(
+            &dev,
+            &qkv_d,
+            tokens,
+            (q_cols, kv_cols, kv_cols),
+            &mut q2,
+            &mut k2,
+            &mut v2,
+        )
+        .unwrap();
+        for (x, cols) in [(&mut q2, q_cols), (&mut k2, kv_cols)] {
+            let heads = cols / head_dim;
+            ops::elementwise::rope(&dev, x, tokens, heads, head_dim, &pos_d.slice(..), &freq_d)
+                .unwrap();
+        }
+        let mut k_cache2 = poisoned(&dev, cache_slots * kv_cols);
+        let mut v_cache2 = poisoned(&dev, cache_slots * kv_cols);
+        ops::elementwise::write_kv(
+            &dev,
+            &mut k_cache2,
+            &mut v_cache2,
+            &k2,
+            &v2,
+            &slots_d.slice(..),
+            tokens,
+            kv_cols,
+        )
+        .unwrap();
+        let bits = |s: &CudaSlice<bf16>| -> Vec<u16> {
+            download(&dev, s).iter().map(|x| x.to_bits()).collect()
+        };
+        assert_eq!(bits(&q), bits(&q2), "{what}: queries");
+        assert_eq!(bits(&k_cache), bits(&k_cache2), "{what}: keys");
+        assert_eq!(bits(&v_cache), bits(&v_cache2), "{what}: values");
+        let written = bits(&k_cache)
+            .chunks(kv_cols)
+            .filter(|row| row.iter().all(|&b| b != NAN_BITS))
+            .count();
+        let valid = slots.iter().filter(|&&s| s != u32::MAX).count();
+        assert_eq!(written, valid, "{what}: slots written");
     }
 }

@@ -3,10 +3,12 @@
 use crate::config::LlamaConfig;
 use crate::error::Result;
 use crate::weights::HostWeights;
+use std::sync::Mutex;
 use turbo_attention::QuerySpan;
-use turbo_core::backend::BatchLayout;
+use turbo_core::backend::{BatchLayout, Sampling};
 use turbo_core::cpu::KvCacheSpec;
-use turbo_core::Backend;
+use turbo_core::sampling::{PenaltyLists, SampleParams};
+use turbo_core::{Backend, BackendError};
 
 /// One sequence's part of a batch: its newest tokens, which continue a history already in the KV
 /// cache.
@@ -40,6 +42,76 @@ struct DeviceLayer<B: Backend> {
     w_down: B::Matrix,
 }
 
+/// The buffers of a forward pass, kept from step to step: their storage only grows, so a step
+/// of a shape seen before runs on the same buffers (which a backend replaying recorded steps
+/// needs) and allocates nothing.
+struct Workspace<B: Backend> {
+    batch: B::Batch,
+    x: B::Tensor,
+    h: B::Tensor,
+    o: B::Tensor,
+    qkv: B::Tensor,
+    q: B::Tensor,
+    k: B::Tensor,
+    v: B::Tensor,
+    attn: B::Tensor,
+    gate_up: B::Tensor,
+    act: B::Tensor,
+    last: B::Tensor,
+    normed: B::Tensor,
+}
+
+impl<B: Backend> Workspace<B> {
+    fn new(b: &B, c: &LlamaConfig) -> Result<Self> {
+        let d = c.hidden_size;
+        Ok(Workspace {
+            batch: b.new_batch()?,
+            x: b.tensor(0, d)?,
+            h: b.tensor(0, d)?,
+            o: b.tensor(0, d)?,
+            qkv: b.tensor(0, c.q_dim() + 2 * c.kv_dim())?,
+            q: b.tensor(0, c.q_dim())?,
+            k: b.tensor(0, c.kv_dim())?,
+            v: b.tensor(0, c.kv_dim())?,
+            attn: b.tensor(0, c.q_dim())?,
+            gate_up: b.tensor(0, 2 * c.intermediate_size)?,
+            act: b.tensor(0, c.intermediate_size)?,
+            last: b.tensor(0, d)?,
+            normed: b.tensor(0, d)?,
+        })
+    }
+
+    /// Sizes every buffer for `tokens` rows (`outputs` for the gathered ones); true if any
+    /// storage was replaced.
+    fn resize(&mut self, b: &B, tokens: usize, outputs: usize) -> Result<bool> {
+        let mut moved = false;
+        for t in [
+            &mut self.x,
+            &mut self.h,
+            &mut self.o,
+            &mut self.qkv,
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.attn,
+            &mut self.gate_up,
+            &mut self.act,
+        ] {
+            moved |= b.resize(t, tokens)?;
+        }
+        for t in [&mut self.last, &mut self.normed] {
+            moved |= b.resize(t, outputs)?;
+        }
+        Ok(moved)
+    }
+}
+
+/// What a forward pass hands back.
+enum Output {
+    Logits,
+    Tokens,
+}
+
 /// A LLaMA model resident on backend `B`.
 pub struct Llama<B: Backend> {
     pub config: LlamaConfig,
@@ -50,6 +122,8 @@ pub struct Llama<B: Backend> {
     /// `None` when tied to the embedding.
     lm_head: Option<B::Matrix>,
     inv_freq: Vec<f32>,
+    /// `None` until the first forward pass.
+    workspace: Mutex<Option<Workspace<B>>>,
 }
 
 impl<B: Backend> Llama<B> {
@@ -86,6 +160,7 @@ impl<B: Backend> Llama<B> {
             layers,
             final_norm,
             lm_head,
+            workspace: Mutex::new(None),
         })
     }
 
@@ -112,7 +187,27 @@ impl<B: Backend> Llama<B> {
         cache: &mut B::KvCache,
         which: Logits,
     ) -> Result<Vec<f32>> {
-        self.backend.run(|| self.forward_inner(batch, cache, which))
+        let floats = self
+            .backend
+            .run(|| self.forward_inner(batch, cache, which, None, Output::Logits))?;
+        Ok(floats.0)
+    }
+
+    /// Runs the new tokens of every sequence in `batch`, appending their KV to `cache`, and
+    /// returns the token chosen for each sequence from its last token's logits by `params` (one
+    /// per sequence, with its penalized tokens in `penalties`). Only the tokens leave the device.
+    pub fn forward_sample(
+        &self,
+        batch: &[SequenceChunk],
+        cache: &mut B::KvCache,
+        params: &[SampleParams],
+        penalties: &PenaltyLists,
+    ) -> Result<Vec<u32>> {
+        let sampling = Sampling { params, penalties };
+        let out = self.backend.run(|| {
+            self.forward_inner(batch, cache, Logits::Last, Some(sampling), Output::Tokens)
+        })?;
+        Ok(out.1)
     }
 
     fn forward_inner(
@@ -120,13 +215,15 @@ impl<B: Backend> Llama<B> {
         batch: &[SequenceChunk],
         cache: &mut B::KvCache,
         which: Logits,
-    ) -> Result<Vec<f32>> {
+        sampling: Option<Sampling>,
+        output: Output,
+    ) -> Result<(Vec<f32>, Vec<u32>)> {
         let b = &self.backend;
         let c = &self.config;
         let block_size = b.kv_spec(cache).block_size;
-        let (ids, positions, slots, spans) = flatten(batch, block_size);
+        let (ids, positions, slots, spans) = flatten(batch, block_size)?;
         let n = ids.len();
-        let (d, hd) = (c.hidden_size, c.head_dim);
+        let hd = c.head_dim;
         let scale = 1.0 / (hd as f32).sqrt();
 
         let spans: Vec<QuerySpan> = spans
@@ -139,75 +236,109 @@ impl<B: Backend> Llama<B> {
                 block_table: &s.block_table,
             })
             .collect();
-        let batch_layout = b.prepare_batch(&BatchLayout {
-            positions: &positions,
-            slots: &slots,
-            spans: &spans,
-            inv_freq: &self.inv_freq,
-        })?;
-        let mut x = b.tensor(n, d)?;
-        b.embed(&self.embed, &ids, &mut x)?;
-        let mut h = b.tensor(n, d)?;
-        let mut o = b.tensor(n, d)?;
-        let mut qkv = b.tensor(n, c.q_dim() + 2 * c.kv_dim())?;
-        let mut q = b.tensor(n, c.q_dim())?;
-        let mut k = b.tensor(n, c.kv_dim())?;
-        let mut v = b.tensor(n, c.kv_dim())?;
-        let mut attn = b.tensor(n, c.q_dim())?;
-        let mut gate_up = b.tensor(n, 2 * c.intermediate_size)?;
-        let mut act = b.tensor(n, c.intermediate_size)?;
-
-        let eps = c.rms_norm_eps;
-        b.rms_norm(&x, &self.layers[0].attn_norm, eps, &mut h)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            // Attention block; `h` holds the normalised input.
-            b.linear(&h, &layer.wqkv, &mut qkv)?;
-            b.split3(&qkv, &mut q, &mut k, &mut v)?;
-            b.rope(&mut q, hd, &batch_layout)?;
-            b.rope(&mut k, hd, &batch_layout)?;
-            b.write_kv(cache, i, &k, &v, &batch_layout)?;
-            b.attention(&q, cache, i, c.n_heads, &batch_layout, scale, &mut attn)?;
-            b.linear(&attn, &layer.wo, &mut o)?;
-            b.add_rms_norm(&mut x, &o, &layer.ffn_norm, eps, &mut h)?;
-            // Feed-forward block (SwiGLU).
-            b.linear(&h, &layer.w_gate_up, &mut gate_up)?;
-            b.swiglu(&gate_up, &mut act)?;
-            b.linear(&act, &layer.w_down, &mut o)?;
-            match self.layers.get(i + 1) {
-                Some(next) => b.add_rms_norm(&mut x, &o, &next.attn_norm, eps, &mut h)?,
-                None => b.add(&mut x, &o)?,
-            }
-        }
-
-        let rows: Vec<usize> = match which {
-            Logits::All => (0..n).collect(),
-            Logits::Last => spans.iter().map(|s| s.q_start + s.n_q - 1).collect(),
+        let outputs: Vec<u32> = match which {
+            Logits::All => (0..n as u32).collect(),
+            Logits::Last => spans
+                .iter()
+                .map(|s| (s.q_start + s.n_q - 1) as u32)
+                .collect(),
         };
-        let mut last = b.tensor(rows.len(), d)?;
-        b.gather_rows(&x, &rows, &mut last)?;
-        let mut normed = b.tensor(rows.len(), d)?;
-        b.rms_norm(&last, &self.final_norm, eps, &mut normed)?;
+        let mut guard = self
+            .workspace
+            .lock()
+            .map_err(|_| BackendError::Device("an earlier forward pass panicked".into()))?;
+        let ws = match guard.as_mut() {
+            Some(ws) => ws,
+            None => guard.insert(Workspace::new(b, c)?),
+        };
+        let rows = b.prepare_batch(
+            &mut ws.batch,
+            &BatchLayout {
+                ids: &ids,
+                positions: &positions,
+                slots: &slots,
+                spans: &spans,
+                inv_freq: &self.inv_freq,
+                outputs: &outputs,
+                n_heads: c.n_heads,
+                vocab: c.vocab_size,
+                sampling,
+            },
+            cache,
+        )?;
+        if ws.resize(b, rows.tokens, rows.outputs)? {
+            b.forget_steps(&ws.batch);
+        }
+        let Workspace {
+            batch: batch_layout,
+            x,
+            h,
+            o,
+            qkv,
+            q,
+            k,
+            v,
+            attn,
+            gate_up,
+            act,
+            last,
+            normed,
+        } = ws;
+        let batch_layout = &*batch_layout;
+        let eps = c.rms_norm_eps;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let mut logits = b.tensor(rows.len(), c.vocab_size)?;
-        b.linear(&normed, head, &mut logits)?;
-        Ok(b.download(&logits)?)
+        let sample = matches!(output, Output::Tokens);
+        b.run_step(batch_layout, &mut || {
+            b.embed(&self.embed, batch_layout, x)?;
+            b.rms_norm(x, &self.layers[0].attn_norm, eps, h)?;
+            for (i, layer) in self.layers.iter().enumerate() {
+                // Attention block; `h` holds the normalised input.
+                b.linear(h, &layer.wqkv, qkv)?;
+                b.qkv_rope_write(qkv, q, k, v, hd, cache, i, batch_layout)?;
+                b.attention(q, cache, i, c.n_heads, batch_layout, scale, attn)?;
+                b.linear(attn, &layer.wo, o)?;
+                b.add_rms_norm(x, o, &layer.ffn_norm, eps, h)?;
+                // Feed-forward block (SwiGLU).
+                b.linear(h, &layer.w_gate_up, gate_up)?;
+                b.swiglu(gate_up, act)?;
+                b.linear(act, &layer.w_down, o)?;
+                match self.layers.get(i + 1) {
+                    Some(next) => b.add_rms_norm(x, o, &next.attn_norm, eps, h)?,
+                    None => b.add(x, o)?,
+                }
+            }
+            b.gather_outputs(x, batch_layout, last)?;
+            b.rms_norm(last, &self.final_norm, eps, normed)?;
+            b.logits(normed, head, batch_layout)?;
+            if sample {
+                b.sample(batch_layout)?;
+            }
+            Ok(())
+        })?;
+        Ok(match output {
+            Output::Logits => (b.read_logits(batch_layout)?, Vec::new()),
+            Output::Tokens => (Vec::new(), b.read_tokens(batch_layout)?),
+        })
     }
 }
 
 /// Token ids, positions, KV slots, and `(q_start, n_q, kv_len)` per sequence.
 type Flat = (Vec<u32>, Vec<u32>, Vec<u32>, Vec<(usize, usize, usize)>);
 
-fn flatten(batch: &[SequenceChunk], block_size: usize) -> Flat {
+fn flatten(batch: &[SequenceChunk], block_size: usize) -> Result<Flat> {
     let (mut ids, mut positions, mut slots, mut spans) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for s in batch {
         let q_start = ids.len();
         let end = s.start + s.tokens.len();
-        assert!(
-            end <= s.block_table.len() * block_size,
-            "block table holds {} blocks, too few for {end} tokens",
-            s.block_table.len()
-        );
+        if s.tokens.is_empty() || end > s.block_table.len() * block_size {
+            return Err(BackendError::Unsupported(format!(
+                "a chunk of {} tokens ending at {end} with a block table of {} blocks of {block_size}",
+                s.tokens.len(),
+                s.block_table.len()
+            ))
+            .into());
+        }
         ids.extend_from_slice(&s.tokens);
         for p in s.start..end {
             positions.push(p as u32);
@@ -215,5 +346,5 @@ fn flatten(batch: &[SequenceChunk], block_size: usize) -> Flat {
         }
         spans.push((q_start, s.tokens.len(), end));
     }
-    (ids, positions, slots, spans)
+    Ok((ids, positions, slots, spans))
 }

@@ -34,10 +34,11 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc::{channel, Sender};
 use std::time::Instant;
 use thiserror::Error;
+use turbo_core::sampling::{PenaltyLists, SampleParams};
 use turbo_core::Backend;
 use turbo_kv::{KvError, KvManager, SeqId, SeqState};
 use turbo_llama::tokenizer::{TextStream, TextTokenizer, TokenizerError};
-use turbo_llama::{Llama, LlamaError, Logits, SequenceChunk};
+use turbo_llama::{Llama, LlamaError, SequenceChunk};
 
 /// Sizes of a persistent batch.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -434,14 +435,14 @@ impl<B: Backend> PersistentBatch<B> {
         if work.is_empty() {
             return Ok(report);
         }
-        let logits = match self.run(&work) {
-            Ok(logits) => logits,
+        let tokens = match self.run(&work) {
+            Ok(tokens) => tokens,
             Err(e) => {
                 self.fail_all(&work, &e)?;
                 return Err(e);
             }
         };
-        self.postprocess(&work, logits, &mut report)?;
+        self.postprocess(&work, &tokens, &mut report)?;
         self.prefill_tokens_run += report.prefill_tokens as u64;
         Ok(report)
     }
@@ -676,34 +677,49 @@ impl<B: Backend> PersistentBatch<B> {
         }
     }
 
-    /// One forward pass over the scheduled chunks; returns the last-token logits of each.
-    fn run(&mut self, work: &[Work]) -> Result<Vec<f32>, BatchError> {
+    /// One forward pass over the scheduled chunks; returns the token sampled for each (only the
+    /// tokens of chunks that end their sequence's known tokens are used; the others are sampled
+    /// greedily, without drawing from their request's generator).
+    fn run(&mut self, work: &[Work]) -> Result<Vec<u32>, BatchError> {
         let mut chunks = Vec::with_capacity(work.len());
+        let mut params = Vec::with_capacity(work.len());
+        let mut penalties = PenaltyLists::empty(0);
         for w in work {
             let seq = self.live(w.slot).seq;
+            let tokens = self.kv.tokens(seq)?;
+            let ends = w.start + w.len >= tokens.len();
             chunks.push(SequenceChunk {
-                tokens: self.kv.tokens(seq)?[w.start..w.start + w.len].to_vec(),
+                tokens: tokens[w.start..w.start + w.len].to_vec(),
                 start: w.start,
                 block_table: self.kv.block_table(seq)?.to_vec(),
             });
+            let live = self.slots[w.slot].as_mut().expect("scheduled slots run");
+            if ends {
+                params.push(live.sampler.next_params());
+                penalties.push_row(live.sampler.penalized(tokens));
+            } else {
+                params.push(SampleParams::GREEDY);
+                penalties.push_row(&[]);
+            }
         }
-        Ok(self.model.forward(&chunks, &mut self.cache, Logits::Last)?)
+        Ok(self
+            .model
+            .forward_sample(&chunks, &mut self.cache, &params, &penalties)?)
     }
 
-    /// Commits the KV just written; samples, streams and checks the end of every sequence whose
-    /// tokens are now all computed.
+    /// Commits the KV just written; streams the sampled token and checks the end of every
+    /// sequence whose tokens are now all computed.
     fn postprocess(
         &mut self,
         work: &[Work],
-        mut logits: Vec<f32>,
+        sampled: &[u32],
         report: &mut StepReport,
     ) -> Result<(), BatchError> {
         self.steps += 1;
         report.sequences = work.len();
         report.tokens = work.iter().map(|w| w.len).sum();
         self.tokens_run += report.tokens as u64;
-        let vocab = self.model.config.vocab_size;
-        for (w, row) in work.iter().zip(logits.chunks_exact_mut(vocab)) {
+        for (w, &token) in work.iter().zip(sampled) {
             let live = self.slots[w.slot].as_mut().expect("scheduled slots run");
             let seq = live.seq;
             if w.len == 1 && !live.generated.is_empty() {
@@ -712,11 +728,9 @@ impl<B: Backend> PersistentBatch<B> {
                 report.prefill_tokens += w.len;
             }
             self.kv.commit(seq, w.start + w.len)?;
-            let tokens = self.kv.tokens(seq)?;
-            if w.start + w.len < tokens.len() {
+            if w.start + w.len < self.kv.tokens(seq)?.len() {
                 continue; // still prefilling
             }
-            let token = live.sampler.sample(row, tokens);
             live.first_token.get_or_insert_with(Instant::now);
             self.kv.append_token(seq, token)?;
             match stream_token(live, &self.tokenizer, token) {

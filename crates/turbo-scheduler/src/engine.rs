@@ -5,10 +5,11 @@ use crate::sampling::{Sampler, SamplingParams};
 use crate::stop::StopStrings;
 use std::time::Instant;
 use thiserror::Error;
+use turbo_core::sampling::{PenaltyLists, SampleParams};
 use turbo_core::Backend;
 use turbo_kv::{BlockPool, BlockTable, KvError};
 use turbo_llama::tokenizer::{TextStream, TextTokenizer};
-use turbo_llama::{Llama, LlamaError, Logits, SequenceChunk};
+use turbo_llama::{Llama, LlamaError, SequenceChunk};
 
 #[derive(Debug, Error)]
 pub enum EngineError {
@@ -141,9 +142,10 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Runs `tokens` after the first `session.cached` tokens, returning the last token's logits.
-    fn extend(&mut self, session: &mut Session, upto: usize) -> Result<Vec<f32>> {
-        let mut logits = Vec::new();
+    /// Runs the session's tokens after the first `session.cached` up to `upto`, returning the
+    /// token `sampler` chooses from the last one's logits.
+    fn extend(&mut self, session: &mut Session, upto: usize, sampler: &mut Sampler) -> Result<u32> {
+        let mut token = 0;
         while session.cached < upto {
             let end = upto.min(session.cached + self.prefill_chunk);
             session.table.reserve(&mut self.pool, end)?;
@@ -152,13 +154,21 @@ impl<B: Backend> Engine<B> {
                 start: session.cached,
                 block_table: session.table.blocks().to_vec(),
             };
-            logits = self
+            // Only the last chunk's token is used; the others are chosen greedily, without a draw.
+            let (params, penalized) = if end == upto {
+                let params = sampler.next_params();
+                (params, sampler.penalized(&session.tokens[..upto]))
+            } else {
+                (SampleParams::GREEDY, &[][..])
+            };
+            let penalties = PenaltyLists::from_rows([penalized]);
+            token = self
                 .model
-                .forward(&[chunk], &mut self.cache, Logits::Last)?;
+                .forward_sample(&[chunk], &mut self.cache, &[params], &penalties)?[0];
             session.cached = end;
             session.table.set_len(end, self.pool.block_size());
         }
-        Ok(logits)
+        Ok(token)
     }
 
     /// Generates a continuation of `prompt`, the sequence's full token list (for a chat: the
@@ -203,11 +213,11 @@ impl<B: Backend> Engine<B> {
         session.cached = common;
         session.tokens.truncate(common);
         session.tokens.extend_from_slice(&prompt[common..]);
-        let mut logits = self.extend(session, prompt.len())?;
+        let mut sampler = Sampler::new(request.sampling.clone());
+        let mut token = self.extend(session, prompt.len(), &mut sampler)?;
         let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
         let decode_started = Instant::now();
 
-        let mut sampler = Sampler::new(request.sampling.clone());
         let mut stream = TextStream::new();
         let mut stops = StopStrings::new(request.stop_strings.clone());
         let mut text = String::new();
@@ -216,7 +226,6 @@ impl<B: Backend> Engine<B> {
         let mut finish = FinishReason::Length;
         let mut hit_stop_string = false;
         while generated.len() < max_tokens {
-            let token = sampler.sample(&mut logits, &session.tokens);
             generated.push(token);
             session.tokens.push(token);
             if !request.ignore_eos && self.tokenizer.is_eos(token) {
@@ -237,7 +246,7 @@ impl<B: Backend> Engine<B> {
             }
             if generated.len() < max_tokens {
                 let upto = session.tokens.len();
-                logits = self.extend(session, upto)?;
+                token = self.extend(session, upto, &mut sampler)?;
             }
         }
         // Text held back as a possible stop string (or an incomplete character) is released unless

@@ -3,6 +3,9 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+pub use turbo_core::sampling::argmax;
+use turbo_core::sampling::{sample_row, SampleParams};
 
 /// How the next token is chosen. A temperature of 0 is greedy decoding (the other fields, but the
 /// repetition penalty, are then ignored).
@@ -63,11 +66,17 @@ impl SamplingParams {
     }
 }
 
-/// A seeded sampler: the same seed, logits and history give the same tokens.
+/// A request's seeded source of [`SampleParams`]: the same seed and history give the same
+/// tokens. The uniform number of each draw comes from the request's own generator, so a request's
+/// tokens do not depend on what else shares its batch.
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
-    candidates: Vec<(u32, f32)>,
+    /// Distinct tokens of the history, in first-seen order, for the repetition penalty.
+    penalized: Vec<u32>,
+    seen: HashSet<u32>,
+    /// History tokens already looked at.
+    covered: usize,
 }
 
 impl Sampler {
@@ -75,90 +84,55 @@ impl Sampler {
         Sampler {
             rng: ChaCha8Rng::seed_from_u64(params.seed),
             params,
-            candidates: Vec::new(),
+            penalized: Vec::new(),
+            seen: HashSet::new(),
+            covered: 0,
         }
+    }
+
+    /// The parameters of the next token's draw (drawing its uniform number when it samples).
+    pub fn next_params(&mut self) -> SampleParams {
+        let p = &self.params;
+        let sampled = p.temperature > 0.0;
+        SampleParams {
+            temperature: p.temperature,
+            top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
+            top_p: p.top_p,
+            min_p: p.min_p,
+            repetition_penalty: p.repetition_penalty,
+            uniform: if sampled {
+                self.rng.random::<f32>()
+            } else {
+                0.0
+            },
+        }
+    }
+
+    /// The distinct tokens of `history` (the sequence so far, which only grows between calls)
+    /// that the repetition penalty applies to; empty without a penalty.
+    pub fn penalized(&mut self, history: &[u32]) -> &[u32] {
+        if self.params.repetition_penalty == 1.0 {
+            return &[];
+        }
+        if history.len() < self.covered {
+            self.penalized.clear();
+            self.seen.clear();
+            self.covered = 0;
+        }
+        for &t in &history[self.covered..] {
+            if self.seen.insert(t) {
+                self.penalized.push(t);
+            }
+        }
+        self.covered = history.len();
+        &self.penalized
     }
 
     /// Picks the next token from `logits` (modified in place), given the sequence so far.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
-        let p = &self.params;
-        if p.repetition_penalty != 1.0 {
-            let mut seen = vec![false; logits.len()];
-            for &t in history {
-                if let Some(s) = seen.get_mut(t as usize) {
-                    if !*s {
-                        *s = true;
-                        let l = &mut logits[t as usize];
-                        *l = if *l > 0.0 {
-                            *l / p.repetition_penalty
-                        } else {
-                            *l * p.repetition_penalty
-                        };
-                    }
-                }
-            }
-        }
-        if p.temperature == 0.0 {
-            return argmax(logits);
-        }
-        let c = &mut self.candidates;
-        c.clear();
-        c.extend(
-            logits
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| (i as u32, l / p.temperature)),
-        );
-        let by_logit_desc =
-            |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < c.len() {
-            c.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
-            c.truncate(p.top_k);
-        }
-        c.sort_unstable_by(by_logit_desc);
-        // Softmax over the survivors, then top-p and min-p on the probabilities.
-        let max = c[0].1;
-        for x in c.iter_mut() {
-            x.1 = (x.1 - max).exp();
-        }
-        let total: f32 = c.iter().map(|x| x.1).sum();
-        let mut keep = c.len();
-        if p.top_p < 1.0 {
-            let mut cum = 0.0;
-            for (i, x) in c.iter().enumerate() {
-                cum += x.1 / total;
-                if cum >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        if p.min_p > 0.0 {
-            let floor = p.min_p * c[0].1;
-            keep = keep.min(c.iter().take_while(|x| x.1 >= floor).count().max(1));
-        }
-        c.truncate(keep);
-        let kept: f32 = c.iter().map(|x| x.1).sum();
-        let mut r = self.rng.random::<f32>() * kept;
-        for x in c.iter() {
-            r -= x.1;
-            if r < 0.0 {
-                return x.0;
-            }
-        }
-        c[c.len() - 1].0
+        let params = self.next_params();
+        sample_row(logits, &params, self.penalized(history))
     }
-}
-
-/// Index of the largest logit, the lowest index on ties (as torch.argmax).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[cfg(test)]

@@ -7,9 +7,11 @@ pub mod ops;
 
 pub use kv::{CpuKvCache, KvCacheSpec};
 
-use crate::backend::{Backend, BackendError, BatchLayout, OwnedSpans, Result};
+use crate::backend::{Backend, BackendError, BatchLayout, BatchRows, OwnedSpans, Result};
+use crate::sampling::{sample_row, PenaltyLists, SampleParams};
 use crate::WeightMatrix;
-use std::sync::{Arc, OnceLock};
+use rayon::prelude::*;
+use std::sync::{Arc, Mutex, OnceLock};
 use turbo_attention::cascade::{cascade_groups, try_paged_attention_cascade, CascadeGroup};
 use turbo_attention::try_paged_attention;
 
@@ -30,14 +32,26 @@ pub struct HostTensor {
     pub cols: usize,
 }
 
-/// A batch layout owned by the CPU backend.
+/// A batch layout owned by the CPU backend, with the step's logits and tokens.
+#[derive(Default)]
 pub struct CpuBatch {
+    ids: Vec<u32>,
     positions: Vec<u32>,
     slots: Vec<u32>,
     spans: OwnedSpans,
     inv_freq: Vec<f32>,
+    outputs: Vec<u32>,
+    vocab: usize,
+    /// Per output row, when the step samples.
+    sampling: Option<(Vec<SampleParams>, PenaltyLists)>,
     /// The spans' cascade groups for a block size, found at the first attention of the step.
     cascade: OnceLock<(usize, Vec<CascadeGroup>)>,
+    logits: Mutex<Vec<f32>>,
+    tokens: Mutex<Vec<u32>>,
+}
+
+fn poisoned<T>(_: T) -> BackendError {
+    BackendError::Device("a step panicked while holding the batch".into())
 }
 
 /// f32 compute on a thread pool of its own. Work is run inside the pool ([`Backend::run`]), so
@@ -120,6 +134,13 @@ impl Backend for CpuBackend {
         Ok(t.data.clone())
     }
 
+    fn resize(&self, t: &mut HostTensor, rows: usize) -> Result<bool> {
+        let moved = rows * t.cols > t.data.capacity();
+        t.data.resize(rows * t.cols, 0.0);
+        t.rows = rows;
+        Ok(moved)
+    }
+
     fn kv_cache(&self, spec: KvCacheSpec) -> Result<CpuKvCache> {
         Ok(CpuKvCache::new(spec))
     }
@@ -136,18 +157,68 @@ impl Backend for CpuBackend {
         meminfo::mem_available()
     }
 
-    fn prepare_batch(&self, layout: &BatchLayout) -> Result<CpuBatch> {
-        Ok(CpuBatch {
+    fn new_batch(&self) -> Result<CpuBatch> {
+        Ok(CpuBatch::default())
+    }
+
+    fn prepare_batch(
+        &self,
+        batch: &mut CpuBatch,
+        layout: &BatchLayout,
+        _cache: &CpuKvCache,
+    ) -> Result<BatchRows> {
+        let n = layout.ids.len();
+        if layout.positions.len() != n
+            || layout.slots.len() != n
+            || layout.outputs.iter().any(|&r| r as usize >= n)
+        {
+            return Err(BackendError::Unsupported(format!(
+                "batch of {n} ids with {} positions, {} slots and outputs {:?}",
+                layout.positions.len(),
+                layout.slots.len(),
+                layout.outputs
+            )));
+        }
+        if let Some(s) = &layout.sampling {
+            if s.params.len() != layout.outputs.len() || s.penalties.rows() != s.params.len() {
+                return Err(BackendError::Unsupported(format!(
+                    "{} output rows with {} sampling parameters and {} penalty lists",
+                    layout.outputs.len(),
+                    s.params.len(),
+                    s.penalties.rows()
+                )));
+            }
+        }
+        let logits = std::mem::take(batch.logits.get_mut().map_err(poisoned)?);
+        *batch = CpuBatch {
+            ids: layout.ids.to_vec(),
             positions: layout.positions.to_vec(),
             slots: layout.slots.to_vec(),
             spans: OwnedSpans::new(layout.spans),
             inv_freq: layout.inv_freq.to_vec(),
+            outputs: layout.outputs.to_vec(),
+            vocab: layout.vocab,
+            sampling: layout
+                .sampling
+                .map(|s| (s.params.to_vec(), s.penalties.clone())),
             cascade: OnceLock::new(),
+            logits: Mutex::new(logits),
+            tokens: Mutex::new(Vec::new()),
+        };
+        Ok(BatchRows {
+            tokens: n,
+            outputs: layout.outputs.len(),
         })
     }
 
-    fn embed(&self, table: &WeightMatrix, ids: &[u32], out: &mut HostTensor) -> Result<()> {
-        for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(ids) {
+    fn embed(&self, table: &WeightMatrix, batch: &CpuBatch, out: &mut HostTensor) -> Result<()> {
+        for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(&batch.ids) {
+            if id as usize >= table.rows {
+                return Err(BackendError::Unsupported(format!(
+                    "token id {id} is outside the vocabulary of {}",
+                    table.rows
+                )));
+            }
             table.dequantize_row(id as usize, row);
         }
         Ok(())
@@ -219,11 +290,46 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn gather_rows(&self, x: &HostTensor, rows: &[usize], out: &mut HostTensor) -> Result<()> {
-        for (dst, &r) in out.data.chunks_exact_mut(x.cols).zip(rows) {
+    fn gather_outputs(&self, x: &HostTensor, batch: &CpuBatch, out: &mut HostTensor) -> Result<()> {
+        for (dst, &r) in out.data.chunks_exact_mut(x.cols).zip(&batch.outputs) {
+            let r = r as usize;
             dst.copy_from_slice(&x.data[r * x.cols..(r + 1) * x.cols]);
         }
         Ok(())
+    }
+
+    fn logits(&self, x: &HostTensor, head: &WeightMatrix, batch: &CpuBatch) -> Result<()> {
+        let mut logits = batch.logits.lock().map_err(poisoned)?;
+        logits.resize(x.rows * head.rows, 0.0);
+        linear::linear(&x.data, x.rows, head, &mut logits);
+        Ok(())
+    }
+
+    fn sample(&self, batch: &CpuBatch) -> Result<()> {
+        let (params, penalties) = batch.sampling.as_ref().ok_or_else(|| {
+            BackendError::Unsupported("sampling a batch prepared without sampling".into())
+        })?;
+        let mut logits = batch.logits.lock().map_err(poisoned)?;
+        let tokens: Vec<u32> = logits
+            .par_chunks_mut(batch.vocab.max(1))
+            .zip(params.par_iter())
+            .enumerate()
+            .map(|(r, (row, p))| sample_row(row, p, penalties.row(r)))
+            .collect();
+        *batch.tokens.lock().map_err(poisoned)? = tokens;
+        Ok(())
+    }
+
+    fn read_logits(&self, batch: &CpuBatch) -> Result<Vec<f32>> {
+        let logits = batch.logits.lock().map_err(poisoned)?;
+        let len = batch.outputs.len() * batch.vocab;
+        logits.get(..len).map(<[f32]>::to_vec).ok_or_else(|| {
+            BackendError::Unsupported("reading logits of a step that computed none".into())
+        })
+    }
+
+    fn read_tokens(&self, batch: &CpuBatch) -> Result<Vec<u32>> {
+        Ok(batch.tokens.lock().map_err(poisoned)?.clone())
     }
 
     fn write_kv(

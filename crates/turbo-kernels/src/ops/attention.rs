@@ -30,7 +30,6 @@
 use super::check;
 use crate::device::CudaDevice;
 use crate::error::Result;
-use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use half::bf16;
 use std::ops::Range;
@@ -57,6 +56,11 @@ pub enum KvSplit {
     /// Every row to a row kernel, in ranges of this many keys (at least 1), always merged by the
     /// merge kernel, also for rows with a single range.
     Chunk(usize),
+    /// Every row to a row kernel, in exactly this many ranges (at least 1) of a multiple of 64
+    /// keys (trailing ones may be empty), merged when more than one; no cascade. The plan's
+    /// launches and table offsets then depend only on the row count and this number, not on the
+    /// rows' lengths, so a recorded step can replay it with new tables.
+    Fixed(usize),
 }
 
 /// Which row kernel computes the rows that are not prefill.
@@ -120,6 +124,53 @@ const AUTO_WAVES: usize = 1;
 const CASCADE_WAVES: usize = 2;
 /// A state slot meaning "write the output directly" (`ATTN_NO_STATE`).
 const NO_STATE: u32 = u32::MAX;
+
+/// The key range [`KvSplit::Auto`] splits row-kernel rows into, if it splits them: `ctas` CTAs
+/// without a split, `key_ctas` their keys summed over CTAs, `max_keys` the longest row's.
+fn auto_chunk(
+    sms: usize,
+    grouped: bool,
+    ctas: usize,
+    key_ctas: usize,
+    max_keys: usize,
+) -> Option<usize> {
+    // Resident CTAs per SM: the grouped kernel is built for 2 (its registers), the per-head one
+    // for 4.
+    let resident = if grouped { 2 } else { 4 };
+    if ctas >= sms * resident {
+        return None;
+    }
+    let c = key_ctas
+        .div_ceil(sms * resident * AUTO_WAVES)
+        .max(MIN_AUTO_CHUNK)
+        .next_multiple_of(CHUNK_ALIGN);
+    (c < max_keys).then_some(c)
+}
+
+/// How many key ranges [`KvSplit::Auto`] would split the longest row of a decode step into (1:
+/// none), for a step of `rows` decode rows with the grouped kernel, whose rows hold `total_keys`
+/// keys together and at most `max_keys` each: what a step recorded with [`KvSplit::Fixed`] uses.
+pub fn decode_split(
+    dev: &CudaDevice,
+    rows: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    total_keys: usize,
+    max_keys: usize,
+) -> usize {
+    let grid_y = n_kv_heads * (n_heads / n_kv_heads.max(1)).div_ceil(GROUPED_ROWS);
+    auto_chunk(
+        dev.sm_count(),
+        true,
+        rows * grid_y,
+        total_keys * grid_y,
+        max_keys,
+    )
+    .map_or(1, |c| max_keys.div_ceil(c))
+}
+
+/// Head dimensions with a grouped (tensor-core) decode kernel.
+pub const GROUPED_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// Head dimensions the attention kernels are instantiated for.
 pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
@@ -263,6 +314,23 @@ pub struct AttentionPlan {
     part_lse: CudaSlice<f32>,
 }
 
+/// `old` if it holds at least `len` elements, else a new buffer of a power-of-two length (so that a
+/// growing need reallocates rarely); true when new.
+fn reuse_or_alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    dev: &CudaDevice,
+    old: Option<CudaSlice<T>>,
+    len: usize,
+) -> Result<(CudaSlice<T>, bool)> {
+    match old {
+        Some(buf) if buf.len() >= len => Ok((buf, false)),
+        _ => Ok((
+            dev.stream
+                .alloc_zeros::<T>(len.max(1).next_power_of_two())?,
+            true,
+        )),
+    }
+}
+
 /// Host-side tables of a plan, concatenated into one upload.
 #[derive(Default)]
 struct Meta(Vec<u32>);
@@ -292,6 +360,27 @@ impl AttentionPlan {
         n_blocks: usize,
         options: PlanOptions,
     ) -> Result<Self> {
+        let reuse = None;
+        let plan = Self::new_reusing(
+            dev, layout, n_heads, n_tokens, spans, n_blocks, options, reuse,
+        )?;
+        Ok(plan.0)
+    }
+
+    /// [`AttentionPlan::new`], keeping the device buffers of `reuse` (an earlier plan) where they
+    /// are large enough; also says whether any buffer was replaced (which a recorded launch of
+    /// the earlier plan would not follow).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_reusing(
+        dev: &CudaDevice,
+        layout: KvLayout,
+        n_heads: usize,
+        n_tokens: usize,
+        spans: &[QuerySpan],
+        n_blocks: usize,
+        options: PlanOptions,
+        reuse: Option<AttentionPlan>,
+    ) -> Result<(Self, bool)> {
         let KvLayout {
             block_size,
             n_kv_heads,
@@ -356,6 +445,7 @@ impl AttentionPlan {
             needed[s as usize] = needed[s as usize].max(n);
         }
         let mut meta = Meta::default();
+        let mut tables: Vec<u32> = Vec::new();
         let mut starts = Vec::with_capacity(spans.len());
         for (s, span) in spans.iter().enumerate() {
             let table = span.block_table;
@@ -366,18 +456,28 @@ impl AttentionPlan {
                     table.len()
                 )
             })?;
-            check(fits_u32(meta.0.len()), || {
+            check(fits_u32(tables.len()), || {
                 "paged_attention: block tables too long".to_string()
             })?;
-            starts.push(meta.0.len() as u32);
+            starts.push(tables.len() as u32);
             for &b in &table[..needed[s]] {
                 check((b as usize) < n_blocks, || {
                     format!("paged_attention: span {s} names block {b}, the cache has {n_blocks}")
                 })?;
-                meta.0.push(b);
+                tables.push(b);
             }
         }
-        let tables = 0..meta.0.len();
+        let fixed = match options.split {
+            KvSplit::Fixed(ranges) => {
+                check(ranges >= 1, || {
+                    "paged_attention: a fixed split into 0 ranges".to_string()
+                })?;
+                // Sections sized by the rows alone: one table start per row.
+                starts.resize(starts.len().max(n_tokens), 0);
+                Some(ranges)
+            }
+            _ => None,
+        };
         let seq_table_start = meta.push(&starts);
         let token_seq_sec = meta.push(&token_seq);
 
@@ -445,10 +545,7 @@ impl AttentionPlan {
             None => (per_head_kernel(head_dim).expect("checked above"), n_heads),
         };
         let keys = |t: u32| token_pos[t as usize] as usize + 1;
-        let sms = dev
-            .ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
-            .max(1) as usize;
+        let sms = dev.sm_count();
 
         // Cascade groups among the spans left to the row kernels (those that own all their rows):
         // per row, the shared keys its states start after, and how many prefix chunks precede
@@ -458,7 +555,9 @@ impl AttentionPlan {
         let mut shared_plan: Vec<(Vec<u32>, usize, usize, usize)> = Vec::new(); // rows, len, chunks, seq
         let shared_kernel = prefill_kernel(head_dim)
             .filter(|_| n_blocks.saturating_mul(block_size) < u32::MAX as usize);
-        if let (Some(min_shared), Some(pk)) = (options.cascade_min_shared, shared_kernel) {
+        if let (Some(min_shared), Some(pk), None) =
+            (options.cascade_min_shared, shared_kernel, fixed)
+        {
             let candidates: Vec<usize> = (0..spans.len())
                 .filter(|&s| {
                     let span = &spans[s];
@@ -498,28 +597,20 @@ impl AttentionPlan {
         let own_keys = |t: u32| keys(t) - shared_keys[t as usize];
 
         let chunk = match options.split {
-            KvSplit::Off => None,
+            KvSplit::Off | KvSplit::Fixed(_) => None,
             KvSplit::Chunk(c) => {
                 check(c >= 1, || "paged_attention: chunks of 0 keys".to_string())?;
                 Some(c)
             }
             KvSplit::Auto => {
-                // Resident CTAs per SM: the grouped kernel is built for 2 (its registers), the
-                // per-head one for 4.
-                let resident = if grouped.is_some() { 2 } else { 4 };
-                let target = sms * resident * AUTO_WAVES;
-                let ctas = row_tokens.len() * grid_y;
-                if ctas >= sms * resident {
-                    None
-                } else {
-                    let total_keys: usize = row_tokens.iter().map(|&t| own_keys(t)).sum();
-                    let max_keys = row_tokens.iter().map(|&t| own_keys(t)).max().unwrap_or(0);
-                    let c = (total_keys * grid_y)
-                        .div_ceil(target)
-                        .max(MIN_AUTO_CHUNK)
-                        .next_multiple_of(CHUNK_ALIGN);
-                    (c < max_keys).then_some(c)
-                }
+                let own = row_tokens.iter().map(|&t| own_keys(t));
+                auto_chunk(
+                    sms,
+                    grouped.is_some(),
+                    row_tokens.len() * grid_y,
+                    own.clone().sum::<usize>() * grid_y,
+                    own.max().unwrap_or(0),
+                )
             }
         };
 
@@ -533,8 +624,13 @@ impl AttentionPlan {
         let mut n_states = 0usize;
         for &t in &row_tokens {
             let (first, n) = (shared_keys[t as usize], keys(t));
-            let c = chunk.unwrap_or(n - first).max(1);
-            let ranges = (n - first).div_ceil(c);
+            let (c, ranges) = match fixed {
+                Some(r) => ((n - first).div_ceil(r).next_multiple_of(CHUNK_ALIGN), r),
+                None => {
+                    let c = chunk.unwrap_or(n - first).max(1);
+                    (c, (n - first).div_ceil(c))
+                }
+            };
             let prefix = prefix_chunks[t as usize];
             let merged = matches!(options.split, KvSplit::Chunk(_)) || ranges > 1 || prefix > 0;
             if merged {
@@ -553,7 +649,7 @@ impl AttentionPlan {
                 } else {
                     NO_STATE
                 };
-                let (k0, k1) = (first + i * c, (first + (i + 1) * c).min(n));
+                let (k0, k1) = ((first + i * c).min(n), (first + (i + 1) * c).min(n));
                 items.extend_from_slice(&[t, k0 as u32, k1 as u32, state]);
             }
         }
@@ -636,28 +732,39 @@ impl AttentionPlan {
                 n_rows: merge_rows.len(),
             })
         };
+        // Last, so that every other section's offset is the same for plans of one shape.
+        let tables_sec = meta.push(&tables);
         check(fits_u32(meta.0.len()), || {
             "paged_attention: plan too large".to_string()
         })?;
 
-        let meta_dev = dev.stream.clone_htod(&meta.0)?;
         let slots = n_states.max(1);
-        Ok(AttentionPlan {
+        let (old_meta, old_o, old_lse) = match reuse {
+            Some(p) => (Some(p.meta), Some(p.part_o), Some(p.part_lse)),
+            None => (None, None, None),
+        };
+        let (mut meta_dev, m1) = reuse_or_alloc(dev, old_meta, meta.0.len())?;
+        dev.stream
+            .memcpy_htod(&meta.0, &mut meta_dev.slice_mut(..meta.0.len()))?;
+        let (part_o, m2) = reuse_or_alloc(dev, old_o, slots * n_heads * head_dim)?;
+        let (part_lse, m3) = reuse_or_alloc(dev, old_lse, slots * n_heads)?;
+        let plan = AttentionPlan {
             layout,
             n_heads,
             n_tokens,
             n_blocks,
             meta: meta_dev,
-            tables,
+            tables: tables_sec,
             seq_table_start,
             token_seq: token_seq_sec,
             prefill,
             shared,
             rows,
             merge,
-            part_o: dev.stream.alloc_zeros::<f32>(slots * n_heads * head_dim)?,
-            part_lse: dev.stream.alloc_zeros::<f32>(slots * n_heads)?,
-        })
+            part_o,
+            part_lse,
+        };
+        Ok((plan, m1 || m2 || m3))
     }
 
     /// Query rows whose shared prefix the cascade pass computes (0 without cascade).

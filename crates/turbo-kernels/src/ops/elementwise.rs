@@ -4,7 +4,7 @@
 use super::check;
 use crate::device::CudaDevice;
 use crate::error::Result;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 /// Threads per block of every kernel here.
@@ -35,7 +35,7 @@ pub fn rope(
     tokens: usize,
     heads: usize,
     head_dim: usize,
-    positions: &CudaSlice<u32>,
+    positions: &CudaView<'_, u32>,
     inv_freq: &CudaSlice<f32>,
 ) -> Result<()> {
     let n = tokens * heads * head_dim;
@@ -71,6 +71,72 @@ pub fn rope(
     b.arg(inv_freq);
     // SAFETY: the arguments match the kernel's signature and the buffer sizes were checked.
     unsafe { b.launch(config((grid_for(n / 2), 1, 1))) }?;
+    Ok(())
+}
+
+/// The step after a fused QKV product: `qkv` is `[tokens, q_cols + 2 · kv_cols]` (each row `[q | k |
+/// v]`); `q` (`[tokens, q_cols]`) receives the rotated queries (as [`rope`]), and the rotated keys
+/// and the values of token `t` are stored at cache slot `slots[t]` (as [`write_kv`]; a slot beyond
+/// the caches is skipped). One launch instead of a split, two rotations and a KV write.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_kv(
+    dev: &CudaDevice,
+    qkv: &CudaSlice<bf16>,
+    q: &mut CudaSlice<bf16>,
+    k_cache: &mut CudaSlice<bf16>,
+    v_cache: &mut CudaSlice<bf16>,
+    tokens: usize,
+    (q_cols, kv_cols, head_dim): (usize, usize, usize),
+    positions: &CudaView<'_, u32>,
+    slots: &CudaView<'_, u32>,
+    inv_freq: &CudaSlice<f32>,
+) -> Result<()> {
+    check(
+        head_dim > 0
+            && head_dim % 2 == 0
+            && q_cols % head_dim == 0
+            && kv_cols % head_dim == 0
+            && kv_cols > 0
+            && fits_i32(tokens)
+            && fits_i32(q_cols + 2 * kv_cols)
+            && qkv.len() >= tokens * (q_cols + 2 * kv_cols)
+            && q.len() >= tokens * q_cols
+            && positions.len() >= tokens
+            && slots.len() >= tokens
+            && inv_freq.len() >= head_dim / 2,
+        || {
+            format!(
+                "qkv_rope_kv: qkv {} / q {} / positions {} / slots {} / inv_freq {} elements for \
+                 tokens={tokens} q_cols={q_cols} kv_cols={kv_cols} head_dim={head_dim}",
+                qkv.len(),
+                q.len(),
+                positions.len(),
+                slots.len(),
+                inv_freq.len()
+            )
+        },
+    )?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let cache_slots = (k_cache.len().min(v_cache.len()) / kv_cols) as i64;
+    let (q_i, kv_i, hd_i) = (q_cols as i32, kv_cols as i32, head_dim as i32);
+    let f = dev.function("elementwise", "qkv_rope_kv_bf16")?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(qkv);
+    b.arg(q);
+    b.arg(k_cache);
+    b.arg(v_cache);
+    b.arg(positions);
+    b.arg(slots);
+    b.arg(inv_freq);
+    b.arg(&q_i);
+    b.arg(&kv_i);
+    b.arg(&hd_i);
+    b.arg(&cache_slots);
+    // SAFETY: the arguments match the kernel's signature, the buffer sizes were checked and the
+    // kernel bounds every slot by cache_slots.
+    unsafe { b.launch(config((tokens as u32, 1, 1))) }?;
     Ok(())
 }
 
@@ -123,7 +189,7 @@ fn binary(
 pub fn embed(
     dev: &CudaDevice,
     table: &CudaSlice<bf16>,
-    ids: &CudaSlice<u32>,
+    ids: &CudaView<'_, u32>,
     n: usize,
     dim: usize,
     out: &mut CudaSlice<bf16>,
@@ -136,7 +202,7 @@ pub fn embed(
 pub fn gather_rows(
     dev: &CudaDevice,
     x: &CudaSlice<bf16>,
-    rows: &CudaSlice<u32>,
+    rows: &CudaView<'_, u32>,
     n: usize,
     cols: usize,
     out: &mut CudaSlice<bf16>,
@@ -148,7 +214,7 @@ fn gather(
     dev: &CudaDevice,
     what: &str,
     src: &CudaSlice<bf16>,
-    idx: &CudaSlice<u32>,
+    idx: &CudaView<'_, u32>,
     n: usize,
     cols: usize,
     out: &mut CudaSlice<bf16>,
@@ -193,7 +259,7 @@ pub fn write_kv(
     v_cache: &mut CudaSlice<bf16>,
     k: &CudaSlice<bf16>,
     v: &CudaSlice<bf16>,
-    slots: &CudaSlice<u32>,
+    slots: &CudaView<'_, u32>,
     tokens: usize,
     slot_len: usize,
 ) -> Result<()> {
