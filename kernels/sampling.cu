@@ -116,23 +116,30 @@ argmax_f32(const float* logits, int rows, int cols, unsigned* out) {
 // the same run to run, and the rounding (at most 2^-41 a token) is far below the f32 error the
 // definition allows between backends.
 //
-// Paths, chosen per row (the choice is block-uniform):
-// * greedy (T == 0): one pass, argmax.
-// * top-k with 0 < k <= SAMPLE_THREADS: the k-th largest of the threads' own maxima is a lower
-//   bound of the top-k threshold; the tokens at or above it (usually not many more than k) are
-//   gathered into shared memory and the rest happens there: a bitonic sort by rank gives the top
-//   k, a scan in rank order top-p, a sort by index and a scan the draw. Two passes over the row.
-// * otherwise (no top-k, a larger k, or too many candidates gathered): thresholds by radix select
-//   over the row (12/12/8-bit digits, histograms of counts for top-k, of fixed-point weights for
-//   top-p; ties at a threshold are cut at the n-th equal token in index order), then the draw:
-//   sums over each warp's contiguous segment of the row, and a block-wide scan inside the one
-//   segment that holds the drawn token.
+// Paths, chosen per row (the choice is block-uniform); pass 1 (argmax, max, finite count, each
+// thread's largest key) always runs:
+// * greedy (T == 0): pass 1 is all.
+// * top-k with 0 < k <= SAMPLE_THREADS: the k-th largest of the threads' maxima (to 24 bits, by
+//   radix select over those keys) bounds the top-k threshold from below; one more pass
+//   gathers the tokens at or above it (usually not many more than k) into shared memory, where
+//   the rest happens: a bitonic sort by rank gives the top k, a scan in rank order top-p, a sort
+//   by index and a scan the draw.
+// * otherwise (no top-k, a larger k, or too many tokens gathered): top-k by radix select over
+//   the row (12/12/8-bit digits, histograms of counts; ties at the threshold cut at the n-th equal
+//   token in index order). Top-p: a histogram of weights over the distance to the max (below),
+//   then one pass gathers the bin holding the goal, to cut it in shared memory, and sums the
+//   kept tokens above it by segment (falling back to radix select when that bin is too full).
+//   The draw: each warp sums a contiguous segment of the row, then the one segment holding the
+//   target is split among all threads and scanned.
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_WARPS (SAMPLE_THREADS / TURBO_WARP)
 // Candidates the top-k path can gather into shared memory, and each thread's share of them.
 #define SAMPLE_CAP (2 * SAMPLE_THREADS)
 #define SAMPLE_IPT (SAMPLE_CAP / SAMPLE_THREADS)
+// Shared memory of the radix histograms (4096 bins of two u32 halves), or of the gathered
+// candidates and their weights, in u64 words.
+#define SAMPLE_SMEM_WORDS (2 * SAMPLE_CAP > 4096 ? 2 * SAMPLE_CAP : 4096)
 // sample_key(-inf): every finite logit's key is larger.
 #define SAMPLE_KEY_NEG_INF 0x007fffffu
 // A weight of 1 (the largest there is) in fixed point.
@@ -493,9 +500,10 @@ __device__ void sample_segment_sums(const float* x, int vocab, sample_u64* seg_t
 }
 
 // Given the segments' sums of value, the first token in index order at which the running sum
-// exceeds target_of(total) (which must be < total); ARGMAX_NONE when the total is 0.
+// exceeds target_of(total) (which must be < total); ARGMAX_NONE when the total is 0. Not inlined:
+// it runs once a row, and inlining it at its call sites made sample_f32 spill registers.
 template <typename F, typename G>
-__device__ unsigned sample_find_in_segments(const float* x, int vocab, const sample_u64* seg_total, F value,
+__device__ __noinline__ unsigned sample_find_in_segments(const float* x, int vocab, const sample_u64* seg_total, F value,
                                             G target_of) {
     __shared__ unsigned s_found;
     if (threadIdx.x == 0) s_found = ARGMAX_NONE;
@@ -631,15 +639,15 @@ __device__ unsigned sample_kth_bound(unsigned mine, unsigned k, unsigned* hist) 
 }
 
 // The top-k path (see the top of this section): s[0, n) holds the gathered candidates as
-// (~key << 32 | index), n >= k. Returns the token.
+// (~key << 32 | index), n >= k. Returns the token, or ARGMAX_NONE when none is kept.
 __device__ unsigned sample_gathered(sample_u64* s, int n, unsigned k, float top_p, float min_p,
-                                    float uniform, const SampleWeights& weights, unsigned fallback) {
+                                    float uniform, const SampleWeights& weights) {
     sample_u64* fixed = s + SAMPLE_CAP;  // each survivor's fixed-point weight, by rank
     __shared__ unsigned s_token;
     int size = 1;
     while (size < n) size <<= 1;
     for (int i = n + threadIdx.x; i < size; i += SAMPLE_THREADS) s[i] = ~0ull;
-    if (threadIdx.x == 0) s_token = fallback;
+    if (threadIdx.x == 0) s_token = ARGMAX_NONE;
     __syncthreads();
     block_sort(s, size);  // by rank: the top k come first
 
@@ -718,13 +726,13 @@ __device__ unsigned sample_gathered(sample_u64* s, int n, unsigned k, float top_
 // repetition_penalty, uniform, as 6 words) chooses from row r of logits ([rows, vocab], f32),
 // by turbo_core::sampling::sample_row. The penalty is applied to logits in place, to the tokens
 // penalty_tokens[penalty_offsets[r] .. penalty_offsets[r + 1]] (clamped to n_penalty_tokens;
-// ids >= vocab are ignored; a token listed twice is a race, as the CPU would penalize it twice).
+// ids >= vocab are ignored; a token listed twice in a row is a race, where the CPU penalizes it
+// twice). The row's argmax is written first and stays when nothing can be drawn.
 // One block of SAMPLE_THREADS threads per row; vocab * 2^40 must fit in 64 bits.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_f32(float* logits, int rows, int vocab, const unsigned* params, const unsigned* penalty_offsets,
            const unsigned* penalty_tokens, unsigned n_penalty_tokens, unsigned* out) {
-    // The radix histograms (4096 x u64), or the gathered candidates and their weights.
-    __shared__ __align__(16) sample_u64 smem[2 * SAMPLE_CAP];
+    __shared__ __align__(16) sample_u64 smem[SAMPLE_SMEM_WORDS];
     const int row = blockIdx.x;
     if (row >= rows) return;
     float* x = logits + (size_t)row * (size_t)vocab;
@@ -764,10 +772,9 @@ sample_f32(float* logits, int rows, int vocab, const unsigned* params, const uns
         return;
     }
     block_argmax(bv, bi);
-    if (!isfinite(bv)) {
-        if (threadIdx.x == 0) out[row] = bi;
-        return;
-    }
+    // The answer when nothing can be weighed or nothing is kept; overwritten by a drawn token.
+    if (threadIdx.x == 0) out[row] = bi;
+    if (!isfinite(bv)) return;
     const unsigned n_kept = (unsigned)block_sum_u64(n_finite);
     const SampleWeights weights = {bv, temperature, 1.f / temperature};
     const bool k_active = top_k > 0 && top_k < n_kept;
@@ -780,8 +787,8 @@ sample_f32(float* logits, int rows, int vocab, const unsigned* params, const uns
             return key > SAMPLE_KEY_NEG_INF && key >= bound;
         });
         if (n <= SAMPLE_CAP) {
-            const unsigned token = sample_gathered(smem, (int)n, top_k, top_p, min_p, uniform, weights, bi);
-            if (threadIdx.x == 0) out[row] = token;
+            const unsigned token = sample_gathered(smem, (int)n, top_k, top_p, min_p, uniform, weights);
+            if (threadIdx.x == 0 && token != ARGMAX_NONE) out[row] = token;
             return;
         }
     }
@@ -901,5 +908,5 @@ sample_f32(float* logits, int rows, int vocab, const unsigned* params, const uns
         token = sample_find_prefix(
             x, vocab, [=](float l, unsigned i) { return kept_weight(l, sample_key(l), i, 0, 0); }, draw_target);
     }
-    if (threadIdx.x == 0) out[row] = token == ARGMAX_NONE ? bi : token;
+    if (threadIdx.x == 0 && token != ARGMAX_NONE) out[row] = token;
 }

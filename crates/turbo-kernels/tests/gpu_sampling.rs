@@ -162,11 +162,12 @@ impl Tally {
         self.borderline += other.borderline;
     }
 
-    /// Borderline cases must be rare, or the comparison would say little.
+    /// Borderline cases must be rare (nearly flat rows over 10^5 tokens make some), or the
+    /// comparison would say little.
     fn check(&self, what: &str) {
         println!("{what}: {} rows, {} borderline", self.rows, self.borderline);
         assert!(
-            self.borderline * 20 <= self.rows + 20,
+            self.borderline * 10 <= self.rows + 10,
             "{what}: {} of {} rows borderline",
             self.borderline,
             self.rows
@@ -287,7 +288,9 @@ fn uniform(rng: &mut ChaCha8Rng) -> f32 {
     }
 }
 
-const VOCABS: [usize; 5] = [1, 7, 1000, 49_152, 128_256];
+/// Sizes not a multiple of anything (1, 7, 50257: scalar loads, unaligned rows) and of real
+/// vocabularies (16-byte loads).
+const VOCABS: [usize; 6] = [1, 7, 1000, 49_152, 50_257, 128_256];
 
 /// Runs `make(rng, vocab, i)` rows for each vocabulary size (fewer for the large ones), one launch
 /// per size, and checks the tally.
@@ -383,7 +386,7 @@ fn top_k_ties_at_the_cut_keep_lower_indices() {
     let Some(dev) = device() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     let mut tally = Tally::default();
-    for vocab in [7usize, 1000, 49_152] {
+    for vocab in [7usize, 1000, 49_152, 50_257] {
         let rows: Vec<Row> = (0..24)
             .map(|i| {
                 let logits: Vec<f32> = (0..vocab).map(|_| rng.random_range(0..2) as f32).collect();
@@ -559,7 +562,7 @@ fn non_finite_rows_fall_back_to_argmax() {
 fn sampling_is_deterministic() {
     let Some(dev) = device() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(10);
-    for vocab in [1000usize, 128_256] {
+    for vocab in [1000usize, 50_257, 128_256] {
         let rows: Vec<Row> = (0..48).map(|i| random_row(&mut rng, vocab, i)).collect();
         let flat: Vec<f32> = rows.iter().flat_map(|r| r.logits.iter().copied()).collect();
         let params: Vec<SampleParams> = rows.iter().map(|r| r.params).collect();

@@ -88,10 +88,11 @@ const _: () = assert!(std::mem::size_of::<SampleParams>() == SAMPLE_PARAM_WORDS 
 /// [`turbo_core::sampling::sample_row`], into `out[..rows]`, applying the repetition penalty to
 /// `logits` in place.
 ///
-/// `params` holds `rows` [`SampleParams`] as `u32` words; row `r` penalizes
-/// `penalty_tokens[penalty_offsets[r]..penalty_offsets[r + 1]]` (a token listed twice in a row is
-/// a race). Only launches: no allocation, copy or synchronization, so it can be captured in a CUDA
-/// graph. An empty penalty list is still a view of at least one word, with offsets all 0.
+/// `params` holds `rows` [`SampleParams`] as `u32` words ([`param_words`]); row `r` penalizes
+/// `penalty_tokens[penalty_offsets[r]..penalty_offsets[r + 1]]` (ids past the vocabulary are
+/// ignored; a token listed twice in a row is a race). With no penalized tokens, pass offsets all 0
+/// and any tokens view (one word, say): none is read. Only launches: no allocation, copy or
+/// synchronization, so it can be captured in a CUDA graph.
 #[allow(clippy::too_many_arguments)]
 pub fn sample(
     dev: &CudaDevice,
