@@ -69,6 +69,36 @@ pub struct BatchLayout<'a> {
     pub sampling: Option<Sampling<'a>>,
 }
 
+impl BatchLayout<'_> {
+    /// Checks that the per-token and per-output lists agree in length and that outputs name
+    /// rows of the batch, so a backend can rely on them.
+    pub fn check(&self) -> Result<()> {
+        let n = self.ids.len();
+        if self.positions.len() != n
+            || self.slots.len() != n
+            || self.outputs.iter().any(|&r| r as usize >= n)
+        {
+            return Err(BackendError::Unsupported(format!(
+                "batch of {n} ids with {} positions, {} slots and outputs {:?}",
+                self.positions.len(),
+                self.slots.len(),
+                self.outputs
+            )));
+        }
+        if let Some(s) = &self.sampling {
+            if s.params.len() != self.outputs.len() || s.penalties.rows() != s.params.len() {
+                return Err(BackendError::Unsupported(format!(
+                    "{} output rows with {} sampling parameters and {} penalty lists",
+                    self.outputs.len(),
+                    s.params.len(),
+                    s.penalties.rows()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Per output row, its sampling parameters and penalized tokens (see [`crate::sampling`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Sampling<'a> {

@@ -381,29 +381,9 @@ impl Backend for CudaBackend {
         layout: &BatchLayout,
         cache: &CudaKvCache,
     ) -> Result<BatchRows> {
+        layout.check()?;
         let n = layout.ids.len();
         let unsupported = |m: String| BackendError::Unsupported(m);
-        if layout.positions.len() != n
-            || layout.slots.len() != n
-            || layout.outputs.iter().any(|&r| r as usize >= n)
-        {
-            return Err(unsupported(format!(
-                "batch of {n} ids with {} positions, {} slots and outputs {:?}",
-                layout.positions.len(),
-                layout.slots.len(),
-                layout.outputs
-            )));
-        }
-        if let Some(s) = &layout.sampling {
-            if s.params.len() != layout.outputs.len() || s.penalties.rows() != s.params.len() {
-                return Err(unsupported(format!(
-                    "{} output rows with {} sampling parameters and {} penalty lists",
-                    layout.outputs.len(),
-                    s.params.len(),
-                    s.penalties.rows()
-                )));
-            }
-        }
         let spec = cache.spec;
         let graph = self.graph_shape(layout, &spec);
         let (tokens, split) = graph.unwrap_or((n, 0));

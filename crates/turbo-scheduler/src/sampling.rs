@@ -146,6 +146,32 @@ mod tests {
     }
 
     #[test]
+    fn penalized_tokens_are_distinct_and_follow_the_history() {
+        let mut s = Sampler::new(SamplingParams {
+            repetition_penalty: 1.3,
+            ..Default::default()
+        });
+        assert_eq!(s.penalized(&[4, 2, 4]), &[4, 2]);
+        assert_eq!(s.penalized(&[4, 2, 4, 9, 2]), &[4, 2, 9]);
+        // A shorter history (a new conversation) starts over.
+        assert_eq!(s.penalized(&[7]), &[7]);
+        let mut off = Sampler::new(SamplingParams::default());
+        assert!(off.penalized(&[1, 2, 3]).is_empty());
+    }
+
+    #[test]
+    fn greedy_draws_nothing_from_the_generator() {
+        let params = SamplingParams {
+            temperature: 0.0,
+            seed: 5,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(params);
+        assert_eq!(s.next_params().uniform, 0.0);
+        assert_eq!(s.next_params(), s.next_params());
+    }
+
+    #[test]
     fn repetition_penalty_follows_hf() {
         let mut s = Sampler::new(SamplingParams {
             repetition_penalty: 2.0,

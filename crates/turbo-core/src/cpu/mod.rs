@@ -167,28 +167,8 @@ impl Backend for CpuBackend {
         layout: &BatchLayout,
         _cache: &CpuKvCache,
     ) -> Result<BatchRows> {
+        layout.check()?;
         let n = layout.ids.len();
-        if layout.positions.len() != n
-            || layout.slots.len() != n
-            || layout.outputs.iter().any(|&r| r as usize >= n)
-        {
-            return Err(BackendError::Unsupported(format!(
-                "batch of {n} ids with {} positions, {} slots and outputs {:?}",
-                layout.positions.len(),
-                layout.slots.len(),
-                layout.outputs
-            )));
-        }
-        if let Some(s) = &layout.sampling {
-            if s.params.len() != layout.outputs.len() || s.penalties.rows() != s.params.len() {
-                return Err(BackendError::Unsupported(format!(
-                    "{} output rows with {} sampling parameters and {} penalty lists",
-                    layout.outputs.len(),
-                    s.params.len(),
-                    s.penalties.rows()
-                )));
-            }
-        }
         let logits = std::mem::take(batch.logits.get_mut().map_err(poisoned)?);
         *batch = CpuBatch {
             ids: layout.ids.to_vec(),
