@@ -18,10 +18,8 @@ __device__ __forceinline__ void argmax_take(float v, unsigned i, float& bv, unsi
     }
 }
 
-// Block-wide reduction of (bv, bi); the result is written to out[row] by thread 0.
-__device__ __forceinline__ void argmax_finish(float bv, unsigned bi, unsigned* out, int row) {
-    __shared__ float sv[32];
-    __shared__ unsigned si[32];
+// Warp-wide reduction of (bv, bi): every lane ends with the warp's best.
+__device__ __forceinline__ void argmax_warp(float& bv, unsigned& bi) {
 #pragma unroll
     for (int o = TURBO_WARP / 2; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
@@ -31,27 +29,34 @@ __device__ __forceinline__ void argmax_finish(float bv, unsigned bi, unsigned* o
             bi = oi;
         }
     }
+}
+
+// The block's best (bv, bi), given to every thread (blockDim.x a multiple of 32, at most 1024).
+// The order is strict and total, so the winner does not depend on the reduction's order.
+__device__ void block_argmax(float& bv, unsigned& bi) {
+    __shared__ float sv[32];
+    __shared__ unsigned si[32];
+    argmax_warp(bv, bi);
     const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
     if (lane == 0) {
         sv[warp] = bv;
         si[warp] = bi;
     }
     __syncthreads();
-    if (warp == 0) {
-        const int warps = blockDim.x / TURBO_WARP;
-        bv = lane < warps ? sv[lane] : -INFINITY;
-        bi = lane < warps ? si[lane] : ARGMAX_NONE;
-#pragma unroll
-        for (int o = TURBO_WARP / 2; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (argmax_better(ov, oi, bv, bi)) {
-                bv = ov;
-                bi = oi;
-            }
+    const int warps = blockDim.x / TURBO_WARP;
+    for (int w = 0; w < warps; w++) {
+        if (argmax_better(sv[w], si[w], bv, bi)) {
+            bv = sv[w];
+            bi = si[w];
         }
-        if (lane == 0) out[row] = bi == ARGMAX_NONE ? 0u : bi;
     }
+    __syncthreads();
+}
+
+// Block-wide reduction of (bv, bi); the result is written to out[row] by thread 0.
+__device__ __forceinline__ void argmax_finish(float bv, unsigned bi, unsigned* out, int row) {
+    block_argmax(bv, bi);
+    if (threadIdx.x == 0) out[row] = bi == ARGMAX_NONE ? 0u : bi;
 }
 
 // out[r] = the lowest index of the largest value of row r of logits ([rows, cols], cols >= 1);
@@ -314,34 +319,6 @@ __device__ __forceinline__ sample_u64 block_sum_u64(sample_u64 v) {
     sample_u64 total;
     block_excl_scan(v, &total);
     return total;
-}
-
-// The block's argmax (as argmax_finish), given to every thread.
-__device__ void block_argmax(float& bv, unsigned& bi) {
-    __shared__ float sv[SAMPLE_WARPS];
-    __shared__ unsigned si[SAMPLE_WARPS];
-#pragma unroll
-    for (int o = TURBO_WARP / 2; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (argmax_better(ov, oi, bv, bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
-    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
-    if (lane == 0) {
-        sv[warp] = bv;
-        si[warp] = bi;
-    }
-    __syncthreads();
-    for (int w = 0; w < SAMPLE_WARPS; w++) {
-        if (argmax_better(sv[w], si[w], bv, bi)) {
-            bv = sv[w];
-            bi = si[w];
-        }
-    }
-    __syncthreads();
 }
 
 // Sorts s[0, n) ascending (n a power of two, at most 2 · SAMPLE_THREADS); the caller has synced
