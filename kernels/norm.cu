@@ -55,29 +55,3 @@ rms_norm_bf16(__nv_bfloat16* out, const __nv_bfloat16* x, const __nv_bfloat16* w
         }
     }
 }
-
-// The residual step of a block: x[r] += y[r] (rounded to bf16, as the residual stream is stored),
-// then out[r] = rms_norm(x[r]) * w. One block per row; scalar loads (each thread re-reads only the
-// elements it wrote, so no barrier is needed between the update and the normalisation).
-extern "C" __global__ void __launch_bounds__(1024)
-add_rms_norm_bf16(__nv_bfloat16* x, const __nv_bfloat16* y, const __nv_bfloat16* w, __nv_bfloat16* out,
-                  int rows, int cols, float eps) {
-    const int row = blockIdx.x;
-    if (row >= rows) return;  // uniform per block
-    const size_t base = (size_t)row * (size_t)cols;
-    __nv_bfloat16* xr = x + base;
-    const __nv_bfloat16* yr = y + base;
-    __nv_bfloat16* orow = out + base;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        const __nv_bfloat16 s = __float2bfloat16_rn(__bfloat162float(xr[i]) + __bfloat162float(yr[i]));
-        xr[i] = s;
-        const float v = __bfloat162float(s);
-        ss = fmaf(v, v, ss);
-    }
-    ss = block_sum(ss);
-    const float inv = rsqrtf(ss / (float)cols + eps);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        orow[i] = __float2bfloat16_rn(__bfloat162float(xr[i]) * inv * __bfloat162float(w[i]));
-    }
-}

@@ -204,6 +204,50 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// `out = x · wᵀ`.
     fn linear(&self, x: &Self::Tensor, w: &Self::Matrix, out: &mut Self::Tensor) -> Result<()>;
+    /// `out = (rms_norm(x) · weight) · wᵀ`: a block's product after its RMSNorm. `normed` is
+    /// scratch for the normalised rows (this default normalises, then multiplies; a GPU fuses the
+    /// two when few tokens make the product a stream over the weights).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_linear(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+        normed: &mut Self::Tensor,
+        w: &Self::Matrix,
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.rms_norm(x, weight, eps, normed)?;
+        self.linear(normed, w, out)
+    }
+    /// The feed-forward block's first half: [`Backend::norm_linear`] with a fused `[gate; up]`
+    /// weight, then `out = silu(gate) · up`. `normed` and `gate_up` are scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_linear_swiglu(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+        normed: &mut Self::Tensor,
+        w_gate_up: &Self::Matrix,
+        gate_up: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.norm_linear(x, weight, eps, normed, w_gate_up, gate_up)?;
+        self.swiglu(gate_up, out)
+    }
+    /// A block's residual step: `x += input · wᵀ`. `product` is scratch for backends that
+    /// multiply, then add (this default).
+    fn linear_residual(
+        &self,
+        input: &Self::Tensor,
+        w: &Self::Matrix,
+        product: &mut Self::Tensor,
+        x: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.linear(input, w, product)?;
+        self.add(x, product)
+    }
     /// Rotary embedding of every head of `x` (`[tokens, heads · head_dim]`), interleaved pairs,
     /// at the batch's positions.
     fn rope(&self, x: &mut Self::Tensor, head_dim: usize, batch: &Self::Batch) -> Result<()>;
@@ -213,15 +257,6 @@ pub trait Backend: Send + Sync {
     fn swiglu(&self, gate_up: &Self::Tensor, out: &mut Self::Tensor) -> Result<()>;
     /// `x += y`.
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
-    /// The residual step of a block: `x += y`, then `out = rms_norm(x) · weight`.
-    fn add_rms_norm(
-        &self,
-        x: &mut Self::Tensor,
-        y: &Self::Tensor,
-        weight: &Self::Tensor,
-        eps: f32,
-        out: &mut Self::Tensor,
-    ) -> Result<()>;
     /// Splits the columns of `x` into `a`, `b` and `c` (in that order), e.g. a fused QKV product.
     fn split3(
         &self,

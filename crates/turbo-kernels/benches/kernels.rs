@@ -449,5 +449,80 @@ fn bench_sampling(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench, bench_merge, bench_cascade, bench_sampling);
+/// Decode products (1-4 tokens) at Llama-3-8B's shapes, each with its fused op, by the stream
+/// kernels of `ops::gemv` and by cuBLAS (the product alone). Weights are cycled through copies
+/// filling 4x the L2, so every launch reads them from memory as a decode step does.
+fn bench_gemv(c: &mut Criterion) {
+    use turbo_kernels::ops::gemv::{gemv, GemvNorm, GemvOut};
+    if !turbo_kernels::cuda_available() {
+        eprintln!("skipping GEMV benches: no CUDA device");
+        return;
+    }
+    let dev = CudaDevice::new(0).expect("CUDA device");
+    let s = dev.stream.clone();
+    let mut g = c.benchmark_group("cuda_gemv");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(1))
+        .warm_up_time(Duration::from_millis(300));
+    // (name, rows, k, fused op)
+    let shapes = [
+        ("qkv_norm", 6144usize, 4096usize),
+        ("o_residual", 4096, 4096),
+        ("gate_up_norm_swiglu", 28672, 4096),
+        ("down_residual", 4096, 14336),
+        ("lm_head_f32", 49152, 4096),
+    ];
+    for (name, rows, k) in shapes {
+        let copies = (200usize << 20).div_ceil(rows * k * 2).max(1);
+        let ws: Vec<_> = (0..copies)
+            .map(|i| random_bf16(&s, rows * k, 40 + i as u64))
+            .collect();
+        let norm_w = random_bf16(&s, k, 50);
+        g.throughput(Throughput::Bytes((rows * k * 2) as u64));
+        for tokens in [1usize, 2, 4] {
+            let x = random_bf16(&s, tokens * k, 51);
+            let mut out = random_bf16(&s, tokens * rows, 52);
+            let mut out_f32 = s.alloc_zeros::<f32>(tokens * rows).unwrap();
+            let mut next = 0;
+            g.bench_function(format!("{name}_{rows}x{k}_t{tokens}"), |b| {
+                b.iter_custom(|iters| {
+                    time_gpu(&dev, iters, || {
+                        let w = &ws[next % copies];
+                        next += 1;
+                        let norm = || GemvNorm {
+                            weight: &norm_w,
+                            eps: 1e-5,
+                        };
+                        let (norm, target) = match name {
+                            "qkv_norm" => (Some(norm()), GemvOut::Bf16(&mut out)),
+                            "gate_up_norm_swiglu" => (Some(norm()), GemvOut::SwiGlu(&mut out)),
+                            "lm_head_f32" => (None, GemvOut::F32(&mut out_f32)),
+                            _ => (None, GemvOut::AddTo(&mut out)),
+                        };
+                        gemv(&dev, &x, tokens, w, rows, k, norm, target).unwrap()
+                    })
+                })
+            });
+            g.bench_function(format!("cublas_{rows}x{k}_t{tokens}"), |b| {
+                b.iter_custom(|iters| {
+                    time_gpu(&dev, iters, || {
+                        let w = &ws[next % copies];
+                        next += 1;
+                        linear::linear(&dev, &x, w, tokens, k, rows, &mut out).unwrap()
+                    })
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench,
+    bench_merge,
+    bench_cascade,
+    bench_sampling,
+    bench_gemv
+);
 criterion_main!(benches);

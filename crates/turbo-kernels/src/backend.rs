@@ -4,6 +4,7 @@ use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::ops;
 use crate::ops::attention::{AttentionPlan, KvLayout, KvSplit, PlanOptions};
+use crate::ops::gemv::{gemv_fits, GemvNorm, GemvOut};
 use cudarc::driver::sys::CUstreamCaptureMode;
 use cudarc::driver::{CudaGraph, CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
@@ -184,6 +185,19 @@ impl CudaBackend {
     /// step issues its kernels one by one: the reference the graphs are tested against.
     pub fn set_graphs(&self, enabled: bool) {
         self.graphs.store(enabled, Ordering::Relaxed);
+    }
+
+    /// A product of few tokens by the stream kernels of [`ops::gemv`].
+    fn gemv(
+        &self,
+        x: &CudaTensor,
+        w: &CudaMatrix,
+        norm: Option<GemvNorm>,
+        out: GemvOut,
+    ) -> Result<()> {
+        Ok(ops::gemv::gemv(
+            &self.dev, &x.data, x.rows, &w.data, w.rows, w.cols, norm, out,
+        )?)
     }
 
     /// The padded rows and key ranges per row of a step that can be recorded: a decode step
@@ -597,6 +611,9 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &CudaTensor, w: &CudaMatrix, out: &mut CudaTensor) -> Result<()> {
+        if gemv_fits(x.rows, w.cols) {
+            return self.gemv(x, w, None, GemvOut::Bf16(&mut out.data));
+        }
         Ok(ops::linear::linear(
             &self.dev,
             &x.data,
@@ -605,6 +622,68 @@ impl Backend for CudaBackend {
             w.cols,
             w.rows,
             &mut out.data,
+        )?)
+    }
+
+    fn norm_linear(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+        normed: &mut CudaTensor,
+        w: &CudaMatrix,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        if gemv_fits(x.rows, w.cols) {
+            let norm = GemvNorm {
+                weight: &weight.data,
+                eps,
+            };
+            return self.gemv(x, w, Some(norm), GemvOut::Bf16(&mut out.data));
+        }
+        self.rms_norm(x, weight, eps, normed)?;
+        self.linear(normed, w, out)
+    }
+
+    fn norm_linear_swiglu(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+        normed: &mut CudaTensor,
+        w_gate_up: &CudaMatrix,
+        gate_up: &mut CudaTensor,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        if gemv_fits(x.rows, w_gate_up.cols) {
+            let norm = GemvNorm {
+                weight: &weight.data,
+                eps,
+            };
+            return self.gemv(x, w_gate_up, Some(norm), GemvOut::SwiGlu(&mut out.data));
+        }
+        self.norm_linear(x, weight, eps, normed, w_gate_up, gate_up)?;
+        self.swiglu(gate_up, out)
+    }
+
+    fn linear_residual(
+        &self,
+        input: &CudaTensor,
+        w: &CudaMatrix,
+        _product: &mut CudaTensor,
+        x: &mut CudaTensor,
+    ) -> Result<()> {
+        if gemv_fits(input.rows, w.cols) {
+            return self.gemv(input, w, None, GemvOut::AddTo(&mut x.data));
+        }
+        Ok(ops::linear::linear_add(
+            &self.dev,
+            &input.data,
+            &w.data,
+            input.rows,
+            w.cols,
+            w.rows,
+            &mut x.data,
         )?)
     }
 
@@ -637,27 +716,6 @@ impl Backend for CudaBackend {
             &gate_up.data,
             out.rows,
             out.cols,
-            &mut out.data,
-        )?)
-    }
-
-    fn add_rms_norm(
-        &self,
-        x: &mut CudaTensor,
-        y: &CudaTensor,
-        weight: &CudaTensor,
-        eps: f32,
-        out: &mut CudaTensor,
-    ) -> Result<()> {
-        let (rows, cols) = (x.rows, x.cols);
-        Ok(ops::norm::add_rms_norm(
-            &self.dev,
-            &mut x.data,
-            &y.data,
-            &weight.data,
-            rows,
-            cols,
-            eps,
             &mut out.data,
         )?)
     }
@@ -710,6 +768,9 @@ impl Backend for CudaBackend {
             )));
         }
         let mut logits = lock(&batch.logits)?;
+        if gemv_fits(x.rows, head.cols) {
+            return self.gemv(x, head, None, GemvOut::F32(&mut logits));
+        }
         Ok(ops::linear::linear_f32_out(
             &self.dev,
             &x.data,

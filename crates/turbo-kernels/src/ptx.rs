@@ -36,6 +36,7 @@ pub const MODULES: &[KernelModule] = &[
     module!("attention"),
     module!("sampling"),
     module!("merge"),
+    module!("gemv"),
 ];
 
 /// `kernels/ptx/manifest.txt`: `name sha256` per line.

@@ -1,4 +1,4 @@
-//! The norm, elementwise and sampling kernels against CPU references, on a real GPU.
+//! The norm, matrix-vector, elementwise and sampling kernels against CPU references, on a real GPU.
 //!
 //! Every test skips (passes, printing "skipping: no CUDA device") on a machine without CUDA. With a
 //! GPU, each case draws fresh random inputs (seeded, nonzero), rounds them to bf16, fills outputs
@@ -495,43 +495,184 @@ fn swiglu_matches_reference() {
     }
 }
 
-#[test]
-fn add_rms_norm_updates_the_residual_and_normalises() {
-    let Some(dev) = device() else { return };
-    let mut rng = ChaCha8Rng::seed_from_u64(22);
-    for (rows, cols) in [(1usize, 576usize), (3, 577), (37, 4096)] {
-        let what = format!("add_rms_norm {rows}x{cols}");
-        let (x, y, w) = (
-            random_bf16(&mut rng, rows * cols, 2.0),
-            random_bf16(&mut rng, rows * cols, 2.0),
-            random_bf16(&mut rng, cols, 1.5),
-        );
-        let (mut x_d, y_d, w_d) = (upload(&dev, &x), upload(&dev, &y), upload(&dev, &w));
-        let mut out = poisoned(&dev, rows * cols);
-        ops::norm::add_rms_norm(&dev, &mut x_d, &y_d, &w_d, rows, cols, 1e-5, &mut out).unwrap();
-        let (new_x, got) = (download(&dev, &x_d), download(&dev, &out));
-        // The residual is the bf16-rounded sum.
-        let sum: Vec<bf16> = to_f32(&x)
-            .iter()
-            .zip(to_f32(&y))
-            .map(|(a, b)| bf16::from_f32(a + b))
-            .collect();
-        assert_eq!(
-            new_x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            sum.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            "{what}: residual"
-        );
-        let (sf, wf) = (to_f32(&sum), to_f32(&w));
-        let mut want = vec![0f64; rows * cols];
+/// Rows of `w` (`[rows, k]`) times each token of `x` (`[tokens, k]`), in f64: `[tokens, rows]`,
+/// with each token scaled by `g` and its 1/rms first when `norm` is given.
+fn gemv_ref(w: &[f32], x: &[f32], k: usize, norm: Option<(&[f32], f64)>) -> Vec<f64> {
+    let rows = w.len() / k;
+    let mut out = Vec::new();
+    for xt in x.chunks_exact(k) {
+        let (scale, g) = match norm {
+            Some((g, eps)) => {
+                let ms = xt.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / k as f64;
+                (1.0 / (ms + eps).sqrt(), Some(g))
+            }
+            None => (1.0, None),
+        };
         for r in 0..rows {
-            let row = &sf[r * cols..(r + 1) * cols];
-            let ms = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / cols as f64;
-            for c in 0..cols {
-                want[r * cols + c] = row[c] as f64 / (ms + 1e-5).sqrt() * wf[c] as f64;
+            let wr = &w[r * k..(r + 1) * k];
+            let dot: f64 = (0..k)
+                .map(|i| wr[i] as f64 * xt[i] as f64 * g.map_or(1.0, |g| g[i] as f64))
+                .sum();
+            out.push(dot * scale);
+        }
+    }
+    out
+}
+
+/// Every token count the stream kernels take (1-8), widths that end mid-span and span many
+/// unrolled loads, row counts that leave a block part-empty; each epilogue against f64.
+#[test]
+fn gemv_matches_reference() {
+    use ops::gemv::{gemv, GemvNorm, GemvOut};
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let eps = 1e-5f32;
+    for tokens in 1..=ops::gemv::GEMV_MAX_TOKENS {
+        for (rows, k) in [(37usize, 8usize), (200, 264), (13, 4096), (70, 14336)] {
+            let what = |op: &str| format!("gemv {op} tokens={tokens} rows={rows} k={k}");
+            let w = random_bf16(&mut rng, rows * k, 1.0);
+            let x = random_bf16(&mut rng, tokens * k, 2.0);
+            let g = random_bf16(&mut rng, k, 1.5);
+            let (wf, xf, gf) = (to_f32(&w), to_f32(&x), to_f32(&g));
+            let (w_d, x_d, g_d) = (upload(&dev, &w), upload(&dev, &x), upload(&dev, &g));
+            let n = tokens * rows;
+
+            let plain = gemv_ref(&wf, &xf, k, None);
+            let mut out = poisoned(&dev, n);
+            gemv(
+                &dev,
+                &x_d,
+                tokens,
+                &w_d,
+                rows,
+                k,
+                None,
+                GemvOut::Bf16(&mut out),
+            )
+            .unwrap();
+            assert_close(&what("bf16"), &download(&dev, &out), &plain);
+
+            // f32 out: only the f32 accumulation's error, far below one term (|term| >= 0.0025).
+            let mut logits = upload(&dev, &vec![f32::NAN; n]);
+            gemv(
+                &dev,
+                &x_d,
+                tokens,
+                &w_d,
+                rows,
+                k,
+                None,
+                GemvOut::F32(&mut logits),
+            )
+            .unwrap();
+            for (i, (got, want)) in download(&dev, &logits).iter().zip(&plain).enumerate() {
+                let tol = 1e-5 * (k as f64) + 1e-6 * want.abs();
+                assert!(
+                    (*got as f64 - want).abs() <= tol,
+                    "{}: element {i}: gpu {got} vs reference {want}",
+                    what("f32")
+                );
+            }
+
+            let residual = random_bf16(&mut rng, n, 2.0);
+            let mut res_d = upload(&dev, &residual);
+            gemv(
+                &dev,
+                &x_d,
+                tokens,
+                &w_d,
+                rows,
+                k,
+                None,
+                GemvOut::AddTo(&mut res_d),
+            )
+            .unwrap();
+            let want: Vec<f64> = plain
+                .iter()
+                .zip(&residual)
+                .map(|(p, r)| p + r.to_f32() as f64)
+                .collect();
+            assert_close(&what("residual"), &download(&dev, &res_d), &want);
+
+            let normed = gemv_ref(&wf, &xf, k, Some((&gf, eps as f64)));
+            let mut out = poisoned(&dev, n);
+            let norm = GemvNorm { weight: &g_d, eps };
+            gemv(
+                &dev,
+                &x_d,
+                tokens,
+                &w_d,
+                rows,
+                k,
+                Some(norm),
+                GemvOut::Bf16(&mut out),
+            )
+            .unwrap();
+            assert_close(&what("norm"), &download(&dev, &out), &normed);
+
+            if rows % 2 == 0 {
+                // Gate rows first, then up rows; each rounded to bf16 as a stored product would be.
+                let half_n = tokens * rows / 2;
+                let want: Vec<f64> = (0..half_n)
+                    .map(|i| {
+                        let (t, j) = (i / (rows / 2), i % (rows / 2));
+                        let round = |v: f64| bf16::from_f64(v).to_f64();
+                        let gate = round(normed[t * rows + j]);
+                        let up = round(normed[t * rows + rows / 2 + j]);
+                        gate / (1.0 + (-gate).exp()) * up
+                    })
+                    .collect();
+                let mut out = poisoned(&dev, half_n);
+                let norm = GemvNorm { weight: &g_d, eps };
+                gemv(
+                    &dev,
+                    &x_d,
+                    tokens,
+                    &w_d,
+                    rows,
+                    k,
+                    Some(norm),
+                    GemvOut::SwiGlu(&mut out),
+                )
+                .unwrap();
+                assert_close(&what("swiglu"), &download(&dev, &out), &want);
             }
         }
-        assert_close(&what, &got, &want);
     }
+}
+
+/// Shapes the kernels cannot take are refused, not launched.
+#[test]
+fn gemv_refuses_what_it_cannot_take() {
+    use ops::gemv::{gemv, GemvNorm, GemvOut};
+    let Some(dev) = device() else { return };
+    let (w, x, g) = (
+        upload(&dev, &[bf16::ONE; 64 * 16]),
+        upload(&dev, &[bf16::ONE; 9 * 16]),
+        upload(&dev, &[bf16::ONE; 16]),
+    );
+    let mut out = poisoned(&dev, 9 * 64);
+    for (tokens, k) in [(0, 16), (5, 16), (1, 12)] {
+        let r = gemv(
+            &dev,
+            &x,
+            tokens,
+            &w,
+            64 * 16 / k,
+            k,
+            None,
+            GemvOut::Bf16(&mut out),
+        );
+        assert!(r.is_err(), "tokens={tokens} k={k} accepted");
+    }
+    let r = gemv(&dev, &x, 1, &w, 64, 16, None, GemvOut::SwiGlu(&mut out));
+    assert!(r.is_err(), "SwiGLU without a norm accepted");
+    let norm = GemvNorm {
+        weight: &g,
+        eps: 1e-5,
+    };
+    let r = gemv(&dev, &x, 1, &w, 65, 16, Some(norm), GemvOut::Bf16(&mut out));
+    assert!(r.is_err(), "more rows than the weight holds accepted");
 }
 
 #[test]

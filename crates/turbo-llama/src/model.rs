@@ -290,22 +290,15 @@ impl<B: Backend> Llama<B> {
         let sample = matches!(output, Output::Tokens);
         b.run_step(batch_layout, &mut || {
             b.embed(&self.embed, batch_layout, x)?;
-            b.rms_norm(x, &self.layers[0].attn_norm, eps, h)?;
             for (i, layer) in self.layers.iter().enumerate() {
-                // Attention block; `h` holds the normalised input.
-                b.linear(h, &layer.wqkv, qkv)?;
+                // Attention block; `x` is the residual stream.
+                b.norm_linear(x, &layer.attn_norm, eps, h, &layer.wqkv, qkv)?;
                 b.qkv_rope_write(qkv, q, k, v, hd, cache, i, batch_layout)?;
                 b.attention(q, cache, i, c.n_heads, batch_layout, scale, attn)?;
-                b.linear(attn, &layer.wo, o)?;
-                b.add_rms_norm(x, o, &layer.ffn_norm, eps, h)?;
+                b.linear_residual(attn, &layer.wo, o, x)?;
                 // Feed-forward block (SwiGLU).
-                b.linear(h, &layer.w_gate_up, gate_up)?;
-                b.swiglu(gate_up, act)?;
-                b.linear(act, &layer.w_down, o)?;
-                match self.layers.get(i + 1) {
-                    Some(next) => b.add_rms_norm(x, o, &next.attn_norm, eps, h)?,
-                    None => b.add(x, o)?,
-                }
+                b.norm_linear_swiglu(x, &layer.ffn_norm, eps, h, &layer.w_gate_up, gate_up, act)?;
+                b.linear_residual(act, &layer.w_down, o, x)?;
             }
             b.gather_outputs(x, batch_layout, last)?;
             b.rms_norm(last, &self.final_norm, eps, normed)?;

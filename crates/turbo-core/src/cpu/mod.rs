@@ -240,19 +240,6 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn add_rms_norm(
-        &self,
-        x: &mut HostTensor,
-        y: &HostTensor,
-        weight: &HostTensor,
-        eps: f32,
-        out: &mut HostTensor,
-    ) -> Result<()> {
-        ops::add(&mut x.data, &y.data);
-        ops::rms_norm(&x.data, &weight.data, eps, &mut out.data);
-        Ok(())
-    }
-
     fn split3(
         &self,
         x: &HostTensor,

@@ -22,6 +22,33 @@ pub fn linear(
     m: usize,
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
+    gemm_bf16(dev, x, w, n, k, m, false, out)
+}
+
+/// [`linear`] added to `out`: `out += x · Wᵀ`, rounded to bf16 once (the residual step).
+pub fn linear_add(
+    dev: &CudaDevice,
+    x: &CudaSlice<bf16>,
+    w: &CudaSlice<bf16>,
+    n: usize,
+    k: usize,
+    m: usize,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    gemm_bf16(dev, x, w, n, k, m, true, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_bf16(
+    dev: &CudaDevice,
+    x: &CudaSlice<bf16>,
+    w: &CudaSlice<bf16>,
+    n: usize,
+    k: usize,
+    m: usize,
+    accumulate: bool,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
     check(
         x.len() >= n * k && w.len() >= m * k && out.len() >= n * m,
         || {
@@ -45,7 +72,7 @@ pub fn linear(
         alpha: bf16::ONE,
         lda: k as i32,
         ldb: k as i32,
-        beta: bf16::ZERO,
+        beta: if accumulate { bf16::ONE } else { bf16::ZERO },
         ldc: m as i32,
     };
     // SAFETY: the dimensions and leading dimensions describe buffers whose sizes were checked.

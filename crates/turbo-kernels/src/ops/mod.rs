@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod elementwise;
+pub mod gemv;
 pub mod linear;
 pub mod merge;
 pub mod norm;
