@@ -43,7 +43,8 @@ extern "C" __global__ void rope_bf16(__nv_bfloat16* x, int tokens, int heads, in
 // [q | k | v] (q_cols + 2 kv_cols, head_dim consecutive per head); q ([tokens, q_cols]) receives
 // the rotated queries, and the rotated keys and the values of token t go straight to slot
 // slots[t] of the paged caches (kv_cols per slot; a slot >= cache_slots is skipped). The rotation
-// is rope_bf16's, rounded to bf16 the same way. One block per token, a thread per pair.
+// is rope_bf16's, rounded to bf16 the same way. Grid (tokens, blocks per token): a token's pairs
+// are spread over gridDim.y blocks, so a decode step of one token still fills several SMs.
 extern "C" __global__ void qkv_rope_kv_bf16(const __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k_cache,
                                             __nv_bfloat16* v_cache, const unsigned* positions,
                                             const unsigned* slots, const float* inv_freq, int q_cols,
@@ -59,7 +60,7 @@ extern "C" __global__ void qkv_rope_kv_bf16(const __nv_bfloat16* qkv, __nv_bfloa
     __nv_bfloat162* kd = reinterpret_cast<__nv_bfloat162*>(k_cache + (size_t)slot * (size_t)kv_cols);
     __nv_bfloat162* vd = reinterpret_cast<__nv_bfloat162*>(v_cache + (size_t)slot * (size_t)kv_cols);
     const int qp = q_cols / 2, kp = kv_cols / 2;
-    for (int p = threadIdx.x; p < qp + 2 * kp; p += blockDim.x) {
+    for (int p = blockIdx.y * blockDim.x + threadIdx.x; p < qp + 2 * kp; p += gridDim.y * blockDim.x) {
         if (p < qp) {
             const float2 r = ew_rope(__bfloat1622float2(src[p]), pos, inv_freq[p % half]);
             qd[p] = __floats2bfloat162_rn(r.x, r.y);
