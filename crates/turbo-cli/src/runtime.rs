@@ -94,6 +94,12 @@ pub struct ModelArgs {
     /// recorded as a CUDA graph (for comparison and debugging).
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// KV blocks to map at a time on a GPU, as steps reach them (rounded up to the driver's
+    /// allocation granularity, 2 MiB of each layer's keys and of its values on current GPUs),
+    /// so that the KV cache holds memory only for the blocks used so far; default: the whole
+    /// cache at start.
+    #[arg(long, value_name = "BLOCKS")]
+    pub kv_alloc_chunk: Option<usize>,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -139,6 +145,10 @@ impl ModelArgs {
         anyhow::ensure!(self.threads != Some(0), "--threads must be positive");
         anyhow::ensure!(self.block_size > 0, "--block-size must be positive");
         anyhow::ensure!(self.context != Some(0), "--context must be positive");
+        anyhow::ensure!(
+            self.kv_alloc_chunk != Some(0),
+            "--kv-alloc-chunk must be positive"
+        );
         let path = self.resolve()?;
         let mut loaded = LoadedModel::load(&path)
             .with_context(|| format!("cannot load model {}", path.display()))?;
@@ -178,6 +188,7 @@ impl ModelArgs {
             Device::Cuda(ordinal) => {
                 let backend = CudaBackend::new(ordinal)?;
                 backend.set_graphs(!self.no_cuda_graphs);
+                backend.set_kv_chunk_blocks(self.kv_alloc_chunk);
                 let model = Llama::new(backend, &loaded.config, &loaded.weights)?;
                 task.run(model, loaded.tokenizer, info)
             }
@@ -217,8 +228,9 @@ pub fn chat_template(
 pub const DEFAULT_GPU_KV_FRACTION: f64 = 0.9;
 
 /// The size of the persistent batch's KV cache: at most one of the three. Without any, a GPU
-/// takes [`DEFAULT_GPU_KV_FRACTION`] of its free memory (its cache is allocated up front), and
-/// the CPU a per-command default (its storage only grows as blocks are used).
+/// takes [`DEFAULT_GPU_KV_FRACTION`] of its free memory (its cache is allocated up front unless
+/// `--kv-alloc-chunk` is given), and the CPU a per-command default (its storage only grows as
+/// blocks are used).
 #[derive(Args, Clone, Debug, Default)]
 pub struct KvArgs {
     /// KV cache size in blocks of --block-size tokens.

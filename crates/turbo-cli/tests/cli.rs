@@ -314,6 +314,10 @@ fn invalid_model_options() {
     let model = p(&path);
     expect_error(&generate_args(model, &["--block-size", "0"]), "block-size");
     expect_error(&generate_args(model, &["--threads", "0"]), "threads");
+    expect_error(
+        &generate_args(model, &["--kv-alloc-chunk", "0"]),
+        "--kv-alloc-chunk must be positive",
+    );
 }
 
 fn generate_json(args: &[&str]) -> serde_json::Value {
@@ -671,8 +675,13 @@ fn kv_cache_size_flags() {
     error(&["--kv-blocks", "0"], "--kv-blocks must be positive");
     let both = batch(&["--kv-blocks", "8", "--kv-cache-fraction", "0.5"]);
     expect_usage_error(&both.iter().map(String::as_str).collect::<Vec<_>>());
-    // A fraction of MemAvailable on the CPU, and a size in GB, both run.
-    for ok in [["--kv-cache-fraction", "0.01"], ["--kv-cache-gb", "0.01"]] {
+    // A fraction of MemAvailable on the CPU, and a size in GB, both run; the CPU's storage
+    // always grows on demand, so a GPU's allocation chunk changes nothing there.
+    for ok in [
+        ["--kv-cache-fraction", "0.01"],
+        ["--kv-cache-gb", "0.01"],
+        ["--kv-alloc-chunk", "4"],
+    ] {
         let args = batch(&ok);
         let out = turbo(&args.iter().map(String::as_str).collect::<Vec<_>>(), None);
         assert!(out.status.success(), "{ok:?}: {}", text(&out.stderr));

@@ -11,12 +11,14 @@ use half::bf16;
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use turbo_core::backend::{Backend, BatchLayout, BatchRows, Result};
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::SampleParams;
 use turbo_core::{BackendError, WeightMatrix};
+
+pub use crate::kv::CudaKvCache;
 
 /// Activations: a row-major `[rows, cols]` bf16 buffer on the device.
 pub struct CudaTensor {
@@ -30,16 +32,6 @@ pub struct CudaMatrix {
     pub data: CudaSlice<bf16>,
     pub rows: usize,
     pub cols: usize,
-}
-
-/// Paged KV for all layers: `[block][slot][kv head][head_dim]` bf16, allocated up front.
-pub struct CudaKvCache {
-    pub spec: KvCacheSpec,
-    /// Unique per cache made by this process: a recorded step names the cache it ran on (a new
-    /// cache may reuse a dropped one's addresses, layer by layer or not).
-    id: u64,
-    pub keys: Vec<CudaSlice<bf16>>,
-    pub values: Vec<CudaSlice<bf16>>,
 }
 
 /// Decode steps of at most this many sequences are recorded as CUDA graphs.
@@ -143,6 +135,18 @@ impl CudaBatch {
     fn view(&self, r: &Range<usize>) -> CudaView<'_, u32> {
         self.upload.slice(r.clone())
     }
+
+    /// Refuses a step over `cache` with a batch prepared over another cache: `prepare_batch`
+    /// made sure that the blocks of the step are mapped in the cache it was given, not in this
+    /// one.
+    fn check_cache(&self, cache: &CudaKvCache) -> Result<()> {
+        if self.cache != cache.id() {
+            return Err(BackendError::Unsupported(
+                "a step over a KV cache with a batch prepared over another".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// How many decode steps were recorded as CUDA graphs, and how many replayed one.
@@ -158,6 +162,8 @@ pub struct CudaBackend {
     graphs: Arc<AtomicBool>,
     recorded: Arc<AtomicUsize>,
     replayed: Arc<AtomicUsize>,
+    /// KV blocks a new cache maps at a time; 0: allocated in full up front.
+    kv_chunk_blocks: Arc<AtomicUsize>,
 }
 
 impl CudaBackend {
@@ -167,6 +173,7 @@ impl CudaBackend {
             graphs: Arc::new(AtomicBool::new(true)),
             recorded: Arc::new(AtomicUsize::new(0)),
             replayed: Arc::new(AtomicUsize::new(0)),
+            kv_chunk_blocks: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -185,6 +192,23 @@ impl CudaBackend {
     /// step issues its kernels one by one: the reference the graphs are tested against.
     pub fn set_graphs(&self, enabled: bool) {
         self.graphs.store(enabled, Ordering::Relaxed);
+    }
+
+    /// How KV caches made from now on get their memory. `None` (the default): every layer's keys
+    /// and values are allocated in full when the cache is made. `Some(n)`: each is reserved as
+    /// addresses for the whole cache, and device memory is mapped behind them `n` blocks at a
+    /// time (rounded up to the driver's allocation granularity, 2 MiB on current GPUs; `n = 0` is
+    /// taken as 1) as steps reach further blocks, so that a large cache only holds the memory of
+    /// the blocks used so far. Either way the cache's addresses never change, as the recorded
+    /// decode steps need. See [`CudaKvCache::map_blocks`].
+    pub fn set_kv_chunk_blocks(&self, blocks: Option<usize>) {
+        let n = blocks.map_or(0, |n| n.max(1));
+        self.kv_chunk_blocks.store(n, Ordering::Relaxed);
+    }
+
+    /// The setting of [`CudaBackend::set_kv_chunk_blocks`].
+    pub fn kv_chunk_blocks(&self) -> Option<usize> {
+        Some(self.kv_chunk_blocks.load(Ordering::Relaxed)).filter(|&n| n > 0)
     }
 
     /// A product of few tokens by the stream kernels of [`ops::gemv`].
@@ -338,29 +362,11 @@ impl Backend for CudaBackend {
                 ops::attention::SUPPORTED_HEAD_DIMS
             )));
         }
-        let len = spec.max_blocks * spec.block_size * spec.n_kv_heads * spec.head_dim;
-        let alloc = || -> Result<Vec<CudaSlice<bf16>>> {
-            (0..spec.n_layers)
-                .map(|_| {
-                    Ok(self
-                        .dev
-                        .stream
-                        .alloc_zeros::<bf16>(len.max(1))
-                        .map_err(CudaError::from)?)
-                })
-                .collect()
-        };
-        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-        Ok(CudaKvCache {
-            spec,
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            keys: alloc()?,
-            values: alloc()?,
-        })
+        CudaKvCache::new(&self.dev, spec, self.kv_chunk_blocks())
     }
 
     fn kv_spec(&self, cache: &CudaKvCache) -> KvCacheSpec {
-        cache.spec
+        *cache.spec()
     }
 
     fn kv_element_bytes(&self) -> usize {
@@ -398,7 +404,17 @@ impl Backend for CudaBackend {
         layout.check()?;
         let n = layout.ids.len();
         let unsupported = |m: String| BackendError::Unsupported(m);
-        let spec = cache.spec;
+        let spec = *cache.spec();
+        // Every block the step reads or writes must be backed by memory before its kernels run
+        // (they bound slots by the whole cache, not by what is mapped). Mapping more keeps the
+        // cache's addresses, so recorded steps stay valid.
+        if cache.mapped_blocks() < spec.max_blocks {
+            cache.map_blocks(crate::kv::blocks_touched(
+                layout,
+                spec.block_size,
+                spec.max_blocks,
+            ))?;
+        }
         let graph = self.graph_shape(layout, &spec);
         let (tokens, split) = graph.unwrap_or((n, 0));
         let outputs = if graph.is_some() {
@@ -529,10 +545,10 @@ impl Backend for CudaBackend {
             rows,
             split,
             sampling: layout.sampling.is_some(),
-            cache: cache.id,
+            cache: cache.id(),
         });
         // Recordings on another cache are never replayed again.
-        moved |= std::mem::replace(&mut batch.cache, cache.id) != cache.id;
+        moved |= std::mem::replace(&mut batch.cache, cache.id()) != cache.id();
         if moved {
             self.forget_steps(batch);
         }
@@ -832,8 +848,9 @@ impl Backend for CudaBackend {
         v: &CudaTensor,
         batch: &CudaBatch,
     ) -> Result<()> {
-        let slot_len = cache.spec.n_kv_heads * cache.spec.head_dim;
-        let (keys, values) = (&mut cache.keys[layer], &mut cache.values[layer]);
+        batch.check_cache(cache)?;
+        let slot_len = cache.spec().n_kv_heads * cache.spec().head_dim;
+        let (keys, values) = cache.layer_mut(layer);
         Ok(ops::elementwise::write_kv(
             &self.dev,
             keys,
@@ -857,8 +874,9 @@ impl Backend for CudaBackend {
         layer: usize,
         batch: &CudaBatch,
     ) -> Result<()> {
+        batch.check_cache(cache)?;
         let (q_cols, kv_cols) = (q.cols, k.cols);
-        let (keys, values) = (&mut cache.keys[layer], &mut cache.values[layer]);
+        let (keys, values) = cache.layer_mut(layer);
         Ok(ops::elementwise::qkv_rope_kv(
             &self.dev,
             &qkv.data,
@@ -889,19 +907,13 @@ impl Backend for CudaBackend {
                 batch.n_heads
             )));
         }
+        batch.check_cache(cache)?;
         let mut plan = lock(&batch.attention)?;
         let plan = plan.as_mut().ok_or_else(|| {
             BackendError::Unsupported("attention over a batch that was never prepared".into())
         })?;
-        Ok(plan.run(
-            &self.dev,
-            &q.data,
-            &cache.keys[layer],
-            &cache.values[layer],
-            scale,
-            &mut out.data,
-            None,
-        )?)
+        let (keys, values) = cache.layer(layer);
+        Ok(plan.run(&self.dev, &q.data, keys, values, scale, &mut out.data, None)?)
     }
 
     /// Free device memory as the driver reports it (`cuMemGetInfo` in this device's context),

@@ -8,6 +8,7 @@
 pub mod backend;
 pub mod device;
 mod error;
+mod kv;
 pub mod ops;
 pub mod ptx;
 

@@ -1,8 +1,10 @@
 //! The persistent batch on the GPU: greedy outputs of many concurrent requests of mixed lengths
 //! equal those of each request run alone, token for token up to bf16 near ties, with a roomy KV
-//! pool and with one so small that requests are preempted and recomputed.
+//! pool and with one so small that requests are preempted and recomputed; and the KV cache that
+//! maps device memory as steps reach its blocks generates what one allocated up front does.
 
-use turbo_core::{Backend, DType};
+use turbo_core::cpu::KvCacheSpec;
+use turbo_core::{Backend, BackendError, DType};
 use turbo_kernels::CudaBackend;
 use turbo_llama::{Llama, LoadedModel};
 use turbo_scheduler::{
@@ -294,5 +296,234 @@ fn gpu_graph_replay_equals_direct_launches() {
     assert!(
         equal * 2 > prompts.len(),
         "most outputs should be identical"
+    );
+}
+
+/// 16 KV heads of 128 (4 KiB of keys per token and layer, 64 KiB per block of 16), so that the
+/// driver's 2 MiB mapping granule holds few blocks and a short run grows the cache many times.
+fn wide_kv(dir: &tempfile::TempDir) -> (TinySpec, LoadedModel) {
+    let spec = TinySpec {
+        vocab: 1024,
+        hidden: 2048,
+        layers: 2,
+        heads: 16,
+        kv_heads: 16,
+        ffn: 2048,
+        rope_theta: 10000.0,
+        context: 1024,
+        tied: true,
+        seed: 11,
+        ..Default::default()
+    };
+    let path = dir.path().join("wide-kv.gguf");
+    write_gguf(&path, &spec, &TinyWeights::random(&spec), DType::F16);
+    (spec, LoadedModel::load(&path).expect("the model loads"))
+}
+
+/// A KV cache that maps device memory a few blocks at a time as steps reach them generates what
+/// one allocated up front generates, token for token: the same kernels run on the same values
+/// at other addresses. The cache grows many times, also between replays of recorded decode steps
+/// (whose recordings hold the cache's addresses), and never past its blocks.
+#[test]
+fn gpu_kv_cache_mapped_on_demand_equals_allocated_up_front() {
+    let Some(gpu) = gpu() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (spec, loaded) = wide_kv(&dir);
+    // 12 requests, 8 at a time: a first wave of 8, then 4 more.
+    let prompts: Vec<Vec<u32>> = [5, 60, 17, 33, 48, 9, 26, 40, 12, 70, 3, 21]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| random_tokens(&spec, n, 500 + i as u64))
+        .collect();
+    let config = BatchConfig {
+        max_batch: 8,
+        max_batched_tokens: 512,
+        block_size: BLOCK,
+        num_blocks: 1024,
+        prefill_chunk: 512,
+        prefix_caching: true,
+    };
+
+    /// Runs every prompt for `max_tokens` greedy tokens; returns the tokens, the mapped block
+    /// counts the cache went through, and how many growths happened in steps that replayed a
+    /// recorded decode step.
+    fn run(
+        gpu: &CudaBackend,
+        batch: &mut PersistentBatch<CudaBackend>,
+        prompts: &[Vec<u32>],
+        max_tokens: usize,
+    ) -> (Vec<Vec<u32>>, Vec<usize>, usize) {
+        let handles: Vec<RequestHandle> = prompts
+            .iter()
+            .map(|p| {
+                batch.submit(Request {
+                    max_tokens,
+                    ignore_eos: true,
+                    ..Request::new(p.clone())
+                })
+            })
+            .collect();
+        let mut mapped = vec![batch.cache().mapped_blocks()];
+        let mut replayed_growths = 0;
+        while !batch.is_idle() {
+            let replayed = gpu.graph_stats().replayed;
+            let report = batch.step().unwrap();
+            let now = batch.cache().mapped_blocks();
+            if now != *mapped.last().unwrap() {
+                mapped.push(now);
+                replayed_growths +=
+                    (report.prefill_tokens == 0 && gpu.graph_stats().replayed > replayed) as usize;
+            }
+        }
+        let tokens = handles
+            .into_iter()
+            .enumerate()
+            .map(|(i, h)| {
+                let c = h
+                    .wait()
+                    .unwrap_or_else(|e| panic!("request {i} failed: {e}"));
+                assert_eq!(c.finish_reason, FinishReason::Length, "request {i}");
+                assert_eq!(c.token_ids.len(), max_tokens, "request {i}");
+                c.token_ids
+            })
+            .collect();
+        (tokens, mapped, replayed_growths)
+    }
+
+    // On demand first: its chunk (4 blocks, rounded up to the driver's granularity) sets how
+    // long the requests decode. Eight sequences fill a block every BLOCK / 8 decode steps
+    // between them; decode long enough to cross four chunks in the first wave alone.
+    gpu.set_kv_chunk_blocks(Some(4));
+    let model = Llama::new(gpu.clone(), &loaded.config, &loaded.weights).unwrap();
+    let mut batch = PersistentBatch::new(model, loaded.tokenizer.clone(), config.clone()).unwrap();
+    assert!(batch.cache().grows());
+    assert_eq!(
+        batch.cache().mapped_blocks(),
+        0,
+        "nothing is mapped before a step"
+    );
+    let chunk = batch
+        .cache()
+        .chunk_blocks()
+        .expect("a growing cache has a chunk");
+    let longest = prompts.iter().map(Vec::len).max().unwrap();
+    let max_tokens = (4 * chunk * BLOCK / 8).min(spec.context - longest);
+    let (grown, mapped, replayed_growths) = run(&gpu, &mut batch, &prompts, max_tokens);
+    let stats = batch.stats();
+    let last = *mapped.last().unwrap();
+    let growths = mapped.len() - 1;
+    eprintln!(
+        "on demand: chunks of {chunk} blocks, {max_tokens} tokens per request; mapped blocks \
+         {mapped:?} of {} ({growths} growths, {replayed_growths} in steps replaying a recorded \
+         decode step)",
+        config.num_blocks
+    );
+    assert!(
+        mapped.windows(2).all(|w| w[0] < w[1]),
+        "the mapped blocks only grow: {mapped:?}"
+    );
+    assert!(growths >= 4, "the cache should grow many times: {mapped:?}");
+    assert!(
+        growths <= last.div_ceil(chunk),
+        "each growth maps at least a chunk: {mapped:?}"
+    );
+    assert!(
+        replayed_growths > 0,
+        "the cache should grow between replays of recorded decode steps"
+    );
+    assert!(
+        last <= config.num_blocks,
+        "mapped past the cache: {mapped:?}"
+    );
+    assert!(
+        last < config.num_blocks,
+        "the run should not need the whole cache: {mapped:?}"
+    );
+    let touched = stats.kv_blocks_total - stats.kv_blocks_free;
+    assert!(
+        last >= touched,
+        "{touched} blocks were handed out, {last} mapped"
+    );
+
+    // The same requests on a cache allocated up front.
+    let (model, tokenizer) = batch.into_parts();
+    gpu.set_kv_chunk_blocks(None);
+    let mut batch = PersistentBatch::new(model, tokenizer, config.clone()).unwrap();
+    assert!(!batch.cache().grows());
+    assert_eq!(batch.cache().mapped_blocks(), config.num_blocks);
+    let (allocated, mapped, _) = run(&gpu, &mut batch, &prompts, max_tokens);
+    assert_eq!(mapped, [config.num_blocks]);
+    for (i, (a, b)) in grown.iter().zip(&allocated).enumerate() {
+        assert_eq!(
+            a, b,
+            "request {i}: mapped on demand and allocated up front generate differently"
+        );
+    }
+    eprintln!(
+        "{n}/{n} requests generate the same {max_tokens} tokens on both caches",
+        n = prompts.len()
+    );
+}
+
+/// Mapping past the device's memory is an out-of-memory error, not a panic or a broken cache:
+/// the blocks mapped before stay usable, the cache grows again within memory, and dropping it
+/// gives every byte back.
+#[test]
+fn gpu_kv_cache_growth_past_device_memory_fails_cleanly() {
+    let Some(gpu) = gpu() else { return };
+    let free_before = gpu.free_memory().expect("free device memory");
+    // One layer whose keys and values would each take 60% of the free memory.
+    let (heads, dim) = (8, 128);
+    let block_bytes = BLOCK * heads * dim * 2;
+    let spec = KvCacheSpec {
+        n_layers: 1,
+        n_kv_heads: heads,
+        head_dim: dim,
+        block_size: BLOCK,
+        max_blocks: free_before / 10 * 6 / block_bytes,
+    };
+    gpu.set_kv_chunk_blocks(Some(4));
+    let cache = gpu
+        .kv_cache(spec)
+        .expect("reserving addresses takes no memory");
+    assert!(cache.grows());
+    let chunk = cache.chunk_blocks().unwrap();
+    cache.map_blocks(1).unwrap();
+    assert_eq!(cache.mapped_blocks(), chunk);
+    let err = cache
+        .map_blocks(spec.max_blocks)
+        .expect_err("keys and values together do not fit");
+    eprintln!("mapping {} blocks: {err}", spec.max_blocks);
+    assert!(
+        matches!(err, BackendError::OutOfMemory(_)),
+        "expected out of memory, got {err:?}"
+    );
+    assert_eq!(
+        cache.mapped_blocks(),
+        chunk,
+        "a failed growth leaves the mapped blocks as they were"
+    );
+    cache.map_blocks(chunk + 1).unwrap();
+    assert_eq!(cache.mapped_blocks(), 2 * chunk);
+    // The keys were mapped in full before the values ran out: all of that comes back. (Other
+    // tests may allocate meanwhile, hence the margin.)
+    let held = gpu.free_memory().expect("free device memory");
+    drop(cache);
+    gpu.set_kv_chunk_blocks(None);
+    let free_after = gpu.free_memory().expect("free device memory");
+    let keys_bytes = spec.max_blocks * block_bytes;
+    eprintln!(
+        "free device memory: {free_before} bytes before, {held} holding the cache, {free_after} \
+         after dropping it"
+    );
+    assert!(
+        free_after >= held + keys_bytes / 2,
+        "dropping the cache should give its memory back"
+    );
+    let t = gpu.upload(&[1.0, 2.0], 1, 2).unwrap();
+    assert_eq!(
+        gpu.download(&t).unwrap(),
+        [1.0, 2.0],
+        "the device still works"
     );
 }

@@ -306,6 +306,12 @@ impl<B: Backend> PersistentBatch<B> {
         &self.kv
     }
 
+    /// The backend's KV cache that the batch's steps run on, for inspection (e.g. how much of a
+    /// GPU cache that grows on demand is mapped).
+    pub fn cache(&self) -> &B::KvCache {
+        &self.cache
+    }
+
     /// The sequence of a session, once a request named it.
     pub fn session_seq(&self, session: &str) -> Option<SeqId> {
         self.sessions.get(session).copied()
