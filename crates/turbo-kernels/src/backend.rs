@@ -167,9 +167,13 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
+    /// The backend on device `ordinal`, with every kernel module loaded: on a machine's first
+    /// run the driver compiles the PTX then (seconds), rather than inside the first steps.
     pub fn new(ordinal: usize) -> Result<Self> {
+        let dev = CudaDevice::new(ordinal)?;
+        dev.load_modules()?;
         Ok(CudaBackend {
-            dev: Arc::new(CudaDevice::new(ordinal)?),
+            dev: Arc::new(dev),
             graphs: Arc::new(AtomicBool::new(true)),
             recorded: Arc::new(AtomicUsize::new(0)),
             replayed: Arc::new(AtomicUsize::new(0)),

@@ -140,6 +140,14 @@ impl CudaDevice {
         Ok(f)
     }
 
+    /// Loads every kernel module now instead of at its first use.
+    pub fn load_modules(&self) -> Result<()> {
+        for m in MODULES {
+            self.module(m.name)?;
+        }
+        Ok(())
+    }
+
     fn module(&self, name: &'static str) -> Result<Arc<CudaModule>> {
         if let Some(m) = self.modules.lock().unwrap().get(name) {
             return Ok(m.clone());

@@ -135,7 +135,9 @@ pub fn qkv_rope_kv(
     b.arg(&hd_i);
     b.arg(&cache_slots);
     // A thread per pair of the row (the kernel strides over any remainder).
-    let per_token = ((q_cols / 2 + kv_cols) as u32).div_ceil(THREADS).min(65_535);
+    let per_token = ((q_cols / 2 + kv_cols) as u32)
+        .div_ceil(THREADS)
+        .min(65_535);
     // SAFETY: the arguments match the kernel's signature, the buffer sizes were checked and the
     // kernel bounds every slot by cache_slots.
     unsafe { b.launch(config((tokens as u32, per_token, 1))) }?;
