@@ -52,3 +52,18 @@ __device__ __forceinline__ uint4 bf16x8_pack(const float f[8]) {
 __device__ __forceinline__ bool aligned16(const void* p) {
     return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
+
+// RoPE's rotation of one interleaved pair (a, b) by the angle pos * f:
+//   (a, b) -> (a cos - b sin, a sin + b cos).
+// The angle p * f is carried exactly as hi + lo (hi = fl(p * f), lo = fma(p, f, -hi)), so large
+// positions lose no accuracy to the f32 product: sincosf(hi) (full range reduction, not the fast
+// intrinsic) is corrected to first order in lo (|lo| <= ulp(hi) / 2, so the error is ~lo^2 / 2).
+__device__ __forceinline__ float2 rope_rotate(float2 ab, float pos, float f) {
+    const float hi = pos * f;
+    const float lo = fmaf(pos, f, -hi);
+    float s, c;
+    sincosf(hi, &s, &c);
+    const float sn = fmaf(lo, c, s);
+    const float cs = fmaf(-lo, s, c);
+    return make_float2(ab.x * cs - ab.y * sn, ab.x * sn + ab.y * cs);
+}

@@ -10,21 +10,7 @@ __device__ __forceinline__ long long ew_stride() {
 }
 
 // Interleaved-pair rotary embedding, in place. x is [tokens, heads, head_dim] (head_dim even);
-// pair i of each head of token t rotates by positions[t] * inv_freq[i]:
-//   (a, b) -> (a cos - b sin, a sin + b cos).
-// The angle p * f is carried exactly as hi + lo (hi = fl(p * f), lo = fma(p, f, -hi)), so large
-// positions lose no accuracy to the f32 product: sincosf(hi) (full range reduction, not the fast
-// intrinsic) is corrected to first order in lo (|lo| <= ulp(hi) / 2, so the error is ~lo^2 / 2).
-__device__ __forceinline__ float2 ew_rope(float2 ab, float pos, float f) {
-    const float hi = pos * f;
-    const float lo = fmaf(pos, f, -hi);
-    float s, c;
-    sincosf(hi, &s, &c);
-    const float sn = fmaf(lo, c, s);
-    const float cs = fmaf(-lo, s, c);
-    return make_float2(ab.x * cs - ab.y * sn, ab.x * sn + ab.y * cs);
-}
-
+// pair i of each head of token t rotates by positions[t] * inv_freq[i] (rope_rotate).
 // Grid-stride, one thread per pair.
 extern "C" __global__ void rope_bf16(__nv_bfloat16* x, int tokens, int heads, int head_dim,
                                      const unsigned* positions, const float* inv_freq) {
@@ -34,7 +20,7 @@ extern "C" __global__ void rope_bf16(__nv_bfloat16* x, int tokens, int heads, in
     for (long long p = ew_thread(); p < pairs; p += ew_stride()) {
         const int i = (int)(p % half);
         const long long t = p / half / heads;
-        const float2 r = ew_rope(__bfloat1622float2(xp[p]), (float)positions[t], inv_freq[i]);
+        const float2 r = rope_rotate(__bfloat1622float2(xp[p]), (float)positions[t], inv_freq[i]);
         xp[p] = __floats2bfloat162_rn(r.x, r.y);
     }
 }
@@ -62,12 +48,12 @@ extern "C" __global__ void qkv_rope_kv_bf16(const __nv_bfloat16* qkv, __nv_bfloa
     const int qp = q_cols / 2, kp = kv_cols / 2;
     for (int p = blockIdx.y * blockDim.x + threadIdx.x; p < qp + 2 * kp; p += gridDim.y * blockDim.x) {
         if (p < qp) {
-            const float2 r = ew_rope(__bfloat1622float2(src[p]), pos, inv_freq[p % half]);
+            const float2 r = rope_rotate(__bfloat1622float2(src[p]), pos, inv_freq[p % half]);
             qd[p] = __floats2bfloat162_rn(r.x, r.y);
         } else if (!store) {
             continue;
         } else if (p < qp + kp) {
-            const float2 r = ew_rope(__bfloat1622float2(src[p]), pos, inv_freq[(p - qp) % half]);
+            const float2 r = rope_rotate(__bfloat1622float2(src[p]), pos, inv_freq[(p - qp) % half]);
             kd[p - qp] = __floats2bfloat162_rn(r.x, r.y);
         } else {
             vd[p - qp - kp] = src[p];

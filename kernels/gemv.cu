@@ -39,25 +39,19 @@ __device__ __forceinline__ uint4 load_streaming(const __nv_bfloat16* p) {
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-// R weight rows per warp (1, or 2 for SwiGLU's gate and up), M tokens.
+// The warp's R weight rows times each of M tokens, summed over the warp: every lane gets
+// dot[m][r] (times token m's 1/rms with NORM).
 template <int M, int R, bool NORM>
-__device__ __forceinline__ void gemv(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x,
-                                     const __nv_bfloat16* __restrict__ g, float eps, void* out, int units,
-                                     int k, int mode) {
+__device__ __forceinline__ void warp_dots(const __nv_bfloat16* const (&row)[R], const __nv_bfloat16* __restrict__ x,
+                                          const __nv_bfloat16* __restrict__ g, float eps, int k,
+                                          float (&dot)[M][R]) {
     const int lane = threadIdx.x % TURBO_WARP;
-    const int unit = blockIdx.x * GEMV_WARPS + threadIdx.x / TURBO_WARP;
-    if (unit >= units) return;  // uniform per warp; no barriers follow
-
-    const __nv_bfloat16* row[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) row[r] = w + (size_t)(unit + r * units) * (size_t)k;
-
-    float acc[M][R], ss[M];
+    float ss[M];
 #pragma unroll
     for (int m = 0; m < M; m++) {
         ss[m] = 0.f;
 #pragma unroll
-        for (int r = 0; r < R; r++) acc[m][r] = 0.f;
+        for (int r = 0; r < R; r++) dot[m][r] = 0.f;
     }
 
     for (int base = lane * 8; base < k; base += GEMV_SPAN * GEMV_UNROLL) {
@@ -88,7 +82,7 @@ __device__ __forceinline__ void gemv(const __nv_bfloat16* __restrict__ w, const 
                         xf[e] *= gf[e];
                     }
 #pragma unroll
-                    for (int r = 0; r < R; r++) acc[m][r] = fmaf(wf[r][e], xf[e], acc[m][r]);
+                    for (int r = 0; r < R; r++) dot[m][r] = fmaf(wf[r][e], xf[e], dot[m][r]);
                 }
             }
         }
@@ -96,27 +90,83 @@ __device__ __forceinline__ void gemv(const __nv_bfloat16* __restrict__ w, const 
 
 #pragma unroll
     for (int m = 0; m < M; m++) {
-        if (NORM) ss[m] = warp_sum(ss[m]);
+        const float scale = NORM ? rsqrtf(warp_sum(ss[m]) / (float)k + eps) : 1.f;
 #pragma unroll
-        for (int r = 0; r < R; r++) acc[m][r] = warp_sum(acc[m][r]);
+        for (int r = 0; r < R; r++) dot[m][r] = warp_sum(dot[m][r]) * scale;
     }
-    if (lane != 0) return;
+}
+
+// R weight rows per warp (1, or 2 for SwiGLU's gate and up), M tokens.
+template <int M, int R, bool NORM>
+__device__ __forceinline__ void gemv(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x,
+                                     const __nv_bfloat16* __restrict__ g, float eps, void* out, int units,
+                                     int k, int mode) {
+    const int unit = blockIdx.x * GEMV_WARPS + threadIdx.x / TURBO_WARP;
+    if (unit >= units) return;  // uniform per warp; no barriers follow
+
+    const __nv_bfloat16* row[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) row[r] = w + (size_t)(unit + r * units) * (size_t)k;
+    float dot[M][R];
+    warp_dots<M, R, NORM>(row, x, g, eps, k, dot);
+    if (threadIdx.x % TURBO_WARP != 0) return;
 #pragma unroll
     for (int m = 0; m < M; m++) {
-        const float scale = NORM ? rsqrtf(ss[m] / (float)k + eps) : 1.f;
         const size_t at = (size_t)m * units + unit;
         if (R == 2) {
-            const float gate = round_bf16(acc[m][0] * scale);
-            const float up = round_bf16(acc[m][R - 1] * scale);
+            const float gate = round_bf16(dot[m][0]);
+            const float up = round_bf16(dot[m][R - 1]);
             static_cast<__nv_bfloat16*>(out)[at] = __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up);
         } else {
-            const float v = acc[m][0] * scale;
+            const float v = dot[m][0];
             if (mode == GEMV_STORE_F32) {
                 static_cast<float*>(out)[at] = v;
             } else {
                 __nv_bfloat16* o = static_cast<__nv_bfloat16*>(out);
                 o[at] = __float2bfloat16_rn(mode == GEMV_ADD_RESIDUAL ? __bfloat162float(o[at]) + v : v);
             }
+        }
+    }
+}
+
+// The attention block's first product fused with the step after it (elementwise.cu's
+// qkv_rope_kv): W is the fused [W_q; W_k; W_v] (q_cols + 2 kv_cols rows, heads' dimensions as
+// interleaved RoPE pairs), and the warp of unit u computes rows 2u and 2u + 1, one pair. Each
+// product is rounded to bf16 as a stored QKV row would be, then q and k pairs are rotated at the
+// token's position exactly as qkv_rope_kv rotates them; q goes to q ([M, q_cols]), k and v to
+// slot slots[m] of the paged caches (kv_cols per slot; a slot >= cache_slots is skipped).
+template <int M>
+__device__ __forceinline__ void gemv_qkv_rope(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x,
+                                              const __nv_bfloat16* __restrict__ g, float eps, __nv_bfloat16* q,
+                                              __nv_bfloat16* k_cache, __nv_bfloat16* v_cache,
+                                              const unsigned* positions, const unsigned* slots,
+                                              const float* inv_freq, int q_cols, int kv_cols, int head_dim,
+                                              long long cache_slots, int k) {
+    const int unit = blockIdx.x * GEMV_WARPS + threadIdx.x / TURBO_WARP;
+    const int qp = q_cols / 2, kp = kv_cols / 2;
+    if (unit >= qp + 2 * kp) return;  // uniform per warp
+    const __nv_bfloat16* row[2] = {w + (size_t)(2 * unit) * (size_t)k, w + (size_t)(2 * unit + 1) * (size_t)k};
+    float dot[M][2];
+    warp_dots<M, 2, true>(row, x, g, eps, k, dot);
+    if (threadIdx.x % TURBO_WARP != 0) return;
+    const int half = head_dim / 2;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float2 pair = make_float2(round_bf16(dot[m][0]), round_bf16(dot[m][1]));
+        if (unit < qp) {
+            pair = rope_rotate(pair, (float)positions[m], inv_freq[unit % half]);
+            reinterpret_cast<__nv_bfloat162*>(q + (size_t)m * q_cols)[unit] = __floats2bfloat162_rn(pair.x, pair.y);
+            continue;
+        }
+        const unsigned slot = slots[m];
+        if ((long long)slot >= cache_slots) continue;
+        if (unit < qp + kp) {
+            pair = rope_rotate(pair, (float)positions[m], inv_freq[(unit - qp) % half]);
+            reinterpret_cast<__nv_bfloat162*>(k_cache + (size_t)slot * kv_cols)[unit - qp] =
+                __floats2bfloat162_rn(pair.x, pair.y);
+        } else {
+            reinterpret_cast<__nv_bfloat162*>(v_cache + (size_t)slot * kv_cols)[unit - qp - kp] =
+                __floats2bfloat162_rn(pair.x, pair.y);
         }
     }
 }
@@ -139,6 +189,21 @@ __device__ __forceinline__ void gemv(const __nv_bfloat16* __restrict__ w, const 
                               float eps, void* out, int units, int k, int mode) {                           \
         gemv<M, 2, true>(w, x, g, eps, out, units, k, mode);                                                \
     }
+
+// Grid: ceil((q_cols / 2 + kv_cols) / GEMV_WARPS) blocks of GEMV_WARPS warps.
+#define GEMV_QKV_ROPE_KERNEL(M)                                                                             \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * TURBO_WARP) gemv_norm_qkv_rope_m##M(          \
+        const __nv_bfloat16* w, const __nv_bfloat16* x, const __nv_bfloat16* g, float eps, __nv_bfloat16* q, \
+        __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const unsigned* positions, const unsigned* slots,    \
+        const float* inv_freq, int q_cols, int kv_cols, int head_dim, long long cache_slots, int k) {        \
+        gemv_qkv_rope<M>(w, x, g, eps, q, k_cache, v_cache, positions, slots, inv_freq, q_cols, kv_cols,     \
+                         head_dim, cache_slots, k);                                                         \
+    }
+
+GEMV_QKV_ROPE_KERNEL(1)
+GEMV_QKV_ROPE_KERNEL(2)
+GEMV_QKV_ROPE_KERNEL(3)
+GEMV_QKV_ROPE_KERNEL(4)
 
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)

@@ -311,6 +311,29 @@ pub trait Backend: Send + Sync {
         self.rope(k, head_dim, batch)?;
         self.write_kv(cache, layer, k, v, batch)
     }
+    /// The attention block's first half: [`Backend::norm_linear`] with the fused QKV weight,
+    /// then [`Backend::qkv_rope_write`]. `normed`, `qkv`, `k` and `v` are scratch (a GPU rotates
+    /// and stores straight from the product at decode).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_qkv_rope_write(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+        normed: &mut Self::Tensor,
+        wqkv: &Self::Matrix,
+        qkv: &mut Self::Tensor,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &mut Self::Tensor,
+        head_dim: usize,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        batch: &Self::Batch,
+    ) -> Result<()> {
+        self.norm_linear(x, weight, eps, normed, wqkv, qkv)?;
+        self.qkv_rope_write(qkv, q, k, v, head_dim, cache, layer, batch)
+    }
     /// Causal attention of the batch's queries over each sequence's cached KV.
     #[allow(clippy::too_many_arguments)]
     fn attention(

@@ -4,7 +4,7 @@ use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::ops;
 use crate::ops::attention::{AttentionPlan, KvLayout, KvSplit, PlanOptions};
-use crate::ops::gemv::{gemv_fits, GemvNorm, GemvOut};
+use crate::ops::gemv::{gemv_fits, GemvNorm, GemvOut, QkvRopeOut};
 use cudarc::driver::sys::CUstreamCaptureMode;
 use cudarc::driver::{CudaGraph, CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
@@ -892,6 +892,51 @@ impl Backend for CudaBackend {
             &batch.view(&batch.sections.positions),
             &batch.view(&batch.sections.slots),
             &batch.inv_freq_dev,
+        )?)
+    }
+
+    fn norm_qkv_rope_write(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+        normed: &mut CudaTensor,
+        wqkv: &CudaMatrix,
+        qkv: &mut CudaTensor,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        v: &mut CudaTensor,
+        head_dim: usize,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        batch: &CudaBatch,
+    ) -> Result<()> {
+        if !gemv_fits(x.rows, wqkv.cols) || wqkv.rows != q.cols + 2 * k.cols {
+            self.norm_linear(x, weight, eps, normed, wqkv, qkv)?;
+            return self.qkv_rope_write(qkv, q, k, v, head_dim, cache, layer, batch);
+        }
+        batch.check_cache(cache)?;
+        let widths = (q.cols, k.cols, head_dim);
+        let (k_cache, v_cache) = cache.layer_mut(layer);
+        Ok(ops::gemv::gemv_qkv_rope(
+            &self.dev,
+            &x.data,
+            x.rows,
+            &wqkv.data,
+            wqkv.cols,
+            GemvNorm {
+                weight: &weight.data,
+                eps,
+            },
+            QkvRopeOut {
+                q: &mut q.data,
+                k_cache,
+                v_cache,
+                positions: &batch.view(&batch.sections.positions),
+                slots: &batch.view(&batch.sections.slots),
+                inv_freq: &batch.inv_freq_dev,
+                widths,
+            },
         )?)
     }
 

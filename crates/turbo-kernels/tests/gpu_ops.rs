@@ -798,3 +798,116 @@ fn qkv_rope_kv_equals_its_parts() {
         assert_eq!(written, valid, "{what}: slots written");
     }
 }
+
+/// The decode step's fused QKV product (norm, product, RoPE, KV write in one kernel) equals the
+/// normalised product followed by `qkv_rope_kv`, bit for bit: each product is rounded to bf16
+/// before its rotation, as a stored QKV row is.
+#[test]
+fn gemv_qkv_rope_equals_product_then_qkv_rope_kv() {
+    use ops::gemv::{gemv, gemv_qkv_rope, GemvNorm, GemvOut, QkvRopeOut};
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(25);
+    for (tokens, heads, kv_heads, head_dim, k) in [
+        (1, 32, 8, 128, 4096),
+        (2, 9, 3, 64, 576),
+        (3, 4, 4, 32, 264),
+        (4, 6, 2, 64, 1024),
+    ] {
+        let what =
+            format!("gemv_qkv_rope tokens={tokens} heads={heads}/{kv_heads} d={head_dim} k={k}");
+        let (q_cols, kv_cols) = (heads * head_dim, kv_heads * head_dim);
+        let rows = q_cols + 2 * kv_cols;
+        let inv_freq: Vec<f32> = (0..head_dim / 2)
+            .map(|i| 1.0 / 500_000f32.powf(2.0 * i as f32 / head_dim as f32))
+            .collect();
+        let positions: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..=40_000)).collect();
+        let cache_slots = tokens + 5;
+        let mut slots: Vec<u32> = (0..cache_slots as u32).collect();
+        slots.shuffle(&mut rng);
+        slots.truncate(tokens);
+        if tokens > 2 {
+            slots[1] = u32::MAX; // a padded row
+        }
+        let (w, x, g) = (
+            random_bf16(&mut rng, rows * k, 0.1),
+            random_bf16(&mut rng, tokens * k, 2.0),
+            random_bf16(&mut rng, k, 1.5),
+        );
+        let (w_d, x_d, g_d, pos_d, slots_d, freq_d) = (
+            upload(&dev, &w),
+            upload(&dev, &x),
+            upload(&dev, &g),
+            upload(&dev, &positions),
+            upload(&dev, &slots),
+            upload(&dev, &inv_freq),
+        );
+        let norm = || GemvNorm {
+            weight: &g_d,
+            eps: 1e-5,
+        };
+
+        let mut q = poisoned(&dev, tokens * q_cols);
+        let mut k_cache = poisoned(&dev, cache_slots * kv_cols);
+        let mut v_cache = poisoned(&dev, cache_slots * kv_cols);
+        gemv_qkv_rope(
+            &dev,
+            &x_d,
+            tokens,
+            &w_d,
+            k,
+            norm(),
+            QkvRopeOut {
+                q: &mut q,
+                k_cache: &mut k_cache,
+                v_cache: &mut v_cache,
+                positions: &pos_d.slice(..),
+                slots: &slots_d.slice(..),
+                inv_freq: &freq_d,
+                widths: (q_cols, kv_cols, head_dim),
+            },
+        )
+        .unwrap();
+
+        let mut qkv = poisoned(&dev, tokens * rows);
+        gemv(
+            &dev,
+            &x_d,
+            tokens,
+            &w_d,
+            rows,
+            k,
+            Some(norm()),
+            GemvOut::Bf16(&mut qkv),
+        )
+        .unwrap();
+        let mut q2 = poisoned(&dev, tokens * q_cols);
+        let mut k_cache2 = poisoned(&dev, cache_slots * kv_cols);
+        let mut v_cache2 = poisoned(&dev, cache_slots * kv_cols);
+        ops::elementwise::qkv_rope_kv(
+            &dev,
+            &qkv,
+            &mut q2,
+            &mut k_cache2,
+            &mut v_cache2,
+            tokens,
+            (q_cols, kv_cols, head_dim),
+            &pos_d.slice(..),
+            &slots_d.slice(..),
+            &freq_d,
+        )
+        .unwrap();
+
+        let bits = |s: &CudaSlice<bf16>| -> Vec<u16> {
+            download(&dev, s).iter().map(|x| x.to_bits()).collect()
+        };
+        assert_eq!(bits(&q), bits(&q2), "{what}: queries");
+        assert_eq!(bits(&k_cache), bits(&k_cache2), "{what}: keys");
+        assert_eq!(bits(&v_cache), bits(&v_cache2), "{what}: values");
+        let written = bits(&k_cache)
+            .chunks(kv_cols)
+            .filter(|row| row.iter().all(|&b| b != NAN_BITS))
+            .count();
+        let valid = slots.iter().filter(|&&s| s != u32::MAX).count();
+        assert_eq!(written, valid, "{what}: slots written");
+    }
+}

@@ -292,8 +292,21 @@ impl<B: Backend> Llama<B> {
             b.embed(&self.embed, batch_layout, x)?;
             for (i, layer) in self.layers.iter().enumerate() {
                 // Attention block; `x` is the residual stream.
-                b.norm_linear(x, &layer.attn_norm, eps, h, &layer.wqkv, qkv)?;
-                b.qkv_rope_write(qkv, q, k, v, hd, cache, i, batch_layout)?;
+                b.norm_qkv_rope_write(
+                    x,
+                    &layer.attn_norm,
+                    eps,
+                    h,
+                    &layer.wqkv,
+                    qkv,
+                    q,
+                    k,
+                    v,
+                    hd,
+                    cache,
+                    i,
+                    batch_layout,
+                )?;
                 b.attention(q, cache, i, c.n_heads, batch_layout, scale, attn)?;
                 b.linear_residual(attn, &layer.wo, o, x)?;
                 // Feed-forward block (SwiGLU).

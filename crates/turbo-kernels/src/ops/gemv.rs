@@ -1,11 +1,12 @@
 //! Matrix-vector products for steps of at most [`GEMV_MAX_TOKENS`] tokens (`kernels/gemv.cu`):
 //! a stream over the weights that fuses the ops around a decode step's products (the RMSNorm
-//! before, the residual add or SwiGLU after), so each is one kernel instead of two or three.
+//! before; the residual add, SwiGLU, or RoPE and the KV write after), so each is one kernel
+//! instead of two or three.
 
 use super::check;
 use crate::device::CudaDevice;
 use crate::error::Result;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 /// The most tokens (rows of `x`) the kernels take.
@@ -129,3 +130,94 @@ pub fn gemv(
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
+
+/// Where [`gemv_qkv_rope`] puts its results, and the step's rotary positions.
+pub struct QkvRopeOut<'a, 'b> {
+    /// `[tokens, q_cols]`, the rotated queries.
+    pub q: &'a mut CudaSlice<bf16>,
+    /// One layer's paged keys and values, `kv_cols` per slot.
+    pub k_cache: &'a mut CudaSlice<bf16>,
+    pub v_cache: &'a mut CudaSlice<bf16>,
+    pub positions: &'a CudaView<'b, u32>,
+    pub slots: &'a CudaView<'b, u32>,
+    pub inv_freq: &'a CudaSlice<f32>,
+    /// `(q_cols, kv_cols, head_dim)`.
+    pub widths: (usize, usize, usize),
+}
+
+/// The attention block's first product and the step after it, in one kernel: `rms_norm(x) ·
+/// wqkvᵀ` for the fused `[W_q; W_k; W_v]`, then what `elementwise::qkv_rope_kv` does with it
+/// (rotated queries to `q`, rotated keys and values to each token's slot), with the same
+/// rounding, so the two paths agree bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_qkv_rope(
+    dev: &CudaDevice,
+    x: &CudaSlice<bf16>,
+    tokens: usize,
+    w: &CudaSlice<bf16>,
+    k: usize,
+    norm: GemvNorm,
+    out: QkvRopeOut,
+) -> Result<()> {
+    let (q_cols, kv_cols, head_dim) = out.widths;
+    let rows = q_cols + 2 * kv_cols;
+    check(
+        gemv_fits(tokens, k)
+            && head_dim > 0
+            && head_dim % 2 == 0
+            && q_cols % head_dim == 0
+            && kv_cols % head_dim == 0
+            && rows <= i32::MAX as usize
+            && x.len() >= tokens * k
+            && w.len() >= rows * k
+            && norm.weight.len() >= k
+            && out.q.len() >= tokens * q_cols
+            && out.positions.len() >= tokens
+            && out.slots.len() >= tokens
+            && out.inv_freq.len() >= head_dim / 2,
+        || {
+            format!(
+                "gemv_qkv_rope: x {} / w {} / q {} elements for tokens={tokens} k={k} \
+                 q_cols={q_cols} kv_cols={kv_cols} head_dim={head_dim}",
+                x.len(),
+                w.len(),
+                out.q.len()
+            )
+        },
+    )?;
+    let cache_slots = (out.k_cache.len().min(out.v_cache.len()) / kv_cols.max(1)) as i64;
+    let (q_i, kv_i, hd_i, k_i) = (q_cols as i32, kv_cols as i32, head_dim as i32, k as i32);
+    let f = dev.function("gemv", QKV_ROPE_NAMES[tokens - 1])?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(w);
+    b.arg(x);
+    b.arg(norm.weight);
+    b.arg(&norm.eps);
+    b.arg(out.q);
+    b.arg(out.k_cache);
+    b.arg(out.v_cache);
+    b.arg(out.positions);
+    b.arg(out.slots);
+    b.arg(out.inv_freq);
+    b.arg(&q_i);
+    b.arg(&kv_i);
+    b.arg(&hd_i);
+    b.arg(&cache_slots);
+    b.arg(&k_i);
+    let cfg = LaunchConfig {
+        grid_dim: ((rows / 2).div_ceil(WARPS) as u32, 1, 1),
+        block_dim: ((WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; the sizes were checked (the kernel
+    // skips slots past the caches), and with k % 8 == 0 every 16-byte load is aligned.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+const QKV_ROPE_NAMES: [&str; GEMV_MAX_TOKENS] = [
+    "gemv_norm_qkv_rope_m1",
+    "gemv_norm_qkv_rope_m2",
+    "gemv_norm_qkv_rope_m3",
+    "gemv_norm_qkv_rope_m4",
+];
