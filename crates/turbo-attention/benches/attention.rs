@@ -1,5 +1,8 @@
 //! CPU paged attention: decode (one query) and prefill (a causal block of queries), SmolLM2 heads;
 //! and decode of a batch whose sequences share a prompt prefix, plain against cascade.
+//!
+//! `q170_kv2370` is round 10 of the multi-round chat bench (docs/perf/cpu.md): 170 new tokens over
+//! a 2,200-token history.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use turbo_attention::cascade::{cascade_groups, paged_attention_cascade};
@@ -8,7 +11,15 @@ use turbo_attention::{paged_attention, PagedKv, QuerySpan};
 fn bench(c: &mut Criterion) {
     let (block_size, n_kv_heads, n_heads, d) = (16usize, 3usize, 9usize, 64usize);
     let mut group = c.benchmark_group("cpu_paged_attention");
-    for (n_q, kv_len) in [(1usize, 512usize), (1, 4096), (128, 512)] {
+    let cases = [
+        (1usize, 512usize),
+        (1, 4096),
+        (2, 2048),
+        (4, 2048),
+        (128, 512),
+        (170, 2370),
+    ];
+    for (n_q, kv_len) in cases {
         let n_blocks = kv_len.div_ceil(block_size);
         let len = n_blocks * block_size * n_kv_heads * d;
         let keys: Vec<f32> = (0..len)
@@ -35,10 +46,10 @@ fn bench(c: &mut Criterion) {
             kv_len,
             block_table: &table,
         }];
-        // Bytes of KV read, once per query (no reuse across queries on this path).
-        group.throughput(Throughput::Bytes(
-            (n_q * kv_len * n_kv_heads * d * 8) as u64,
-        ));
+        // Scores computed (query rows x heads x the keys each row sees); each costs 4 * d flops
+        // (q . k and the weighted sum of v).
+        let scores: usize = (kv_len - n_q..kv_len).map(|p| (p + 1) * n_heads).sum();
+        group.throughput(Throughput::Elements(scores as u64));
         group.bench_function(format!("q{n_q}_kv{kv_len}"), |b| {
             b.iter(|| paged_attention(&q, n_heads, &kv, &spans, 0.125, &mut out, None))
         });
