@@ -4,6 +4,7 @@ pub mod cascade;
 mod error;
 mod paged;
 mod state;
+mod tiled;
 
 pub use error::AttentionError;
 pub use paged::{paged_attention, try_paged_attention, KvRows, PagedKv, QuerySpan};
