@@ -4,13 +4,14 @@
 //! of a common prompt prefix), the attention of all their query rows over that prefix reads the
 //! same key and value rows. Cascade attention computes it as one multi-query pass that reads each
 //! shared row once for all of the group's queries, computes each sequence's own remaining keys
-//! separately, and merges the two states per (row, head) ([`crate::merge_into`]). The result
+//! separately (as tiles for spans of several rows, like [`crate::paged_attention`]), and merges
+//! the two states per (row, head) ([`crate::merge_into`]). The result
 //! equals [`crate::paged_attention`] up to f32 rounding.
 //!
 //! [`cascade_groups`] finds the groups from the block tables alone; [`paged_attention_cascade`]
 //! runs a batch with them. Backends call the first once per batch and the second per layer.
 
-use crate::paged::{check_batch, dot, head_kernel, row_positions};
+use crate::paged::{check_batch, dot, head_kernel, row_positions, Tiled};
 use crate::{merge_into, AttentionError, PagedKv, QuerySpan};
 use rayon::prelude::*;
 use std::cmp::Reverse;
@@ -256,6 +257,14 @@ pub fn try_paged_attention_cascade(
             &mut lse_scratch
         }
     };
+    // Spans with many rows run their own keys as tiles (see `crate::tiled`), the rest row by row.
+    let mut own_start = vec![0; spans.len()];
+    for group in groups {
+        for &m in &group.members {
+            own_start[m] = group.shared_len;
+        }
+    }
+    let tiled = Tiled::run(q, n_heads, kv, spans, scale, |s| own_start[s]);
     let kernel = head_kernel();
     out.par_chunks_mut(d)
         .zip(lse.par_iter_mut())
@@ -264,21 +273,26 @@ pub fn try_paged_attention_cascade(
             let (token, head) = (i / n_heads, i % n_heads);
             let (s, pos) = rows[token];
             let kv_head = head / per_kv;
-            let first = place[token].map_or(0, |(g, _)| groups[g].shared_len);
-            let qh = &q[i * d..(i + 1) * d];
-            // SAFETY: the dispatcher only returns kernels whose CPU features were detected.
-            *l = unsafe {
-                kernel(
-                    qh,
-                    kv,
-                    spans[s].block_table,
-                    kv_head,
-                    first..pos + 1,
-                    scale,
-                    scores,
-                    o,
-                )
-            };
+            if let Some(at) = tiled.row(token, head) {
+                o.copy_from_slice(&tiled.out[at * d..(at + 1) * d]);
+                *l = tiled.lse[at];
+            } else {
+                let first = place[token].map_or(0, |(g, _)| groups[g].shared_len);
+                let qh = &q[i * d..(i + 1) * d];
+                // SAFETY: the dispatcher only returns kernels whose CPU features were detected.
+                *l = unsafe {
+                    kernel(
+                        qh,
+                        kv,
+                        spans[s].block_table,
+                        kv_head,
+                        first..pos + 1,
+                        scale,
+                        scores,
+                        o,
+                    )
+                };
+            }
             if let Some((g, r)) = place[token] {
                 let states = &shared[g];
                 let n_rows = group_rows[g].len();
