@@ -283,14 +283,14 @@ pub(crate) fn check_batch(
             kv.block_size, kv.n_kv_heads
         ));
     }
-    if n_heads % kv.n_kv_heads != 0 {
+    if !n_heads.is_multiple_of(kv.n_kv_heads) {
         return shape(format!(
             "{n_heads} query heads are not a multiple of {} KV heads",
             kv.n_kv_heads
         ));
     }
     let row_len = n_heads * d;
-    if q.len() % row_len != 0 || out.len() != q.len() {
+    if !q.len().is_multiple_of(row_len) || out.len() != q.len() {
         return shape(format!(
             "q has {} and out {} elements; both must be the same multiple of n_heads * head_dim = {row_len}",
             q.len(),
@@ -307,7 +307,7 @@ pub(crate) fn check_batch(
         }
     }
     let block_len = kv.block_size * kv.n_kv_heads * d;
-    if kv.keys.len() != kv.values.len() || kv.keys.len() % block_len != 0 {
+    if kv.keys.len() != kv.values.len() || !kv.keys.len().is_multiple_of(block_len) {
         return shape(format!(
             "keys ({}) and values ({}) must hold the same whole number of {block_len}-element blocks",
             kv.keys.len(),

@@ -87,7 +87,7 @@ pub(crate) type TileKernel =
 pub(crate) fn tile_kernel() -> TileKernel {
     static KERNEL: std::sync::OnceLock<TileKernel> = std::sync::OnceLock::new();
     *KERNEL.get_or_init(|| {
-        #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
+        #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
             return avx512::tile;
         }
@@ -107,7 +107,7 @@ pub(crate) fn tile_kernels() -> Vec<(&'static str, TileKernel)> {
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         kernels.push(("avx2", avx2::tile));
     }
-    #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
+    #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
         kernels.push(("avx512", avx512::tile));
     }
@@ -130,12 +130,9 @@ trait Simd {
     unsafe fn mul_add(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
 }
 
-// AVX-512 intrinsics are stable from Rust 1.89, newer than this crate's minimum: the build script
-// sets `avx512_intrinsics` where the compiler has them.
-#[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
+#[cfg(target_arch = "x86_64")]
 struct Avx512;
-#[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
-#[allow(clippy::incompatible_msrv)]
+#[cfg(target_arch = "x86_64")]
 impl Simd for Avx512 {
     const LANES: usize = 16;
     type V = std::arch::x86_64::__m512;
@@ -357,7 +354,7 @@ macro_rules! tile_for {
     };
 }
 
-#[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
+#[cfg(target_arch = "x86_64")]
 tile_for!(avx512, Avx512, true, [3, 8], [1, 16], "avx512f,avx2,fma");
 #[cfg(target_arch = "x86_64")]
 tile_for!(avx2, Avx2, true, [2, 6], [2, 6], "avx2,fma");

@@ -55,7 +55,8 @@ impl DType {
 
     /// Bytes taken by a row of `n` elements, or `None` when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        (n % self.block_len() == 0).then(|| n / self.block_len() * self.block_bytes())
+        n.is_multiple_of(self.block_len())
+            .then(|| n / self.block_len() * self.block_bytes())
     }
 
     /// The GGML type id used in GGUF files.

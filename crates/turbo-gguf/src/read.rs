@@ -212,7 +212,7 @@ impl GgufFile {
     }
 
     fn validate(&self, info: &TensorInfo) -> Result<()> {
-        if info.offset % u64::from(self.alignment) != 0 {
+        if !info.offset.is_multiple_of(u64::from(self.alignment)) {
             return Err(GgufError::Corrupt(format!(
                 "tensor '{}' has offset {}, not a multiple of the alignment {}",
                 info.name, info.offset, self.alignment

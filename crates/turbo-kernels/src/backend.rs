@@ -250,7 +250,7 @@ impl CudaBackend {
         if !self.graphs.load(Ordering::Relaxed)
             || !decode
             || !ops::attention::GROUPED_HEAD_DIMS.contains(&spec.head_dim)
-            || layout.n_heads % spec.n_kv_heads != 0
+            || !layout.n_heads.is_multiple_of(spec.n_kv_heads)
         {
             return None;
         }

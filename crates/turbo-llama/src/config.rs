@@ -44,13 +44,13 @@ impl LlamaConfig {
         if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_layers == 0 || self.vocab_size == 0 {
             return fail("heads, KV heads, layers and vocabulary must be positive".into());
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return fail(format!(
                 "{} heads are not a multiple of {} KV heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return fail(format!("head dimension {} must be even", self.head_dim));
         }
         if let Some(RopeScaling::Factors { factors }) = &self.rope_scaling {

@@ -395,7 +395,7 @@ impl AttentionPlan {
             block_size > 0
                 && n_kv_heads > 0
                 && n_heads > 0
-                && n_heads % n_kv_heads == 0
+                && n_heads.is_multiple_of(n_kv_heads)
                 && n_heads <= 65535
                 && block_size <= i32::MAX as usize,
             || {

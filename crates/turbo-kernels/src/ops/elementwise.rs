@@ -41,7 +41,7 @@ pub fn rope(
     let n = tokens * heads * head_dim;
     check(
         head_dim > 0
-            && head_dim % 2 == 0
+            && head_dim.is_multiple_of(2)
             && fits_i32(tokens)
             && fits_i32(heads)
             && fits_i32(head_dim)

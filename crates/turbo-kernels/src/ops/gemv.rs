@@ -35,7 +35,10 @@ pub struct GemvNorm<'a> {
 
 /// Whether [`gemv`] takes a product of `tokens` rows of width `k`.
 pub fn gemv_fits(tokens: usize, k: usize) -> bool {
-    (1..=GEMV_MAX_TOKENS).contains(&tokens) && k % 8 == 0 && k > 0 && k <= i32::MAX as usize
+    (1..=GEMV_MAX_TOKENS).contains(&tokens)
+        && k.is_multiple_of(8)
+        && k > 0
+        && k <= i32::MAX as usize
 }
 
 const NAMES: [[&str; GEMV_MAX_TOKENS]; 3] = [
@@ -78,7 +81,7 @@ pub fn gemv(
         gemv_fits(tokens, k)
             && rows > 0
             && rows <= i32::MAX as usize
-            && (!swiglu || (rows % 2 == 0 && norm.is_some()))
+            && (!swiglu || (rows.is_multiple_of(2) && norm.is_some()))
             && x.len() >= tokens * k
             && w.len() >= rows * k
             && out_len >= tokens * units

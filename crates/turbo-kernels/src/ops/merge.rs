@@ -67,7 +67,7 @@ const BLOCK_THREADS: usize = 256;
 /// and the config; fails when a pair needs more than 1024 threads or the grid is too large.
 fn launch(what: &str, shape: StateShape) -> Result<(usize, LaunchConfig)> {
     let d = shape.head_dim;
-    let (variant, vec) = if d % 4 == 0 { (1, 4) } else { (0, 1) };
+    let (variant, vec) = if d.is_multiple_of(4) { (1, 4) } else { (0, 1) };
     let per_pair = d / vec;
     check(d > 0 && per_pair <= 1024 && d <= i32::MAX as usize, || {
         format!("{what}: head_dim {d} unsupported (1 to 1024, or up to 4096 if a multiple of 4)")
