@@ -536,35 +536,18 @@ fn gemv_matches_reference() {
             let (wf, xf, gf) = (to_f32(&w), to_f32(&x), to_f32(&g));
             let (w_d, x_d, g_d) = (upload(&dev, &w), upload(&dev, &x), upload(&dev, &g));
             let n = tokens * rows;
+            let run = |norm: Option<GemvNorm>, out: GemvOut| {
+                gemv(&dev, &x_d, tokens, &w_d, rows, k, norm, out).unwrap()
+            };
 
             let plain = gemv_ref(&wf, &xf, k, None);
             let mut out = poisoned(&dev, n);
-            gemv(
-                &dev,
-                &x_d,
-                tokens,
-                &w_d,
-                rows,
-                k,
-                None,
-                GemvOut::Bf16(&mut out),
-            )
-            .unwrap();
+            run(None, GemvOut::Bf16(&mut out));
             assert_close(&what("bf16"), &download(&dev, &out), &plain);
 
             // f32 out: only the f32 accumulation's error, far below one term (|term| >= 0.0025).
             let mut logits = upload(&dev, &vec![f32::NAN; n]);
-            gemv(
-                &dev,
-                &x_d,
-                tokens,
-                &w_d,
-                rows,
-                k,
-                None,
-                GemvOut::F32(&mut logits),
-            )
-            .unwrap();
+            run(None, GemvOut::F32(&mut logits));
             for (i, (got, want)) in download(&dev, &logits).iter().zip(&plain).enumerate() {
                 let tol = 1e-5 * (k as f64) + 1e-6 * want.abs();
                 assert!(
@@ -576,17 +559,7 @@ fn gemv_matches_reference() {
 
             let residual = random_bf16(&mut rng, n, 2.0);
             let mut res_d = upload(&dev, &residual);
-            gemv(
-                &dev,
-                &x_d,
-                tokens,
-                &w_d,
-                rows,
-                k,
-                None,
-                GemvOut::AddTo(&mut res_d),
-            )
-            .unwrap();
+            run(None, GemvOut::AddTo(&mut res_d));
             let want: Vec<f64> = plain
                 .iter()
                 .zip(&residual)
@@ -597,17 +570,7 @@ fn gemv_matches_reference() {
             let normed = gemv_ref(&wf, &xf, k, Some((&gf, eps as f64)));
             let mut out = poisoned(&dev, n);
             let norm = GemvNorm { weight: &g_d, eps };
-            gemv(
-                &dev,
-                &x_d,
-                tokens,
-                &w_d,
-                rows,
-                k,
-                Some(norm),
-                GemvOut::Bf16(&mut out),
-            )
-            .unwrap();
+            run(Some(norm), GemvOut::Bf16(&mut out));
             assert_close(&what("norm"), &download(&dev, &out), &normed);
 
             if rows % 2 == 0 {
@@ -624,17 +587,7 @@ fn gemv_matches_reference() {
                     .collect();
                 let mut out = poisoned(&dev, half_n);
                 let norm = GemvNorm { weight: &g_d, eps };
-                gemv(
-                    &dev,
-                    &x_d,
-                    tokens,
-                    &w_d,
-                    rows,
-                    k,
-                    Some(norm),
-                    GemvOut::SwiGlu(&mut out),
-                )
-                .unwrap();
+                run(Some(norm), GemvOut::SwiGlu(&mut out));
                 assert_close(&what("swiglu"), &download(&dev, &out), &want);
             }
         }
@@ -707,6 +660,82 @@ fn split3_splits_columns() {
 /// The fused step after the QKV product equals its parts (split3, rope of q and k, write_kv,
 /// each tested against references above) on fresh random rows: the same rotation rounded once to
 /// bf16, so equal to the bit; padded rows with a slot past the cache write nothing.
+/// A decode-like step's rotary inputs: inverse frequencies for `theta`, a random position per
+/// token, and distinct shuffled KV slots among `tokens + 5` (row 1 padded when there are more
+/// than two rows); `(inv_freq, positions, slots, cache_slots)`.
+fn rope_step(
+    rng: &mut ChaCha8Rng,
+    tokens: usize,
+    head_dim: usize,
+    theta: f32,
+) -> (Vec<f32>, Vec<u32>, Vec<u32>, usize) {
+    let inv_freq: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f32 / head_dim as f32))
+        .collect();
+    let positions: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..=40_000)).collect();
+    let cache_slots = tokens + 5;
+    let mut slots: Vec<u32> = (0..cache_slots as u32).collect();
+    slots.shuffle(rng);
+    slots.truncate(tokens);
+    if tokens > 2 {
+        slots[1] = u32::MAX; // a padded row
+    }
+    (inv_freq, positions, slots, cache_slots)
+}
+
+/// `qkv_rope_kv` into fresh poisoned buffers: `(q, k cache, v cache)`.
+fn qkv_rope_kv_poisoned(
+    dev: &CudaDevice,
+    qkv: &CudaSlice<bf16>,
+    tokens: usize,
+    (q_cols, kv_cols, head_dim): (usize, usize, usize),
+    rope: (&CudaSlice<u32>, &CudaSlice<u32>, &CudaSlice<f32>),
+    cache_slots: usize,
+) -> [CudaSlice<bf16>; 3] {
+    let (positions, slots, inv_freq) = rope;
+    let mut q = poisoned(dev, tokens * q_cols);
+    let mut k_cache = poisoned(dev, cache_slots * kv_cols);
+    let mut v_cache = poisoned(dev, cache_slots * kv_cols);
+    ops::elementwise::qkv_rope_kv(
+        dev,
+        qkv,
+        &mut q,
+        &mut k_cache,
+        &mut v_cache,
+        tokens,
+        (q_cols, kv_cols, head_dim),
+        &positions.slice(..),
+        &slots.slice(..),
+        inv_freq,
+    )
+    .unwrap();
+    [q, k_cache, v_cache]
+}
+
+/// Asserts two `(q, k cache, v cache)` results equal bit for bit, and that the caches hold
+/// exactly the unpadded `slots`' rows.
+fn assert_same_qkv(
+    dev: &CudaDevice,
+    what: &str,
+    got: [&CudaSlice<bf16>; 3],
+    want: [&CudaSlice<bf16>; 3],
+    kv_cols: usize,
+    slots: &[u32],
+) {
+    let bits = |s: &CudaSlice<bf16>| -> Vec<u16> {
+        download(dev, s).iter().map(|x| x.to_bits()).collect()
+    };
+    for ((g, w), part) in got.iter().zip(want).zip(["queries", "keys", "values"]) {
+        assert_eq!(bits(g), bits(w), "{what}: {part}");
+    }
+    let written = bits(got[1])
+        .chunks(kv_cols)
+        .filter(|row| row.iter().all(|&b| b != NAN_BITS))
+        .count();
+    let valid = slots.iter().filter(|&&s| s != u32::MAX).count();
+    assert_eq!(written, valid, "{what}: slots written");
+}
+
 #[test]
 fn qkv_rope_kv_equals_its_parts() {
     let Some(dev) = device() else { return };
@@ -715,17 +744,8 @@ fn qkv_rope_kv_equals_its_parts() {
         let what = format!("qkv_rope_kv tokens={tokens} heads={heads}/{kv_heads} d={head_dim}");
         let (q_cols, kv_cols) = (heads * head_dim, kv_heads * head_dim);
         let width = q_cols + 2 * kv_cols;
-        let inv_freq: Vec<f32> = (0..head_dim / 2)
-            .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / head_dim as f32))
-            .collect();
-        let positions: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..=40_000)).collect();
-        let cache_slots = tokens + 5;
-        let mut slots: Vec<u32> = (0..cache_slots as u32).collect();
-        slots.shuffle(&mut rng);
-        slots.truncate(tokens);
-        if tokens > 2 {
-            slots[1] = u32::MAX; // a padded row
-        }
+        let (inv_freq, positions, slots, cache_slots) =
+            rope_step(&mut rng, tokens, head_dim, 10_000.0);
         let qkv = random_bf16(&mut rng, tokens * width, 2.0);
         let (qkv_d, pos_d, slots_d, freq_d) = (
             upload(&dev, &qkv),
@@ -734,22 +754,14 @@ fn qkv_rope_kv_equals_its_parts() {
             upload(&dev, &inv_freq),
         );
 
-        let mut q = poisoned(&dev, tokens * q_cols);
-        let mut k_cache = poisoned(&dev, cache_slots * kv_cols);
-        let mut v_cache = poisoned(&dev, cache_slots * kv_cols);
-        ops::elementwise::qkv_rope_kv(
+        let [q, k_cache, v_cache] = qkv_rope_kv_poisoned(
             &dev,
             &qkv_d,
-            &mut q,
-            &mut k_cache,
-            &mut v_cache,
             tokens,
             (q_cols, kv_cols, head_dim),
-            &pos_d.slice(..),
-            &slots_d.slice(..),
-            &freq_d,
-        )
-        .unwrap();
+            (&pos_d, &slots_d, &freq_d),
+            cache_slots,
+        );
 
         let (mut q2, mut k2, mut v2) = (
             poisoned(&dev, tokens * q_cols),
@@ -784,18 +796,14 @@ fn qkv_rope_kv_equals_its_parts() {
             kv_cols,
         )
         .unwrap();
-        let bits = |s: &CudaSlice<bf16>| -> Vec<u16> {
-            download(&dev, s).iter().map(|x| x.to_bits()).collect()
-        };
-        assert_eq!(bits(&q), bits(&q2), "{what}: queries");
-        assert_eq!(bits(&k_cache), bits(&k_cache2), "{what}: keys");
-        assert_eq!(bits(&v_cache), bits(&v_cache2), "{what}: values");
-        let written = bits(&k_cache)
-            .chunks(kv_cols)
-            .filter(|row| row.iter().all(|&b| b != NAN_BITS))
-            .count();
-        let valid = slots.iter().filter(|&&s| s != u32::MAX).count();
-        assert_eq!(written, valid, "{what}: slots written");
+        assert_same_qkv(
+            &dev,
+            &what,
+            [&q, &k_cache, &v_cache],
+            [&q2, &k_cache2, &v_cache2],
+            kv_cols,
+            &slots,
+        );
     }
 }
 
@@ -817,17 +825,8 @@ fn gemv_qkv_rope_equals_product_then_qkv_rope_kv() {
             format!("gemv_qkv_rope tokens={tokens} heads={heads}/{kv_heads} d={head_dim} k={k}");
         let (q_cols, kv_cols) = (heads * head_dim, kv_heads * head_dim);
         let rows = q_cols + 2 * kv_cols;
-        let inv_freq: Vec<f32> = (0..head_dim / 2)
-            .map(|i| 1.0 / 500_000f32.powf(2.0 * i as f32 / head_dim as f32))
-            .collect();
-        let positions: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..=40_000)).collect();
-        let cache_slots = tokens + 5;
-        let mut slots: Vec<u32> = (0..cache_slots as u32).collect();
-        slots.shuffle(&mut rng);
-        slots.truncate(tokens);
-        if tokens > 2 {
-            slots[1] = u32::MAX; // a padded row
-        }
+        let (inv_freq, positions, slots, cache_slots) =
+            rope_step(&mut rng, tokens, head_dim, 500_000.0);
         let (w, x, g) = (
             random_bf16(&mut rng, rows * k, 0.1),
             random_bf16(&mut rng, tokens * k, 2.0),
@@ -880,34 +879,22 @@ fn gemv_qkv_rope_equals_product_then_qkv_rope_kv() {
             GemvOut::Bf16(&mut qkv),
         )
         .unwrap();
-        let mut q2 = poisoned(&dev, tokens * q_cols);
-        let mut k_cache2 = poisoned(&dev, cache_slots * kv_cols);
-        let mut v_cache2 = poisoned(&dev, cache_slots * kv_cols);
-        ops::elementwise::qkv_rope_kv(
+        let [q2, k_cache2, v_cache2] = qkv_rope_kv_poisoned(
             &dev,
             &qkv,
-            &mut q2,
-            &mut k_cache2,
-            &mut v_cache2,
             tokens,
             (q_cols, kv_cols, head_dim),
-            &pos_d.slice(..),
-            &slots_d.slice(..),
-            &freq_d,
-        )
-        .unwrap();
+            (&pos_d, &slots_d, &freq_d),
+            cache_slots,
+        );
 
-        let bits = |s: &CudaSlice<bf16>| -> Vec<u16> {
-            download(&dev, s).iter().map(|x| x.to_bits()).collect()
-        };
-        assert_eq!(bits(&q), bits(&q2), "{what}: queries");
-        assert_eq!(bits(&k_cache), bits(&k_cache2), "{what}: keys");
-        assert_eq!(bits(&v_cache), bits(&v_cache2), "{what}: values");
-        let written = bits(&k_cache)
-            .chunks(kv_cols)
-            .filter(|row| row.iter().all(|&b| b != NAN_BITS))
-            .count();
-        let valid = slots.iter().filter(|&&s| s != u32::MAX).count();
-        assert_eq!(written, valid, "{what}: slots written");
+        assert_same_qkv(
+            &dev,
+            &what,
+            [&q, &k_cache, &v_cache],
+            [&q2, &k_cache2, &v_cache2],
+            kv_cols,
+            &slots,
+        );
     }
 }
