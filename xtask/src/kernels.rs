@@ -7,6 +7,18 @@ use std::process::Command;
 
 /// Portable PTX for every GPU from Ampere on; the driver JIT-compiles it for the device at hand.
 const PTX_ARCH: &str = "compute_80";
+/// Sources named `*_sm90a.cu` use Hopper-only instructions (wgmma): their PTX targets exactly
+/// sm_90, and only such a device loads it.
+const SM90A_SUFFIX: &str = "_sm90a";
+
+/// The PTX target of a kernel source.
+fn ptx_arch(name: &str) -> &'static str {
+    if name.ends_with(SM90A_SUFFIX) {
+        "compute_90a"
+    } else {
+        PTX_ARCH
+    }
+}
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -53,7 +65,7 @@ pub fn compile() -> Result<()> {
         let status = Command::new(&nvcc)
             .args([
                 "-ptx",
-                &format!("-arch={PTX_ARCH}"),
+                &format!("-arch={}", ptx_arch(&name)),
                 "-O3",
                 "-std=c++17",
                 "-lineinfo",

@@ -148,16 +148,30 @@ fn bench(c: &mut Criterion) {
         };
         // Causal: half of full attention's 4·n²·d·heads FLOP ("elements" below are FLOP).
         g.throughput(Throughput::Elements((2 * n * n * d * heads) as u64));
-        g.bench_function(format!("prefill_attention_causal_s{n}_h32_d128"), |b| {
-            b.iter_custom(|iters| {
-                time_gpu(&dev, iters, || {
-                    attention::paged_attention(
-                        &dev, &q, &k, &v, layout, heads, &spans, 0.088, &mut out, None,
-                    )
-                    .unwrap()
+        // The default kernel (warpgroup MMA on an sm_90 device), and the mma.sync one.
+        for (name, prefill_kernel) in [
+            ("prefill_attention", attention::PrefillKernel::Auto),
+            (
+                "prefill_attention_mma_sync",
+                attention::PrefillKernel::MmaSync,
+            ),
+        ] {
+            let options = attention::PlanOptions {
+                prefill_kernel,
+                ..Default::default()
+            };
+            let mut plan =
+                attention::AttentionPlan::new(&dev, layout, heads, n, &spans, n / bs, options)
+                    .unwrap();
+            eprintln!("{name}: {:?}", plan.prefill_kernels().0);
+            g.bench_function(format!("{name}_causal_s{n}_h32_d128"), |b| {
+                b.iter_custom(|iters| {
+                    time_gpu(&dev, iters, || {
+                        plan.run(&dev, &q, &k, &v, 0.088, &mut out, None).unwrap()
+                    })
                 })
-            })
-        });
+            });
+        }
     }
 
     // cuBLAS: the 8B FFN up-projection (14336 x 4096) at batch 1 (bandwidth) and 2048 tokens (FLOP).
@@ -350,12 +364,22 @@ fn bench_cascade(c: &mut Criterion) {
             };
             // Keys attended, over all sequences (what plain attention reads).
             g.throughput(Throughput::Elements((batch * (prefix + suffix)) as u64));
-            for (name, cascade_min_shared) in [
-                ("cascade", Some(attention::CASCADE_MIN_SHARED)),
-                ("plain", None),
+            for (name, cascade_min_shared, prefill_kernel) in [
+                (
+                    "cascade",
+                    Some(attention::CASCADE_MIN_SHARED),
+                    attention::PrefillKernel::Auto,
+                ),
+                (
+                    "cascade_mma_sync",
+                    Some(attention::CASCADE_MIN_SHARED),
+                    attention::PrefillKernel::MmaSync,
+                ),
+                ("plain", None, attention::PrefillKernel::Auto),
             ] {
                 let options = attention::PlanOptions {
                     cascade_min_shared,
+                    prefill_kernel,
                     ..Default::default()
                 };
                 let mut plan = attention::AttentionPlan::new(

@@ -3,7 +3,7 @@
 use crate::error::{CudaError, Result};
 use crate::ptx::{KernelModule, MODULES};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
@@ -35,6 +35,8 @@ pub struct CudaDevice {
     pub blas: CudaBlas,
     _blas_workspace: CudaSlice<u8>,
     sm_count: usize,
+    /// Compute capability (major, minor).
+    compute: (i32, i32),
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     /// Dynamic shared memory each function has been opted in to, beyond the default 48 KiB.
@@ -74,16 +76,19 @@ impl CudaDevice {
             status.result()?;
         }
         let sm_count = ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )?
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             .max(1) as usize;
+        let compute = (
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        );
         Ok(CudaDevice {
             ctx,
             stream,
             blas,
             _blas_workspace: workspace,
             sm_count,
+            compute,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             smem_opt_in: Mutex::new(HashMap::new()),
@@ -93,6 +98,19 @@ impl CudaDevice {
     /// Streaming multiprocessors.
     pub fn sm_count(&self) -> usize {
         self.sm_count
+    }
+
+    /// Compute capability (major, minor), e.g. (9, 0) for an H100.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.compute
+    }
+
+    /// Whether this device can load a kernel module: modules of architecture-specific
+    /// instructions (see [`KernelModule::only_on`]) load only on their architecture.
+    pub fn supports_module(&self, name: &str) -> bool {
+        MODULES
+            .iter()
+            .any(|m| m.name == name && m.only_on.is_none_or(|cc| cc == self.compute))
     }
 
     pub fn name(&self) -> String {
@@ -140,9 +158,9 @@ impl CudaDevice {
         Ok(f)
     }
 
-    /// Loads every kernel module now instead of at its first use.
+    /// Loads every kernel module this device supports now instead of at its first use.
     pub fn load_modules(&self) -> Result<()> {
-        for m in MODULES {
+        for m in MODULES.iter().filter(|m| self.supports_module(m.name)) {
             self.module(m.name)?;
         }
         Ok(())
@@ -159,6 +177,15 @@ impl CudaDevice {
                 module: name.into(),
                 reason: "unknown module".into(),
             })?;
+        if !self.supports_module(name) {
+            return Err(CudaError::Module {
+                module: name.into(),
+                reason: format!(
+                    "built for compute capability {:?} only; this device is {:?}",
+                    spec.only_on, self.compute
+                ),
+            });
+        }
         let module = match self.ctx.load_module(Ptx::from_src(spec.ptx)) {
             Ok(m) => m,
             Err(ptx_err) => self
@@ -178,21 +205,16 @@ impl CudaDevice {
         &self,
         spec: &KernelModule,
     ) -> std::result::Result<Arc<CudaModule>, String> {
-        let (major, minor) = (
-            self.ctx
-                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-                .map_err(|e| e.to_string())?,
-            self.ctx
-                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
-                .map_err(|e| e.to_string())?,
-        );
+        let (major, minor) = self.compute;
+        // Architecture-specific modules need the "a" target of their architecture.
+        let suffix = if spec.only_on.is_some() { "a" } else { "" };
         // NVRTC cannot read files: splice the shared header in place of its #include.
         let source = spec
             .source
             .replace("#include \"common.cuh\"", crate::ptx::COMMON_HEADER);
         let opts = cudarc::nvrtc::CompileOptions {
             arch: Some(Box::leak(
-                format!("compute_{major}{minor}").into_boxed_str(),
+                format!("compute_{major}{minor}{suffix}").into_boxed_str(),
             )),
             include_paths: vec!["/usr/local/cuda/include".into()],
             ..Default::default()

@@ -8,10 +8,16 @@ pub struct KernelModule {
     pub ptx: &'static str,
     /// The source, for NVRTC when the driver cannot load the committed PTX.
     pub source: &'static str,
+    /// The one compute capability whose devices load this module (architecture-specific
+    /// instructions, e.g. Hopper's wgmma); `None`: every device from Ampere on.
+    pub only_on: Option<(i32, i32)>,
 }
 
 macro_rules! module {
     ($name:literal) => {
+        module!($name, None)
+    };
+    ($name:literal, $only_on:expr) => {
         KernelModule {
             name: $name,
             ptx: include_str!(concat!(
@@ -26,6 +32,7 @@ macro_rules! module {
                 $name,
                 ".cu"
             )),
+            only_on: $only_on,
         }
     };
 }
@@ -37,6 +44,7 @@ pub const MODULES: &[KernelModule] = &[
     module!("sampling"),
     module!("merge"),
     module!("gemv"),
+    module!("attention_sm90a", Some((9, 0))),
 ];
 
 /// `kernels/ptx/manifest.txt`: `name sha256` per line.

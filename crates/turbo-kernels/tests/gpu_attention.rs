@@ -34,7 +34,7 @@ use rand_chacha::ChaCha8Rng;
 use turbo_attention::{PagedKv, QuerySpan};
 use turbo_kernels::ops::attention::{
     paged_attention, paged_attention_with, AttentionPlan, KvLayout, KvSplit, PlanOptions,
-    RowKernel, PREFILL_MIN_ROWS,
+    PrefillKernel, RowKernel, PREFILL_MIN_ROWS,
 };
 use turbo_kernels::CudaDevice;
 
@@ -310,20 +310,29 @@ fn compare(
     eprintln!("{what}: ok, max |out - reference| = {worst:.2e}");
 }
 
-/// Runs `case` with each of `splits` and both row kernels at the usual scale 1/√d and at a
-/// sharper one (peaked softmax, so the running maximum matters), comparing out and lse with the
-/// reference each time.
+/// Runs `case` with each of `splits` and both row kernels (and, under Auto, both prefill kernels:
+/// warpgroup MMA where the device has it, and mma.sync) at the usual scale 1/√d and at a sharper
+/// one (peaked softmax, so the running maximum matters), comparing out and lse with the reference
+/// each time.
 fn check_case(dev: &CudaDevice, case: &Case, splits: &[KvSplit]) {
-    let options: Vec<PlanOptions> = splits
-        .iter()
-        .flat_map(|&split| {
-            [RowKernel::Auto, RowKernel::PerHead].map(|row_kernel| PlanOptions {
-                split,
-                row_kernel,
-                ..PlanOptions::default()
-            })
-        })
-        .collect();
+    let mut options = Vec::new();
+    for &split in splits {
+        for row_kernel in [RowKernel::Auto, RowKernel::PerHead] {
+            let prefill_kernels: &[PrefillKernel] = if split == KvSplit::Auto {
+                &[PrefillKernel::Auto, PrefillKernel::MmaSync]
+            } else {
+                &[PrefillKernel::Auto]
+            };
+            for &prefill_kernel in prefill_kernels {
+                options.push(PlanOptions {
+                    split,
+                    row_kernel,
+                    prefill_kernel,
+                    ..PlanOptions::default()
+                });
+            }
+        }
+    }
     check_problem(dev, &Problem::new(case), &options);
 }
 
@@ -650,6 +659,57 @@ fn prefill_gqa4_d128_bs16() {
     check_prefill(32, 8, 128, 16, true, 20);
 }
 
+/// On an sm_90 device the default plan runs d128 prefill spans and cascade prefixes with the
+/// warpgroup-MMA kernels, and the mma.sync ones when asked (or on any other device).
+#[test]
+fn prefill_kernel_choice() {
+    require_gpu!();
+    let dev = device();
+    let case = Case {
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 128,
+        block_size: 16,
+        seqs: vec![(1, 600), (1, 700), (40, 40)],
+        seed: 24,
+    };
+    let mut p = Problem::new(&case);
+    p.share_prefix(&[0, 1], 30);
+    let spans = p.spans();
+    let n_blocks = p.k.len() / (case.block_size * case.n_kv_heads * case.head_dim);
+    let hopper = dev.compute_capability() == (9, 0);
+    for (prefill_kernel, wgmma) in [
+        (PrefillKernel::Auto, hopper),
+        (PrefillKernel::MmaSync, false),
+    ] {
+        let options = PlanOptions {
+            prefill_kernel,
+            ..PlanOptions::default()
+        };
+        let plan = AttentionPlan::new(
+            &dev,
+            p.layout(),
+            case.n_heads,
+            p.n_tokens,
+            &spans,
+            n_blocks,
+            options,
+        )
+        .unwrap();
+        let expected = if wgmma {
+            (Some("attn_prefill_wg_d128"), Some("attn_shared_wg_d128"))
+        } else {
+            (Some("attn_prefill_d128"), Some("attn_shared_d128"))
+        };
+        assert_eq!(
+            plan.prefill_kernels(),
+            expected,
+            "{prefill_kernel:?} on {:?}",
+            dev.compute_capability()
+        );
+    }
+}
+
 /// MHA 4/4, d 128, blocks of 4, with 2048-row spans.
 #[test]
 fn prefill_mha_d128_bs4() {
@@ -900,11 +960,14 @@ fn cascade_shared_prefixes() {
         for split in [KvSplit::Auto, KvSplit::Off, KvSplit::Chunk(100)] {
             for row_kernel in [RowKernel::Auto, RowKernel::PerHead] {
                 for cascade_min_shared in [Some(1), None] {
-                    options.push(PlanOptions {
-                        split,
-                        row_kernel,
-                        cascade_min_shared,
-                    });
+                    for prefill_kernel in [PrefillKernel::Auto, PrefillKernel::MmaSync] {
+                        options.push(PlanOptions {
+                            split,
+                            row_kernel,
+                            cascade_min_shared,
+                            prefill_kernel,
+                        });
+                    }
                 }
             }
         }

@@ -6,9 +6,12 @@
 //! how keys are split, where states go; all its tables uploaded in one copy) and the plan is run
 //! for every layer ([`AttentionPlan::run`]). Three kernels share the work:
 //! - Prefill spans (at least [`PREFILL_MIN_ROWS`] query rows of one sequence) with head_dim 64 or
-//!   128 go, under [`KvSplit::Auto`], to a tensor-core FlashAttention-2 kernel: one CTA computes 128
-//!   consecutive rows of a span for one head, walking the keys in tiles of 32 (d128) or 64 (d64)
-//!   (`mma.sync` bf16 with f32 accumulation, online softmax).
+//!   128 go, under [`KvSplit::Auto`], to a tensor-core FlashAttention kernel: one CTA computes 128
+//!   consecutive rows of a span for one head, walking the keys in tiles with an online softmax (bf16
+//!   in, f32 accumulation). On an sm_90 device with head_dim 128 it is the warpgroup-MMA kernel of
+//!   `kernels/attention_sm90a.cu` (wgmma, 128-key tiles, the softmax of one tile overlapping the
+//!   P·V product of the one before); elsewhere the `mma.sync` kernels of `kernels/attention.cu`
+//!   (see [`PrefillKernel`]).
 //! - Every other row (decode rows, short spans) goes to a row kernel: one CTA computes one query
 //!   row over one range of its keys, for all the query heads of a KV head at once with tensor cores
 //!   (head_dim 64 and 128: each K and V row read once per KV head) or for one query head with CUDA
@@ -80,6 +83,7 @@ pub struct PlanOptions {
     pub row_kernel: RowKernel,
     /// Cascade attention over shared prefixes of at least this many keys (`None`: never).
     pub cascade_min_shared: Option<usize>,
+    pub prefill_kernel: PrefillKernel,
 }
 
 impl Default for PlanOptions {
@@ -88,6 +92,7 @@ impl Default for PlanOptions {
             split: KvSplit::Auto,
             row_kernel: RowKernel::Auto,
             cascade_min_shared: Some(CASCADE_MIN_SHARED),
+            prefill_kernel: PrefillKernel::Auto,
         }
     }
 }
@@ -120,8 +125,11 @@ const CHUNK_ALIGN: usize = 64;
 /// possible (on an H100 a CTA streams its keys at a fraction of the bandwidth its SM share allows
 /// until it has several steps in flight, so short chunks cost more than a second wave saves).
 const AUTO_WAVES: usize = 1;
-/// Waves the cascade pass's CTAs aim for (compute-heavy tiles: two balance the last wave).
-const CASCADE_WAVES: usize = 2;
+/// What a CTA of the cascade pass costs beyond its keys, in keys of its walk: its Q load, the
+/// pipeline's fill and its state writes.
+const CASCADE_CTA_COST: usize = 256;
+/// What one more prefix chunk costs the merge, in keys of a CTA's walk: one more state per row.
+const CASCADE_CHUNK_COST: usize = 32;
 /// A state slot meaning "write the output directly" (`ATTN_NO_STATE`).
 const NO_STATE: u32 = u32::MAX;
 
@@ -181,52 +189,92 @@ pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
 /// choice, not a measured crossover.
 pub const PREFILL_MIN_ROWS: usize = 16;
 
-/// The shape a prefill kernel was instantiated with (`ATTN_PREFILL_KERNEL` in
-/// `kernels/attention.cu`; the two must agree).
+/// Which kernel computes prefill spans and cascade prefixes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// Warpgroup MMA (`kernels/attention_sm90a.cu`) on an sm_90 device with head_dim 128, else
+    /// the `mma.sync` kernels.
+    Auto,
+    /// The `mma.sync` kernels of `kernels/attention.cu` (every device from Ampere on).
+    MmaSync,
+}
+
+/// A prefill kernel and its launch shape (`ATTN_PREFILL_KERNEL` in `kernels/attention.cu`, the
+/// `WG_*` constants of `kernels/attention_sm90a.cu`; the two sides must agree).
 #[derive(Clone, Copy, Debug)]
-struct PrefillKernel {
-    name: &'static str,
-    /// Warps per CTA.
-    warps: usize,
-    /// 16-row m-tiles per warp.
-    m_tiles: usize,
-    /// Keys per tile.
-    key_tile: usize,
-}
-
-impl PrefillKernel {
+struct PrefillShape {
+    module: &'static str,
+    /// The prefill kernel; `shared` is its cascade (shared-prefix) twin, same shape.
+    prefill: &'static str,
+    shared: &'static str,
+    threads: u32,
     /// Query rows per CTA.
-    fn rows(&self) -> usize {
-        16 * self.warps * self.m_tiles
-    }
-
-    /// Dynamic shared memory (`pf_smem_bytes`): K and V tiles and the Q tile, Q sharing V's space
-    /// when it is only read once (one m-tile per warp).
-    fn smem_bytes(&self, head_dim: usize) -> usize {
-        let q = self.rows();
-        let tiles = if self.m_tiles == 1 {
-            self.key_tile + q.max(self.key_tile)
-        } else {
-            q + 2 * self.key_tile
-        };
-        tiles * head_dim * 2
-    }
+    rows: usize,
+    /// Dynamic shared memory, bytes.
+    smem: usize,
+    /// CTAs an SM runs at once (registers and shared memory allowing).
+    ctas_per_sm: usize,
 }
 
-/// The prefill kernel for a head dimension, if there is one (the shapes measured fastest on an
-/// H100; see `kernels/attention.cu`).
-fn prefill_kernel(head_dim: usize) -> Option<PrefillKernel> {
-    let (name, warps, m_tiles, key_tile) = match head_dim {
-        64 => ("attn_prefill_d64", 4, 2, 64),
-        128 => ("attn_prefill_d128", 4, 2, 32),
+/// Dynamic shared memory of `attn_prefill<HD, WARPS, MT, BN>` (`pf_smem_bytes`): K and V tiles
+/// and the Q tile, Q sharing V's space when it is only read once (one m-tile per warp).
+fn mma_sync_smem(head_dim: usize, warps: usize, m_tiles: usize, key_tile: usize) -> usize {
+    let q = 16 * warps * m_tiles;
+    let tiles = if m_tiles == 1 {
+        key_tile + q.max(key_tile)
+    } else {
+        q + 2 * key_tile
+    };
+    tiles * head_dim * 2
+}
+
+/// The prefill kernel for a head dimension on this device, if there is one (the `mma.sync`
+/// shapes are those measured fastest on an H100; see `kernels/attention.cu`).
+fn prefill_shape(dev: &CudaDevice, head_dim: usize, choice: PrefillKernel) -> Option<PrefillShape> {
+    if head_dim == 128 && choice == PrefillKernel::Auto && dev.supports_module("attention_sm90a") {
+        // Two warpgroups of 64 rows; Q and two stages of K and V, 128 x 128 bf16 each.
+        return Some(PrefillShape {
+            module: "attention_sm90a",
+            prefill: "attn_prefill_wg_d128",
+            shared: "attn_shared_wg_d128",
+            threads: 256,
+            rows: 128,
+            smem: 5 * 128 * 128 * 2,
+            ctas_per_sm: 1,
+        });
+    }
+    // (warps, 16-row m-tiles per warp, keys per tile)
+    let (prefill, shared, warps, m_tiles, key_tile) = match head_dim {
+        64 => ("attn_prefill_d64", "attn_shared_d64", 4, 2, 64),
+        128 => ("attn_prefill_d128", "attn_shared_d128", 4, 2, 32),
         _ => return None,
     };
-    Some(PrefillKernel {
-        name,
-        warps,
-        m_tiles,
-        key_tile,
+    Some(PrefillShape {
+        module: "attention",
+        prefill,
+        shared,
+        threads: 32 * warps as u32,
+        rows: 16 * warps * m_tiles,
+        smem: mma_sync_smem(head_dim, warps, m_tiles, key_tile),
+        // `__launch_bounds__(.., 2)`.
+        ctas_per_sm: 2,
     })
+}
+
+/// How many chunks the cascade pass splits a shared prefix of `len` keys into, for `tiles` CTAs per
+/// chunk (row tiles times KV heads) on `slots` concurrent CTAs: the count (each chunk at least
+/// [`CASCADE_MIN_CHUNK`] keys) with the least time, counted as waves of CTAs times what each
+/// costs (its keys and [`CASCADE_CTA_COST`]), plus [`CASCADE_CHUNK_COST`] per chunk. Whole waves
+/// matter: the CTAs of this pass are equally long, so a last wave a few CTAs deep costs as much
+/// as a full one.
+fn cascade_chunks(tiles: usize, len: usize, slots: usize) -> usize {
+    let most = len.div_ceil(CASCADE_MIN_CHUNK).max(1);
+    (1..=most)
+        .min_by_key(|&c| {
+            let waves = (tiles * c).div_ceil(slots.max(1));
+            waves * (len.div_ceil(c) + CASCADE_CTA_COST) + c * CASCADE_CHUNK_COST
+        })
+        .unwrap_or(1)
 }
 
 /// The per-head (CUDA-core) row kernel for a head dimension.
@@ -265,7 +313,7 @@ struct RowLaunch {
 /// The prefill kernel's launch.
 #[derive(Debug)]
 struct PrefillLaunch {
-    kernel: PrefillKernel,
+    kernel: PrefillShape,
     items: Range<usize>,
     ctas: usize,
 }
@@ -275,8 +323,7 @@ struct PrefillLaunch {
 /// and each row's first state slot.
 #[derive(Debug)]
 struct SharedLaunch {
-    kernel: &'static str,
-    smem: usize,
+    kernel: PrefillShape,
     items: Range<usize>,
     n_items: usize,
     shared_tokens: Range<usize>,
@@ -489,14 +536,14 @@ impl AttentionPlan {
         let prefill_choice = if options.split == KvSplit::Auto
             && n_blocks.saturating_mul(block_size) < u32::MAX as usize
         {
-            prefill_kernel(head_dim)
+            prefill_shape(dev, head_dim, options.prefill_kernel)
         } else {
             None
         };
         let mut in_prefill = vec![false; n_tokens];
         let mut prefill = None;
         if let Some(pk) = prefill_choice {
-            let rows_per_item = pk.rows();
+            let rows_per_item = pk.rows;
             let mut items: Vec<[u32; 4]> = Vec::new();
             for (s, span) in spans.iter().enumerate() {
                 let rows = span.q_start..span.q_start + span.n_q;
@@ -553,7 +600,7 @@ impl AttentionPlan {
         let mut shared_keys = vec![0usize; n_tokens];
         let mut prefix_chunks = vec![0usize; n_tokens];
         let mut shared_plan: Vec<(Vec<u32>, usize, usize, usize)> = Vec::new(); // rows, len, chunks, seq
-        let shared_kernel = prefill_kernel(head_dim)
+        let shared_kernel = prefill_shape(dev, head_dim, options.prefill_kernel)
             .filter(|_| n_blocks.saturating_mul(block_size) < u32::MAX as usize);
         if let (Some(min_shared), Some(pk), None) =
             (options.cascade_min_shared, shared_kernel, fixed)
@@ -579,13 +626,8 @@ impl AttentionPlan {
                         (sp.q_start as u32)..(sp.q_start + sp.n_q) as u32
                     })
                     .collect();
-                // Enough prefix chunks that the pass's CTAs about fill the GPU twice over, each
-                // at least CASCADE_MIN_CHUNK keys.
-                let tiles = (rows.len() * group).div_ceil(pk.rows()) * n_kv_heads;
-                let chunks = (sms * 2 * CASCADE_WAVES)
-                    .div_ceil(tiles)
-                    .min(g.shared_len.div_ceil(CASCADE_MIN_CHUNK))
-                    .max(1);
+                let tiles = (rows.len() * group).div_ceil(pk.rows) * n_kv_heads;
+                let chunks = cascade_chunks(tiles, g.shared_len, sms * pk.ctas_per_sm);
                 for &t in &rows {
                     shared_keys[t as usize] = g.shared_len;
                     prefix_chunks[t as usize] = chunks;
@@ -680,7 +722,7 @@ impl AttentionPlan {
                     let flat = rows.len() * group;
                     tokens.extend_from_slice(rows);
                     let csize = len.div_ceil(*chunks);
-                    for f0 in (0..flat).step_by(pk.rows()) {
+                    for f0 in (0..flat).step_by(pk.rows) {
                         for kv in 0..n_kv_heads {
                             for c in 0..*chunks {
                                 let (k0, k1) = (c * csize, ((c + 1) * csize).min(*len));
@@ -689,7 +731,7 @@ impl AttentionPlan {
                                 }
                                 sitems.extend_from_slice(&[
                                     (f_base + f0) as u32,
-                                    (flat - f0).min(pk.rows()) as u32,
+                                    (flat - f0).min(pk.rows) as u32,
                                     k0 as u32,
                                     k1 as u32,
                                     *seq as u32,
@@ -707,12 +749,7 @@ impl AttentionPlan {
                     || format!("paged_attention: {n_items} cascade items"),
                 )?;
                 Some(SharedLaunch {
-                    kernel: if head_dim == 64 {
-                        "attn_shared_d64"
-                    } else {
-                        "attn_shared_d128"
-                    },
-                    smem: pk.smem_bytes(head_dim),
+                    kernel: pk,
                     items: meta.push(&sitems),
                     n_items,
                     shared_tokens: meta.push(&tokens),
@@ -765,6 +802,14 @@ impl AttentionPlan {
             part_lse,
         };
         Ok((plan, m1 || m2 || m3))
+    }
+
+    /// The kernels the plan runs prefill spans and the cascade pass with, where it has them.
+    pub fn prefill_kernels(&self) -> (Option<&'static str>, Option<&'static str>) {
+        (
+            self.prefill.as_ref().map(|p| p.kernel.prefill),
+            self.shared.as_ref().map(|s| s.kernel.shared),
+        )
     }
 
     /// Query rows whose shared prefix the cascade pass computes (0 without cascade).
@@ -853,8 +898,8 @@ impl AttentionPlan {
 
         if let Some(p) = &self.prefill {
             let items = section(&p.items);
-            let smem = p.kernel.smem_bytes(head_dim);
-            let f = dev.function_with_smem("attention", p.kernel.name, smem)?;
+            let (k, smem) = (p.kernel, p.kernel.smem);
+            let f = dev.function_with_smem(k.module, k.prefill, smem)?;
             let mut b = dev.stream.launch_builder(&f);
             b.arg(q)
                 .arg(k_cache)
@@ -875,7 +920,7 @@ impl AttentionPlan {
             };
             let cfg = LaunchConfig {
                 grid_dim: (p.ctas as u32, 1, 1),
-                block_dim: (32 * p.kernel.warps as u32, 1, 1),
+                block_dim: (k.threads, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
             // SAFETY: the arguments match attn_prefill_d*'s parameters; every item's rows lie in
@@ -889,7 +934,8 @@ impl AttentionPlan {
             let items = section(&sh.items);
             let tokens = section(&sh.shared_tokens);
             let token_state = section(&sh.token_state);
-            let f = dev.function_with_smem("attention", sh.kernel, sh.smem)?;
+            let k = sh.kernel;
+            let f = dev.function_with_smem(k.module, k.shared, k.smem)?;
             let mut b = dev.stream.launch_builder(&f);
             b.arg(q)
                 .arg(k_cache)
@@ -907,11 +953,10 @@ impl AttentionPlan {
                 .arg(&token_state)
                 .arg(&mut self.part_o)
                 .arg(&mut self.part_lse);
-            let warps = prefill_kernel(head_dim).map_or(4, |k| k.warps) as u32;
             let cfg = LaunchConfig {
                 grid_dim: (sh.n_items as u32, 1, 1),
-                block_dim: (32 * warps, 1, 1),
-                shared_mem_bytes: sh.smem as u32,
+                block_dim: (k.threads, 1, 1),
+                shared_mem_bytes: k.smem as u32,
             };
             // SAFETY: the arguments match attn_shared_d*'s parameters; every item's flattened rows
             // name rows of q in its group, its keys lie in the group's shared prefix (blocks
@@ -1070,4 +1115,31 @@ pub fn paged_attention_split(
     paged_attention_with(
         dev, q, k_cache, v_cache, layout, n_heads, spans, scale, options, out, lse,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cascade_chunks_fill_whole_waves() {
+        // Prefix 32k, 128 rows x 4 heads = 4 row tiles x 8 KV heads, 132 SMs of one CTA: four
+        // chunks make one wave of 128 CTAs; seventeen (the old two-waves rule) would leave a
+        // fifth wave of 16 CTAs.
+        assert_eq!(cascade_chunks(32, 32768, 132), 4);
+        // Two CTAs an SM: eight chunks, 256 CTAs in one wave.
+        assert_eq!(cascade_chunks(32, 32768, 264), 8);
+        // Few tiles: split until the SMs are about full, chunks of at least CASCADE_MIN_CHUNK.
+        assert_eq!(cascade_chunks(8, 32768, 132), 16);
+        assert_eq!(cascade_chunks(8, 1024, 132), 2);
+        // Three waves and a few CTAs unsplit: splitting evens the waves out.
+        let c = cascade_chunks(400, 32768, 132);
+        let waves = (400 * c).div_ceil(132);
+        assert!(c > 1 && waves as f64 * 32768.0 / c as f64 <= 1.1 * 400.0 * 32768.0 / 132.0);
+        // Every count is within bounds.
+        for (tiles, len, slots) in [(1, 1, 1), (3, 513, 7), (1000, 100_000, 132)] {
+            let c = cascade_chunks(tiles, len, slots);
+            assert!(c >= 1 && c <= len.div_ceil(CASCADE_MIN_CHUNK).max(1));
+        }
+    }
 }

@@ -1,0 +1,428 @@
+// Prefill and cascade attention for Hopper (sm_90a): warpgroup MMA (wgmma) over paged KV.
+//
+// Built as compute_90a PTX (`cargo xtask kernels` builds files named *_sm90a.cu for that target),
+// which only an sm_90 device loads; elsewhere the mma.sync kernels of attention.cu do this work.
+// The arguments, work items and semantics are those of attn_prefill_d128 / attn_shared_d128
+// (kernels/attention.cu), with 128 query rows per CTA, so the host plans both the same way.
+//
+// One CTA of two warpgroups (256 threads) computes 128 query rows of one span for one head (or,
+// for cascade, 128 flattened (row, query head) pairs of one KV head over a prefix chunk); each
+// warpgroup owns 64 of the rows. The keys are walked in tiles of 128:
+//   S = Q·Kᵀ   wgmma m64n128k16, Q and K both read from shared memory through descriptors
+//   mask, online softmax in the log2 domain (registers; a quad of lanes holds a row's scores)
+//   O += P·V   wgmma m64n128k16, P from registers (bf16), V from shared memory, transposed
+// Step j issues S(j) and P(j - 1)·V(j - 1) together and computes the softmax of S(j) while the
+// tensor cores run the second product (FlashAttention-3's intra-warpgroup overlap). K and V tiles
+// are gathered from the paged cache (each key's row through the block table, looked up a step
+// ahead) with 16-byte cp.async copies into two-stage rings, K two tiles ahead and V one. Measured
+// on an H100 (causal, 32 heads, d 128, S 8192): 1.60 ms, against 1.63 ms without the overlap and
+// 1.92 ms with it but the table look-ups waited for in line. Shared tiles use the 128-byte swizzle wgmma reads: a tile of rows of
+// 128 dimensions is two panels of 64 dimensions (rows of 128 bytes), and the 16-byte chunk c of
+// row r of a panel sits at chunk c ^ (r mod 8).
+#include "common.cuh"
+
+#define WG_THREADS 256
+#define WG_ROWS 128  // query rows per CTA
+#define WG_KEYS 128  // keys per tile
+#define WG_HD 128
+#define WG_PANEL (128 * 128)             // bytes of one 64-dimension panel of a 128-row tile
+#define WG_TILE (2 * WG_PANEL)           // bytes of one 128 x 128 bf16 tile
+#define WG_SMEM (WG_TILE * 5)            // Q, and two stages of K and V
+
+extern __shared__ __align__(1024) unsigned char wg_smem[];
+
+__device__ __forceinline__ float wg_neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ uint32_t wg_smem_addr(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes from global to shared; with valid == false nothing is read and 16 zero bytes written.
+__device__ __forceinline__ void wg_cp_async16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+// Byte offset of 16-byte chunk c (0..15, 8 dimensions each) of row r in a swizzled tile.
+__device__ __forceinline__ uint32_t wg_chunk(int r, int c) {
+    return (uint32_t)((c >> 3) * WG_PANEL + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// A wgmma shared-memory descriptor with the 128-byte swizzle: start address, leading and stride
+// byte offsets (each stored >> 4).
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3ffff) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N of this warpgroup's wgmma groups are pending.
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of an accumulator across a wgmma issue or wait.
+__device__ __forceinline__ void wg_fence_regs(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// 2^x (MUFU, flushing subnormal results to 0: they are far below bf16's resolution of P).
+__device__ __forceinline__ float wg_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ uint32_t wg_pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// d (+)= A·B for one m64n128k16 step, A and B in shared memory (descriptors, both K-major);
+// scale_d == 0 overwrites d instead of adding to it.
+__device__ __forceinline__ void wg_mma_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// d += A·B for one m64n128k16 step: A from registers (this warp's 16 rows as an m16n8k16 A
+// fragment), B in shared memory stored N-major (transposed).
+__device__ __forceinline__ void wg_mma_rs_tb(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+template <bool SHARED>
+__device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict__ q,
+                                                const __nv_bfloat16* __restrict__ k_cache,
+                                                const __nv_bfloat16* __restrict__ v_cache,
+                                                const uint32_t* __restrict__ tables,
+                                                const uint32_t* __restrict__ seq_table_start,
+                                                const uint32_t* __restrict__ items, int n_heads, int group,
+                                                int n_kv_heads, int block_size, int block_shift, float scale,
+                                                __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out,
+                                                const uint32_t* __restrict__ shared_tokens,
+                                                const uint32_t* __restrict__ token_state,
+                                                float* __restrict__ part_o, float* __restrict__ part_lse) {
+    constexpr int PASSES = WG_KEYS / (WG_THREADS / 16);  // key rows a thread copies per tile
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wq = warp & 3;  // warpgroup, and warp within it
+    const int g = lane >> 2, t = lane & 3;    // accumulator row group and column pair
+    const uint32_t sQ = wg_smem_addr(wg_smem);
+    const uint32_t sK = sQ + WG_TILE, sV = sQ + 3 * WG_TILE;  // stage s at + s · WG_TILE
+
+    // Prefill: one head, rows token0 + r at positions pos0 + r, keys [0, pos0 + n_rows).
+    // SHARED: one KV head, flattened rows f0 + r, keys [k0, k1).
+    int head;
+    uint32_t token0, n_rows, pos0, seq, k0, k1, f0 = 0, chunk = 0;
+    if constexpr (SHARED) {
+        const uint32_t* it = items + 8 * (size_t)blockIdx.x;
+        f0 = it[0];
+        n_rows = it[1];
+        k0 = it[2];
+        k1 = it[3];
+        seq = it[4];
+        chunk = it[5];
+        head = (int)it[6] * group;
+        token0 = pos0 = 0;
+    } else {
+        head = (int)(blockIdx.x % (unsigned)n_heads);
+        const size_t item = blockIdx.x / (unsigned)n_heads;
+        token0 = items[4 * item];
+        n_rows = items[4 * item + 1];
+        pos0 = items[4 * item + 2];
+        seq = items[4 * item + 3];
+        k0 = 0;
+        k1 = pos0 + n_rows;
+    }
+    auto row_of = [&](uint32_t r, uint32_t& token, int& h) {
+        if constexpr (SHARED) {
+            token = shared_tokens[(f0 + r) / (uint32_t)group];
+            h = head + (int)((f0 + r) % (uint32_t)group);
+        } else {
+            token = token0 + r;
+            h = head;
+        }
+    };
+    const int n_tiles = (int)((k1 - k0 + WG_KEYS - 1) / WG_KEYS);
+    const uint32_t* table = tables + seq_table_start[seq];
+    const size_t slot_stride = (size_t)n_kv_heads * WG_HD;
+    const size_t head_off = (size_t)(head / group) * WG_HD;
+    const int cc = tid & 15;  // the 16-byte chunk of each row this thread copies
+
+    // Q rows (zeros past the item's rows), in the same copy group as the first K tile.
+#pragma unroll
+    for (int p = 0; p < WG_ROWS / 16; p++) {
+        const int r = (tid >> 4) + 16 * p;
+        const bool valid = (uint32_t)r < n_rows;
+        const __nv_bfloat16* src = q;
+        if (valid) {
+            uint32_t token;
+            int h;
+            row_of((uint32_t)r, token, h);
+            src = q + ((size_t)token * (size_t)n_heads + (size_t)h) * WG_HD + cc * 8;
+        }
+        wg_cp_async16(sQ + wg_chunk(r, cc), src, valid);
+    }
+    // Cache rows (block · block_size + slot) of the keys this thread copies for tile j; ~0u past
+    // k1. Looked up a step before the copies, so that the table reads are in flight meanwhile.
+    auto find_rows = [&](int j, uint32_t (&rows)[PASSES]) {
+#pragma unroll
+        for (int p = 0; p < PASSES; p++) {
+            const uint32_t key = k0 + (uint32_t)(j * WG_KEYS + (tid >> 4) + 16 * p);
+            uint32_t row = ~0u;
+            if (key < k1) {
+                const uint32_t b = block_shift >= 0 ? key >> block_shift : key / (uint32_t)block_size;
+                row = table[b] * (uint32_t)block_size + (key - b * (uint32_t)block_size);
+            }
+            rows[p] = row;
+        }
+    };
+    // Copies tile j's K (or V) rows into ring stage j % 2 (zeros past k1).
+    auto copy_tile = [&](int j, const uint32_t (&rows)[PASSES], const __nv_bfloat16* __restrict__ cache,
+                         uint32_t ring) {
+        const uint32_t stage = ring + (uint32_t)(j & 1) * WG_TILE;
+#pragma unroll
+        for (int p = 0; p < PASSES; p++) {
+            const bool valid = rows[p] != ~0u;
+            const __nv_bfloat16* src = valid ? cache + (size_t)rows[p] * slot_stride + head_off + cc * 8 : cache;
+            wg_cp_async16(stage + wg_chunk((tid >> 4) + 16 * p, cc), src, valid);
+        }
+    };
+    auto commit = [] { asm volatile("cp.async.commit_group;\n" ::: "memory"); };
+    // Copy groups: {Q, K0}, {K1, V0}, then after step j {K(j+2), V(j+1)}, so that at the top of
+    // step j the group before the newest holds K(j) and V(j - 1). next_k: the rows of the next K
+    // tile to copy; next_v: of the next V tile.
+    uint32_t next_k[PASSES], next_v[PASSES];
+    find_rows(0, next_v);
+    copy_tile(0, next_v, k_cache, sK);
+    commit();
+    find_rows(1, next_k);
+    copy_tile(1, next_k, k_cache, sK);
+    copy_tile(0, next_v, v_cache, sV);
+    commit();
+#pragma unroll
+    for (int p = 0; p < PASSES; p++) next_v[p] = next_k[p];
+    find_rows(2, next_k);
+
+    const float sl2 = scale * 1.4426950408889634f;  // scores to the log2 domain
+    // This thread's rows: g (h = 0) and g + 8 (h = 1) of its warp's 16 rows.
+    const int row_base = 64 * wg + 16 * wq + g;
+    auto row_pos = [&](int h) { return pos0 + (uint32_t)(row_base + 8 * h); };
+    float m[2] = {wg_neg_inf(), wg_neg_inf()}, l[2] = {0.f, 0.f};  // m: raw scores; l: this thread's columns
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) o[i] = 0.f;
+    float s[64];                   // S(j), then P(j) in f32
+    uint32_t pa[WG_KEYS / 16][4];  // P(j) as A fragments
+
+    // Waits for this thread's copies but the newest group, and makes everyone's visible to wgmma.
+    auto landed = [] {
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+    };
+    // Issues S(j) = Q·K(j)ᵀ as one wgmma group.
+    auto issue_s = [&](int j) {
+        const uint32_t stage = (uint32_t)(j & 1) * WG_TILE;
+#pragma unroll
+        for (int ks = 0; ks < WG_HD / 16; ks++) {
+            const uint32_t kofs = (uint32_t)((ks >> 2) * WG_PANEL + (ks & 3) * 32);
+            wg_mma_ss(s, wg_desc(sQ + kofs + 64 * 128 * wg, 16, 1024), wg_desc(sK + stage + kofs, 16, 1024), ks);
+        }
+        wg_commit();
+    };
+    // Issues O += P(j)·V(j) as one wgmma group. V is B, N-major: keys 16kk.. are rows 16kk.. of
+    // both panels; the panels (64 dimensions each) are WG_PANEL apart, groups of 8 keys 1024
+    // bytes apart.
+    auto issue_pv = [&](int j) {
+        const uint32_t stage = (uint32_t)(j & 1) * WG_TILE;
+#pragma unroll
+        for (int kk = 0; kk < WG_KEYS / 16; kk++) {
+            wg_mma_rs_tb(o, pa[kk], wg_desc(sV + stage + (uint32_t)(kk * 16 * 128), WG_PANEL, 1024));
+        }
+        wg_commit();
+    };
+    // Masks S(j) and turns it into P(j) with the rows' new maxima; returns in corr the factors
+    // that take O (and l) from the old maxima to the new.
+    auto softmax = [&](int j, float (&corr)[2]) {
+        const uint32_t key0 = k0 + (uint32_t)j * WG_KEYS;
+        // Keys past each row's position (tiles reaching past the warp's first row) or, SHARED,
+        // at or past k1 (the last tile). s[4i + e]: n-tile i, row g + 8 (e >> 1), key
+        // key0 + 8i + 2t + (e & 1).
+        const bool masked = SHARED ? key0 + WG_KEYS > k1 : key0 + WG_KEYS - 1 > pos0 + (uint32_t)(64 * wg + 16 * wq);
+        if (masked) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const uint32_t key = key0 + (uint32_t)(8 * i + 2 * t + (e & 1));
+                    if (SHARED ? key >= k1 : key > row_pos(e >> 1)) s[4 * i + e] = wg_neg_inf();
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float mx = m[h];
+#pragma unroll
+            for (int i = 0; i < 16; i++) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // -inf only while a row has seen no key (not reachable: every row sees the first
+            // key of the first tile); then everything below is 0 instead of NaN.
+            const float mu = mx == wg_neg_inf() ? 0.f : mx;
+            corr[h] = wg_exp2((m[h] - mu) * sl2);  // 0 while m is -inf
+            const float mus = mu * sl2;
+            m[h] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                s[4 * i + 2 * h] = wg_exp2(fmaf(s[4 * i + 2 * h], sl2, -mus));
+                s[4 * i + 2 * h + 1] = wg_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -mus));
+                sum += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
+            }
+            l[h] = l[h] * corr[h] + sum;
+        }
+    };
+    // O to the new maxima, and P(j) as A fragments: k-step kk covers keys 16kk.. = n-tiles 2kk
+    // (a0, a1) and 2kk + 1 (a2, a3).
+    auto rescale_and_pack = [&](const float (&corr)[2]) {
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            o[4 * i] *= corr[0];
+            o[4 * i + 1] *= corr[0];
+            o[4 * i + 2] *= corr[1];
+            o[4 * i + 3] *= corr[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < WG_KEYS / 16; kk++) {
+            pa[kk][0] = wg_pack(s[8 * kk], s[8 * kk + 1]);
+            pa[kk][1] = wg_pack(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = wg_pack(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = wg_pack(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+    };
+    // After step j every warpgroup is done with K(j)'s and V(j - 1)'s stages: refill them.
+    auto refill = [&](int j) {
+        __syncthreads();
+        if (j + 2 < n_tiles) copy_tile(j + 2, next_k, k_cache, sK);
+        if (j + 1 < n_tiles) copy_tile(j + 1, next_v, v_cache, sV);
+        commit();
+#pragma unroll
+        for (int p = 0; p < PASSES; p++) next_v[p] = next_k[p];
+        find_rows(j + 3, next_k);
+    };
+
+    // Step 0: S(0) and its softmax. Step j: S(j) and its softmax while O += P(j - 1)·V(j - 1)
+    // runs on the tensor cores. Then the last P·V. (No wgmma sits in a branch: ptxas would
+    // serialize them all.)
+    float corr[2];
+    landed();  // Q, K(0)
+    wg_fence();
+    issue_s(0);
+    wg_wait<0>();
+    wg_fence_regs(s);
+    softmax(0, corr);
+    rescale_and_pack(corr);
+    refill(0);
+    for (int j = 1; j < n_tiles; j++) {
+        landed();  // K(j), V(j - 1)
+        wg_fence();
+        issue_s(j);
+        issue_pv(j - 1);
+        wg_wait<1>();  // S(j); P(j - 1)·V(j - 1) may still run
+        wg_fence_regs(s);
+        softmax(j, corr);
+        wg_wait<0>();
+        wg_fence_regs(o);
+        rescale_and_pack(corr);
+        refill(j);
+    }
+    landed();  // V(n_tiles - 1)
+    wg_fence();
+    issue_pv(n_tiles - 1);
+    wg_wait<0>();
+    wg_fence_regs(o);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+
+    // Normalize and write this thread's rows: columns 8i + 2t, 8i + 2t + 1 of each n-tile i.
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const uint32_t r = (uint32_t)(row_base + 8 * h);
+        if (r < n_rows) {
+            const float inv = 1.f / sum;
+            const float lse = m[h] * scale + logf(sum);
+            uint32_t token;
+            int hr;
+            row_of(r, token, hr);
+            if constexpr (SHARED) {
+                const size_t st = (size_t)(token_state[token] + chunk) * (size_t)n_heads + (size_t)hr;
+                float* dst = part_o + st * WG_HD + 2 * t;
+#pragma unroll
+                for (int i = 0; i < 16; i++) {
+                    *reinterpret_cast<float2*>(dst + 8 * i) = make_float2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+                }
+                if (t == 0) part_lse[st] = lse;
+            } else {
+                const size_t row = (size_t)token * (size_t)n_heads + (size_t)hr;
+                __nv_bfloat16* dst = out + row * WG_HD + 2 * t;
+#pragma unroll
+                for (int i = 0; i < 16; i++) {
+                    *reinterpret_cast<uint32_t*>(dst + 8 * i) = wg_pack(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+                }
+                if (lse_out != nullptr && t == 0) lse_out[row] = lse;
+            }
+        }
+    }
+}
+
+// The host launches these with WG_THREADS threads and WG_SMEM bytes of dynamic shared memory
+// (crates/turbo-kernels/src/ops/attention.rs must agree).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_prefill_wg_d128(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+    const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,
+    const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads, int group,
+    int n_kv_heads, int block_size, int block_shift, float scale, __nv_bfloat16* __restrict__ out,
+    float* __restrict__ lse_out) {
+    attn_prefill_wg<false>(q, k_cache, v_cache, tables, seq_table_start, items, n_heads, group, n_kv_heads,
+                           block_size, block_shift, scale, out, lse_out, nullptr, nullptr, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_shared_wg_d128(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+    const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,
+    const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads, int group,
+    int n_kv_heads, int block_size, int block_shift, float scale, const uint32_t* __restrict__ shared_tokens,
+    const uint32_t* __restrict__ token_state, float* __restrict__ part_o, float* __restrict__ part_lse) {
+    attn_prefill_wg<true>(q, k_cache, v_cache, tables, seq_table_start, items, n_heads, group, n_kv_heads,
+                          block_size, block_shift, scale, nullptr, nullptr, shared_tokens, token_state, part_o,
+                          part_lse);
+}
