@@ -266,6 +266,12 @@ ATTN_CHUNK_KERNEL(128, 8)
 ATTN_CHUNK_KERNEL(192, 16)
 ATTN_CHUNK_KERNEL(256, 16)
 
+// Two f32 as a bf16 pair (lo in the low half, as mma fragments and memory order want).
+__device__ __forceinline__ uint32_t pf_pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 // Merges the states of merge row blockIdx.x, head blockIdx.y (state slots i, laid out
 // [slot][n_heads][head_dim] and [slot][n_heads]):
 //   M = max_i lse_i,  S = Σ_i exp(lse_i - M),  o = Σ_i exp(lse_i - M) o_i / S,  lse = M + ln S.
@@ -273,17 +279,17 @@ ATTN_CHUNK_KERNEL(256, 16)
 // A single state passes through exactly (weight 1, S = 1).
 // Merge row blockIdx.x is query row rows[blockIdx.x], or blockIdx.x itself when rows is null.
 //
-// A row may have many states (a long sequence split for a batch of one), so the warps take the
-// states in turn, each lane summing dimensions lane + 32 j of its warp's states (loads of
-// different states independent, so several are in flight), and the warps' sums are added through
-// shared memory. head_dim is a multiple of 32, at most 256.
-#define ATTN_MERGE_WARPS (ATTN_MERGE_THREADS / TURBO_WARP)
+// A row may have many states (a long sequence split for a batch of one). The CTA's threads are
+// G groups of C = head_dim / 4 threads; thread c of group g sums dimensions 4c..4c+3 of states
+// g, g + G, .., loading four states' lse and float4 slices before using any (so that loads are in
+// flight together rather than one latency per state), and the groups' sums are added through
+// shared memory. head_dim is a multiple of 4, at most 4 · ATTN_MERGE_THREADS.
 extern "C" __global__ void __launch_bounds__(ATTN_MERGE_THREADS)
 attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_lse,
            const uint32_t* __restrict__ row_states, const uint32_t* __restrict__ rows, int n_heads,
            int head_dim, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {
-    __shared__ float sm_o[ATTN_MERGE_WARPS][256];
-    __shared__ float sm_x[ATTN_MERGE_WARPS];
+    __shared__ float4 sm_o[ATTN_MERGE_THREADS];
+    __shared__ float sm_x[ATTN_MERGE_THREADS];
     const int tid = threadIdx.x, lane = tid % TURBO_WARP, warp = tid / TURBO_WARP;
     const size_t token = rows != nullptr ? rows[blockIdx.x] : blockIdx.x;
     const int head = blockIdx.y;
@@ -295,43 +301,66 @@ attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_lse,
     if (lane == 0) sm_x[warp] = mx;
     __syncthreads();
 #pragma unroll
-    for (int w = 0; w < ATTN_MERGE_WARPS; w++) mx = fmaxf(mx, sm_x[w]);
+    for (int w = 0; w < ATTN_MERGE_THREADS / TURBO_WARP; w++) mx = fmaxf(mx, sm_x[w]);
     __syncthreads();  // sm_x is reused for the sums
 
-    const int dpl = head_dim / TURBO_WARP;  // dimensions per lane, <= 8
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    const int chunks = head_dim / 4;                     // C
+    const int groups = ATTN_MERGE_THREADS / chunks;      // G
+    const int c = tid % chunks, g = tid / chunks;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float sum = 0.f;
-#pragma unroll 4
-    for (uint32_t w = w0 + warp; w < w1; w += ATTN_MERGE_WARPS) {
-        const size_t st = (size_t)w * n_heads + head;
-        const float x = part_lse[st];
-        const float c = x == attn_neg_inf() ? 0.f : expf(x - mx);  // all -inf: mx too, all 0
-        sum += c;
-        const float* src = part_o + st * head_dim + lane;
+    // Weight of state w (all -inf: mx too, all weights 0).
+    auto weight = [&](float x) { return x == attn_neg_inf() ? 0.f : expf(x - mx); };
+    auto add = [&](float wt, float4 v) {
+        sum += wt;
+        acc.x = fmaf(wt, v.x, acc.x);
+        acc.y = fmaf(wt, v.y, acc.y);
+        acc.z = fmaf(wt, v.z, acc.z);
+        acc.w = fmaf(wt, v.w, acc.w);
+    };
+    if (g < groups) {
+        uint32_t w = w0 + (uint32_t)g;
+        const uint32_t step = (uint32_t)groups;
+        for (; w + 3 * step < w1; w += 4 * step) {
+            float x[4];
+            float4 v[4];
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            if (j < dpl) acc[j] = fmaf(c, src[32 * j], acc[j]);
+            for (int u = 0; u < 4; u++) {
+                const size_t st = (size_t)(w + u * step) * n_heads + head;
+                x[u] = part_lse[st];
+                v[u] = *reinterpret_cast<const float4*>(part_o + st * head_dim + 4 * c);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) add(weight(x[u]), v[u]);
+        }
+        for (; w < w1; w += step) {
+            const size_t st = (size_t)w * n_heads + head;
+            add(weight(part_lse[st]), *reinterpret_cast<const float4*>(part_o + st * head_dim + 4 * c));
         }
     }
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        if (j < dpl) sm_o[warp][lane + 32 * j] = acc[j];
-    }
-    if (lane == 0) sm_x[warp] = sum;
+    sm_o[tid] = acc;
+    sm_x[tid] = sum;
     __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < ATTN_MERGE_WARPS; w++) total += sm_x[w];
-    const bool empty = !(total > 0.f);
-    const float inv = empty ? 0.f : 1.f / total;
-    const size_t row = token * (size_t)n_heads + (size_t)head;
-    for (int d = tid; d < head_dim; d += ATTN_MERGE_THREADS) {
-        float o = 0.f;
-#pragma unroll
-        for (int w = 0; w < ATTN_MERGE_WARPS; w++) o += sm_o[w][d];
-        out[row * head_dim + d] = __float2bfloat16_rn(o * inv);
+    if (tid < chunks) {
+        float total = 0.f;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int k = 0; k < groups; k++) {
+            const float4 a = sm_o[k * chunks + tid];
+            total += sm_x[k * chunks + tid];
+            o.x += a.x;
+            o.y += a.y;
+            o.z += a.z;
+            o.w += a.w;
+        }
+        const bool empty = !(total > 0.f);
+        const float inv = empty ? 0.f : 1.f / total;
+        const size_t row = token * (size_t)n_heads + (size_t)head;
+        uint2 packed;
+        packed.x = pf_pack(o.x * inv, o.y * inv);
+        packed.y = pf_pack(o.z * inv, o.w * inv);
+        *reinterpret_cast<uint2*>(out + row * head_dim + 4 * tid) = packed;
+        if (tid == 0 && lse_out != nullptr) lse_out[row] = empty ? attn_neg_inf() : mx + logf(total);
     }
-    if (tid == 0 && lse_out != nullptr) lse_out[row] = empty ? attn_neg_inf() : mx + logf(total);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -410,12 +439,6 @@ __device__ __forceinline__ void pf_mma(float (&d)[4], const uint32_t (&a)[4], ui
         "{%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two f32 as a bf16 pair (lo in the low half, as mma fragments and memory order want).
-__device__ __forceinline__ uint32_t pf_pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // -- PREFILL KERNEL BODY BEGIN --
