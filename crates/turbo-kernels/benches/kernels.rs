@@ -174,7 +174,7 @@ fn bench(c: &mut Criterion) {
         }
     }
 
-    // cuBLAS: the 8B FFN up-projection (14336 x 4096) at batch 1 (bandwidth) and 2048 tokens (FLOP).
+    // cuBLASLt: the 8B FFN up-projection (14336 x 4096) at batch 1 (bandwidth) and 2048 tokens (FLOP).
     {
         let (m, k_dim) = (14336usize, 4096usize);
         let w = random_bf16(&s, m * k_dim, 7);
@@ -474,7 +474,7 @@ fn bench_sampling(c: &mut Criterion) {
 }
 
 /// Decode products (1-4 tokens) at Llama-3-8B's shapes, each with its fused op, by the stream
-/// kernels of `ops::gemv` and by cuBLAS (the product alone). Weights are cycled through copies
+/// kernels of `ops::gemv` and by cuBLASLt (`ops::linear`, the product alone). Weights are cycled through copies
 /// filling 4x the L2, so every launch reads them from memory as a decode step does.
 fn bench_gemv(c: &mut Criterion) {
     use turbo_kernels::ops::gemv::{gemv, GemvNorm, GemvOut};

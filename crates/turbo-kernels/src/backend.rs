@@ -104,7 +104,7 @@ pub struct CudaBatch {
     shape: Option<StepShape>,
     /// The id of the cache of the last step.
     cache: u64,
-    /// Per shape: `None` once run directly (the warm-up that loads kernels and lets cuBLAS pick
+    /// Per shape: `None` once run directly (the warm-up that loads kernels and lets cuBLASLt pick
     /// its algorithms), then its recording.
     graphs: Mutex<HashMap<StepShape, Option<StepGraph>>>,
 }

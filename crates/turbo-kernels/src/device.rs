@@ -1,10 +1,10 @@
-//! A CUDA device with its stream, cuBLAS handle and loaded kernel modules.
+//! A CUDA device with its stream, cuBLASLt handle and loaded kernel modules.
 
 use crate::error::{CudaError, Result};
+use crate::lt::LtMatmul;
 use crate::ptx::{KernelModule, MODULES};
-use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -23,17 +23,17 @@ pub fn cuda_available() -> bool {
     device_count() > 0
 }
 
-/// cuBLAS's workspace: set explicitly so that products recorded into a CUDA graph use a buffer
-/// that outlives the recording (cuBLAS may not allocate while a stream is being captured).
-const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+/// cuBLASLt's workspace (32 MiB, what cuBLASLt asks for on Hopper): the device's own, so that
+/// products recorded into a CUDA graph use a buffer that outlives the recording.
+pub(crate) const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
-/// One GPU: a context, the single stream all work is issued on, a cuBLAS handle bound to it, and
-/// kernel modules loaded on first use.
+/// One GPU: a context, the single stream all work is issued on, a cuBLASLt handle with its
+/// workspace, and kernel modules loaded on first use.
 pub struct CudaDevice {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    pub blas: CudaBlas,
-    _blas_workspace: CudaSlice<u8>,
+    pub(crate) blas: LtMatmul,
+    pub(crate) blas_workspace: CudaSlice<u8>,
     sm_count: usize,
     /// Compute capability (major, minor).
     compute: (i32, i32),
@@ -60,21 +60,8 @@ impl CudaDevice {
         // A stream of its own rather than the legacy default stream, which cannot be captured
         // into a graph.
         let stream = ctx.new_stream()?;
-        let blas = CudaBlas::new(stream.clone())?;
-        let mut workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
-        {
-            let (ptr, _sync) = workspace.device_ptr_mut(&stream);
-            // SAFETY: the workspace is this device's, lives as long as the handle (both are
-            // fields of the device) and is only used on the handle's stream.
-            let status = unsafe {
-                cudarc::cublas::sys::cublasSetWorkspace_v2(
-                    *blas.handle(),
-                    ptr as *mut std::ffi::c_void,
-                    BLAS_WORKSPACE_BYTES,
-                )
-            };
-            status.result()?;
-        }
+        let blas = LtMatmul::new()?;
+        let blas_workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
         let sm_count = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             .max(1) as usize;
@@ -86,7 +73,7 @@ impl CudaDevice {
             ctx,
             stream,
             blas,
-            _blas_workspace: workspace,
+            blas_workspace,
             sm_count,
             compute,
             modules: Mutex::new(HashMap::new()),

@@ -6,8 +6,8 @@ pub enum CudaError {
     NoDevice(String),
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
-    #[error("cuBLAS: {0}")]
-    Blas(#[from] cudarc::cublas::result::CublasError),
+    #[error("cuBLASLt: {0}")]
+    BlasLt(String),
     #[error("kernel module '{module}' could not be loaded: {reason}")]
     Module { module: String, reason: String },
     #[error("{0}")]

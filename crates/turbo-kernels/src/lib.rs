@@ -1,7 +1,7 @@
 //! The CUDA backend.
 //!
 //! Kernels are CUDA C++ in `kernels/*.cu`, compiled to PTX by `cargo xtask kernels` and embedded
-//! here; cuBLAS does the matrix products. The CUDA driver is loaded at run time (cudarc's dynamic
+//! here; cuBLASLt does the matrix products. The CUDA driver is loaded at run time (cudarc's dynamic
 //! loading), so this crate builds and its CPU-side tests run on machines without CUDA, and GPU
 //! tests skip there with a message.
 
@@ -9,6 +9,7 @@ pub mod backend;
 pub mod device;
 mod error;
 mod kv;
+mod lt;
 pub mod ops;
 pub mod ptx;
 

@@ -18,7 +18,7 @@ use turbo_tests::tiny::{random_tokens, TinySpec, TinyWeights};
 /// by one forward pass over its tokens) must have a top-2 gap below `NEAR_TIE * max(|top1|, 1)`,
 /// and the token the batched run chose must be within that of the top. The GPU computes in bf16
 /// (2^-9 relative rounding per stored activation), and a sequence's rows go through different
-/// cuBLAS algorithms and attention launches depending on the batch around them (how many rows,
+/// cuBLASLt algorithms and attention launches depending on the batch around them (how many rows,
 /// decode or prefill path, how the prompt was chunked), so its logits differ between batch
 /// compositions by bf16 rounding noise carried through 30 layers. The bound is the one that
 /// `gpu_model.rs` uses for GPU against CPU, which covers that noise; a scheduling bug (a wrong KV

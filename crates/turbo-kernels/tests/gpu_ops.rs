@@ -1,4 +1,5 @@
-//! The norm, matrix-vector, elementwise and sampling kernels against CPU references, on a real GPU.
+//! The norm, matrix-vector, matrix product, elementwise and sampling kernels against CPU references,
+//! on a real GPU.
 //!
 //! Every test skips (passes, printing "skipping: no CUDA device") on a machine without CUDA. With a
 //! GPU, each case draws fresh random inputs (seeded, nonzero), rounds them to bf16, fills outputs
@@ -592,6 +593,75 @@ fn gemv_matches_reference() {
             }
         }
     }
+}
+
+/// The cuBLASLt products (`ops::linear`) against f64: bf16 out, added to a residual, and f32 out;
+/// token counts from one to a prefill's, widths and row counts that are no multiple of 8, each
+/// shape twice (the second run reuses the shape's cached plan).
+#[test]
+fn linear_matches_reference() {
+    use ops::linear::{linear, linear_add, linear_f32_out};
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(22);
+    for (n, k, m) in [
+        (1usize, 64usize, 96usize),
+        (5, 264, 200),
+        (17, 4096, 13),
+        (130, 1000, 333),
+        (512, 2048, 1024),
+    ] {
+        for round in 0..2 {
+            let what = |op: &str| format!("linear {op} n={n} k={k} m={m} round {round}");
+            let w = random_bf16(&mut rng, m * k, 1.0);
+            let x = random_bf16(&mut rng, n * k, 2.0);
+            let want = gemv_ref(&to_f32(&w), &to_f32(&x), k, None);
+            let (w_d, x_d) = (upload(&dev, &w), upload(&dev, &x));
+
+            let mut out = poisoned(&dev, n * m);
+            linear(&dev, &x_d, &w_d, n, k, m, &mut out).unwrap();
+            assert_close(&what("bf16"), &download(&dev, &out), &want);
+
+            let residual = random_bf16(&mut rng, n * m, 2.0);
+            let mut res_d = upload(&dev, &residual);
+            linear_add(&dev, &x_d, &w_d, n, k, m, &mut res_d).unwrap();
+            // cuBLASLt may round the product to bf16 before adding the residual (as an unfused
+            // product then add would): the error is then up to a bf16 step of the largest of the
+            // product, the residual and the sum, which the 1e-2 relative bound is taken against.
+            for (i, (got, (p, r))) in download(&dev, &res_d)
+                .iter()
+                .zip(want.iter().zip(&residual))
+                .enumerate()
+            {
+                let r = r.to_f32() as f64;
+                let tol = 1e-2 * p.abs().max(r.abs()).max((p + r).abs()).max(1.0);
+                assert!(
+                    (got.to_f32() as f64 - (p + r)).abs() <= tol,
+                    "{}: element {i}: gpu {got} vs reference {}",
+                    what("residual"),
+                    p + r
+                );
+            }
+
+            // f32 out: only the f32 accumulation's error, far below one term (|term| >= 0.0025).
+            let mut logits = upload(&dev, &vec![f32::NAN; n * m]);
+            linear_f32_out(&dev, &x_d, &w_d, n, k, m, &mut logits).unwrap();
+            for (i, (got, want)) in download(&dev, &logits).iter().zip(&want).enumerate() {
+                let tol = 1e-5 * (k as f64) + 1e-6 * want.abs();
+                assert!(
+                    (*got as f64 - want).abs() <= tol,
+                    "{}: element {i}: gpu {got} vs reference {want}",
+                    what("f32")
+                );
+            }
+        }
+    }
+    // Too-small buffers are errors, not launches.
+    let (w_d, x_d) = (
+        upload(&dev, &[bf16::ONE; 64]),
+        upload(&dev, &[bf16::ONE; 8]),
+    );
+    let mut out = poisoned(&dev, 8);
+    assert!(linear(&dev, &x_d, &w_d, 2, 8, 8, &mut out).is_err());
 }
 
 /// Shapes the kernels cannot take are refused, not launched.

@@ -1,0 +1,199 @@
+//! Matrix products through cuBLASLt. The descriptors of each product shape and the algorithm its
+//! heuristic picks are made once and kept, so a product costs one `cublasLtMatmul` call (the
+//! heuristic alone takes longer than a small product runs).
+
+use crate::error::{CudaError, Result};
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+/// `cublasOperation_t` values for the TRANSA / TRANSB attributes.
+const OP_N: i32 = 0;
+const OP_T: i32 = 1;
+
+/// One product shape: `D[m, n] = op(A)[m, k] · B[k, n] (+ C)`, column-major, A transposed (the
+/// `[m, k]` row-major weight), B as is (`[n, k]` row-major activations); bf16 operands, f32
+/// accumulation, D bf16 or f32.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub struct Shape {
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    pub out_f32: bool,
+}
+
+/// A shape's descriptors and algorithm.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+// SAFETY: the descriptors are plain host objects that cuBLASLt only reads during a call; they
+// are used under the cache's mutex and destroyed once, in Drop.
+unsafe impl Send for Plan {}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each handle was created by this plan and is destroyed once. Errors on teardown
+        // have nowhere to go.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.d);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+impl Plan {
+    fn new(handle: sys::cublasLtHandle_t, s: Shape, workspace_bytes: usize) -> Result<Plan> {
+        let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
+        let out = if s.out_f32 {
+            sys::cudaDataType_t::CUDA_R_32F
+        } else {
+            bf16
+        };
+        let desc = lt::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType_t::CUDA_R_32F,
+        )
+        .map_err(blas)?;
+        // Dropped on an error, freeing what was made so far.
+        let mut p = Plan {
+            desc,
+            a: std::ptr::null_mut(),
+            b: std::ptr::null_mut(),
+            d: std::ptr::null_mut(),
+            algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        // A is stored [k, m] (column-major, ld k) and used transposed; B is [k, n] (ld k); D is
+        // [m, n] (ld m).
+        p.a = lt::create_matrix_layout(bf16, s.k, s.m, s.k as i64).map_err(blas)?;
+        p.b = lt::create_matrix_layout(bf16, s.k, s.n, s.k as i64).map_err(blas)?;
+        p.d = lt::create_matrix_layout(out, s.m, s.n, s.m as i64).map_err(blas)?;
+        let set_op = |attr, op: i32| {
+            // SAFETY: the attribute is an i32 cublasOperation_t, passed by pointer and size.
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    attr,
+                    (&op) as *const i32 as *const c_void,
+                    std::mem::size_of::<i32>(),
+                )
+            }
+        };
+        set_op(
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+            OP_T,
+        )
+        .map_err(blas)?;
+        set_op(
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+            OP_N,
+        )
+        .map_err(blas)?;
+        let pref = lt::create_matmul_pref().map_err(blas)?;
+        let bytes = workspace_bytes as u64;
+        // SAFETY: the preference is an u64 byte count, passed by pointer and size; the layouts
+        // and descriptor are valid (made above); the preference is destroyed right after.
+        let heuristic = unsafe {
+            let r = lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&bytes) as *const u64 as *const c_void,
+                std::mem::size_of::<u64>(),
+            )
+            .and_then(|()| lt::get_matmul_algo_heuristic(handle, desc, p.a, p.b, p.d, p.d, pref));
+            let _ = lt::destroy_matmul_pref(pref);
+            r.map_err(blas)?
+        };
+        p.algo = heuristic.algo;
+        Ok(p)
+    }
+}
+
+fn blas(e: lt::CublasError) -> CudaError {
+    CudaError::BlasLt(format!("{e:?}"))
+}
+
+/// The device's cuBLASLt handle and its plans by shape.
+pub struct LtMatmul {
+    handle: sys::cublasLtHandle_t,
+    plans: Mutex<HashMap<Shape, Plan>>,
+}
+
+// SAFETY: the handle is used only through `&self` methods that issue work on the caller's stream;
+// cuBLASLt handles may be shared between threads (cuBLASLt keeps no per-call state in them).
+unsafe impl Send for LtMatmul {}
+unsafe impl Sync for LtMatmul {}
+
+impl LtMatmul {
+    pub fn new() -> Result<Self> {
+        Ok(LtMatmul {
+            handle: lt::create_handle().map_err(blas)?,
+            plans: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// `d = a_op · b + beta · d` for `shape` (see [`Shape`]), alpha 1, on `stream`.
+    ///
+    /// # Safety
+    /// `a`, `b` and `d` must point to device buffers holding at least `m·k`, `k·n` and `m·n`
+    /// elements of the shape's types, and `workspace` to `workspace_bytes` bytes, all valid until
+    /// the stream has run the product; nothing else may use the workspace meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul(
+        &self,
+        shape: Shape,
+        a: u64,
+        b: u64,
+        d: u64,
+        beta: f32,
+        workspace: u64,
+        workspace_bytes: usize,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
+        let mut plans = self.plans.lock().unwrap();
+        let p = match plans.entry(shape) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(Plan::new(self.handle, shape, workspace_bytes)?)
+            }
+        };
+        let alpha = 1.0f32;
+        lt::matmul(
+            self.handle,
+            p.desc,
+            (&alpha) as *const f32 as *const c_void,
+            (&beta) as *const f32 as *const c_void,
+            a as *const c_void,
+            p.a,
+            b as *const c_void,
+            p.b,
+            d as *const c_void,
+            p.d,
+            d as *mut c_void,
+            p.d,
+            &p.algo,
+            workspace as *mut c_void,
+            workspace_bytes,
+            stream as sys::cudaStream_t,
+        )
+        .map_err(blas)
+    }
+}
+
+impl Drop for LtMatmul {
+    fn drop(&mut self) {
+        self.plans.lock().unwrap().clear();
+        // SAFETY: the handle was created in `new` and is destroyed once, after its plans.
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
