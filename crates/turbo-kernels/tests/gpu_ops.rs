@@ -498,6 +498,18 @@ fn swiglu_matches_reference() {
 
 /// Rows of `w` (`[rows, k]`) times each token of `x` (`[tokens, k]`), in f64: `[tokens, rows]`,
 /// with each token scaled by `g` and its 1/rms first when `norm` is given.
+/// An f32-out product of `k` terms against f64: only the f32 accumulation's error, far below one
+/// term (|term| >= 0.0025).
+fn assert_f32_product(what: &str, got: &[f32], want: &[f64], k: usize) {
+    for (i, (got, want)) in got.iter().zip(want).enumerate() {
+        let tol = 1e-5 * (k as f64) + 1e-6 * want.abs();
+        assert!(
+            (*got as f64 - want).abs() <= tol,
+            "{what}: element {i}: gpu {got} vs reference {want}"
+        );
+    }
+}
+
 fn gemv_ref(w: &[f32], x: &[f32], k: usize, norm: Option<(&[f32], f64)>) -> Vec<f64> {
     let rows = w.len() / k;
     let mut out = Vec::new();
@@ -546,17 +558,9 @@ fn gemv_matches_reference() {
             run(None, GemvOut::Bf16(&mut out));
             assert_close(&what("bf16"), &download(&dev, &out), &plain);
 
-            // f32 out: only the f32 accumulation's error, far below one term (|term| >= 0.0025).
             let mut logits = upload(&dev, &vec![f32::NAN; n]);
             run(None, GemvOut::F32(&mut logits));
-            for (i, (got, want)) in download(&dev, &logits).iter().zip(&plain).enumerate() {
-                let tol = 1e-5 * (k as f64) + 1e-6 * want.abs();
-                assert!(
-                    (*got as f64 - want).abs() <= tol,
-                    "{}: element {i}: gpu {got} vs reference {want}",
-                    what("f32")
-                );
-            }
+            assert_f32_product(&what("f32"), &download(&dev, &logits), &plain, k);
 
             let residual = random_bf16(&mut rng, n, 2.0);
             let mut res_d = upload(&dev, &residual);
@@ -642,17 +646,9 @@ fn linear_matches_reference() {
                 );
             }
 
-            // f32 out: only the f32 accumulation's error, far below one term (|term| >= 0.0025).
             let mut logits = upload(&dev, &vec![f32::NAN; n * m]);
             linear_f32_out(&dev, &x_d, &w_d, n, k, m, &mut logits).unwrap();
-            for (i, (got, want)) in download(&dev, &logits).iter().zip(&want).enumerate() {
-                let tol = 1e-5 * (k as f64) + 1e-6 * want.abs();
-                assert!(
-                    (*got as f64 - want).abs() <= tol,
-                    "{}: element {i}: gpu {got} vs reference {want}",
-                    what("f32")
-                );
-            }
+            assert_f32_product(&what("f32"), &download(&dev, &logits), &want, k);
         }
     }
     // Too-small buffers are errors, not launches.

@@ -533,13 +533,9 @@ impl AttentionPlan {
         // wins, as in the CPU reference), cut into items of up to the kernel's rows per CTA:
         // [first row, rows, position of the first row, sequence].
         // (The kernel addresses cache rows, block · block_size + slot, as u32, with !0 for none.)
-        let prefill_choice = if options.split == KvSplit::Auto
-            && n_blocks.saturating_mul(block_size) < u32::MAX as usize
-        {
-            prefill_shape(dev, head_dim, options.prefill_kernel)
-        } else {
-            None
-        };
+        let prefill_kernel = prefill_shape(dev, head_dim, options.prefill_kernel)
+            .filter(|_| n_blocks.saturating_mul(block_size) < u32::MAX as usize);
+        let prefill_choice = prefill_kernel.filter(|_| options.split == KvSplit::Auto);
         let mut in_prefill = vec![false; n_tokens];
         let mut prefill = None;
         if let Some(pk) = prefill_choice {
@@ -600,8 +596,7 @@ impl AttentionPlan {
         let mut shared_keys = vec![0usize; n_tokens];
         let mut prefix_chunks = vec![0usize; n_tokens];
         let mut shared_plan: Vec<(Vec<u32>, usize, usize, usize)> = Vec::new(); // rows, len, chunks, seq
-        let shared_kernel = prefill_shape(dev, head_dim, options.prefill_kernel)
-            .filter(|_| n_blocks.saturating_mul(block_size) < u32::MAX as usize);
+        let shared_kernel = prefill_kernel;
         if let (Some(min_shared), Some(pk), None) =
             (options.cascade_min_shared, shared_kernel, fixed)
         {
