@@ -10,18 +10,21 @@
 //
 // Rows of few query tokens (decode) are computed "flash-decoding" style: a CTA computes the
 // attention of one query row over one range of its keys, as a state (o, lse). A row whose keys
-// are split into several ranges has its states written to f32 scratch, and attn_merge combines
-// them; a row with a single range is written to the output directly. Two kernels do this:
+// are split into several ranges has its states written to f32 scratch and merged; a row with a
+// single range is written to the output directly. Two kernels do this:
 //   attn_decode_d*  tensor cores, all query heads of one KV head in one CTA (each K and V row is
-//                   read once for the whole group): head_dim 64 and 128
-//   attn_chunk_d*   CUDA cores, one CTA per query head: every supported head_dim
+//                   read once for the whole group): head_dim 64 and 128; merges split rows
+//                   itself (see the kernel) and takes items of 8 u32
+//   attn_chunk_d*   CUDA cores, one CTA per query head: every supported head_dim; its split rows
+//                   are merged by attn_merge
 //
 // Host-made tables (all u32):
 //   tables          the block tables of all sequences, concatenated
 //   seq_table_start [seqs]   where each sequence's table starts in `tables`
 //   token_seq       [tokens] the sequence of each query row
 //   items           [n][4]   work items: query row, first key, end key (exclusive, at most the
-//                            row's position + 1), state slot (0xffffffff: write the output)
+//                            row's position + 1), state slot (0xffffffff: write the output);
+//                            attn_decode_d*'s have 4 more words (see there)
 //   row_states      [rows + 1] merge row r combines state slots row_states[r]..row_states[r + 1]
 //   rows            [rows]   the query row of each merge row, or null: merge row r is query row r
 //
@@ -817,12 +820,129 @@ ATTN_PREFILL_KERNEL(128, 4, 2, 32, 2)
 //   S = Q·Kᵀ  (16 heads × 16 keys), scaled, masked past k1, online softmax
 //   O += P·V  P repacked from S's accumulators as the A operand
 // Shared memory: DEC_WARPS · DEC_STAGES · 2 · 16 · head_dim bf16 (96 KiB at d 128: two CTAs per
-// SM), reused at the end for the warps' states.
+// SM), reused at the end for the warps' states and the fused merge.
+//
+// Items are 8 u32: query row, first key, end key (exclusive), state slot (ATTN_NO_STATE: write
+// the output), where the row's block table starts in `tables` (two dependent loads fewer before
+// the first copy than finding it through the row's sequence), and for a split row: its first
+// state slot, its number of states (prefix chunks of the cascade pass included), and how many
+// items (ranges) it has. The merge is fused: each CTA of a split row writes its state, and the
+// last of the row's ranges to finish (an atomic count per first state slot and grid.y, which that
+// CTA resets to 0 for the next launch) merges all the row's states for its heads and writes the
+// output, so a split step is one launch with no merge pass behind it.
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * TURBO_WARP)
 #define DEC_ROWS 16
 #define DEC_KEYS 16
 #define DEC_STAGES 3
+// States the fused merge loads before using any.
+#define DEC_MERGE_UNROLL 16
+
+// Merges states [first, first + n) of query heads h0 .. h0 + nh of query row `token` into out
+// (and lse_out when given): all DEC_THREADS threads. Thread c of group g sums float4 column
+// c (head c / (HD / 4)) of states g, g + G, .. as an online softmax (max-shifted, loading
+// DEC_MERGE_UNROLL states before using any); the groups' sums are combined through `smem`
+// (DEC_THREADS · 6 floats). The states were written by other CTAs of this launch: they are read
+// from L2 (ld.cg), after the caller's acquire.
+template <int HD>
+__device__ __forceinline__ void dec_merge_states(const float* __restrict__ part_o,
+                                                 const float* __restrict__ part_lse, uint32_t first,
+                                                 uint32_t n, int n_heads, int h0, int nh, size_t token,
+                                                 __nv_bfloat16* __restrict__ out,
+                                                 float* __restrict__ lse_out, float* smem) {
+    constexpr int C = HD / 4;  // float4 columns per head
+    const int tid = threadIdx.x;
+    const int cols = nh * C;
+    const int width = min(cols, DEC_THREADS);  // columns per pass
+    const int groups = DEC_THREADS / width;
+    float4* const sm_acc = reinterpret_cast<float4*>(smem);
+    float* const sm_m = smem + 4 * DEC_THREADS;
+    float* const sm_l = sm_m + DEC_THREADS;
+    for (int col0 = 0; col0 < cols; col0 += width) {
+        const int c = col0 + tid % width, g = tid / width;
+        const bool active = g < groups && c < cols;
+        const int head = h0 + c / C;
+        float m = attn_neg_inf(), l = 0.f;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (active) {
+            for (uint32_t s0 = (uint32_t)g; s0 < n; s0 += DEC_MERGE_UNROLL * (uint32_t)groups) {
+                float x[DEC_MERGE_UNROLL];
+                float4 v[DEC_MERGE_UNROLL];
+#pragma unroll
+                for (int u = 0; u < DEC_MERGE_UNROLL; u++) {
+                    const uint32_t sidx = s0 + (uint32_t)(u * groups);
+                    x[u] = attn_neg_inf();
+                    v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (sidx < n) {
+                        const size_t st = (size_t)(first + sidx) * (size_t)n_heads + (size_t)head;
+                        x[u] = __ldcg(part_lse + st);
+                        v[u] = __ldcg(reinterpret_cast<const float4*>(part_o + st * HD) + c % C);
+                    }
+                }
+                float mx = m;
+#pragma unroll
+                for (int u = 0; u < DEC_MERGE_UNROLL; u++) mx = fmaxf(mx, x[u]);
+                if (mx == attn_neg_inf()) continue;  // nothing but empty states so far
+                const float corr = __expf(m - mx);    // 0 while m is -inf
+                l *= corr;
+                acc.x *= corr;
+                acc.y *= corr;
+                acc.z *= corr;
+                acc.w *= corr;
+#pragma unroll
+                for (int u = 0; u < DEC_MERGE_UNROLL; u++) {
+                    const float w = __expf(x[u] - mx);  // 0 for an empty state
+                    l += w;
+                    acc.x = fmaf(w, v[u].x, acc.x);
+                    acc.y = fmaf(w, v[u].y, acc.y);
+                    acc.z = fmaf(w, v[u].z, acc.z);
+                    acc.w = fmaf(w, v[u].w, acc.w);
+                }
+                m = mx;
+            }
+        }
+        if (groups > 1) {
+            sm_acc[tid] = acc;
+            sm_m[tid] = m;
+            sm_l[tid] = l;
+            __syncthreads();
+            if (g == 0) {
+                float mx = m;
+                for (int k = 1; k < groups; k++) mx = fmaxf(mx, sm_m[k * width + tid]);
+                if (mx != attn_neg_inf()) {
+                    const float c0 = __expf(m - mx);
+                    l *= c0;
+                    acc.x *= c0;
+                    acc.y *= c0;
+                    acc.z *= c0;
+                    acc.w *= c0;
+                    for (int k = 1; k < groups; k++) {
+                        const float ck = __expf(sm_m[k * width + tid] - mx);
+                        const float4 a = sm_acc[k * width + tid];
+                        l = fmaf(ck, sm_l[k * width + tid], l);
+                        acc.x = fmaf(ck, a.x, acc.x);
+                        acc.y = fmaf(ck, a.y, acc.y);
+                        acc.z = fmaf(ck, a.z, acc.z);
+                        acc.w = fmaf(ck, a.w, acc.w);
+                    }
+                }
+                m = mx;
+            }
+            __syncthreads();  // the buffers are reused by the next pass
+        }
+        if (active && g == 0) {
+            // l == 0 only when every state is empty: o = 0, lse = -inf.
+            const bool empty = !(l > 0.f);
+            const float inv = empty ? 0.f : 1.f / l;
+            const size_t row = token * (size_t)n_heads + (size_t)head;
+            uint2 packed;
+            packed.x = pf_pack(acc.x * inv, acc.y * inv);
+            packed.y = pf_pack(acc.z * inv, acc.w * inv);
+            *reinterpret_cast<uint2*>(out + row * HD + 4 * (c % C)) = packed;
+            if (c % C == 0 && lse_out != nullptr) lse_out[row] = empty ? attn_neg_inf() : m + logf(l);
+        }
+    }
+}
 
 // Waits until at most N of this thread's cp.async groups are pending.
 template <int N>
@@ -835,11 +955,10 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
                                             const __nv_bfloat16* __restrict__ k_cache,
                                             const __nv_bfloat16* __restrict__ v_cache,
                                             const uint32_t* __restrict__ tables,
-                                            const uint32_t* __restrict__ seq_table_start,
-                                            const uint32_t* __restrict__ token_seq,
                                             const uint32_t* __restrict__ items, int n_heads, int group,
                                             int n_kv_heads, int block_size, int block_shift, float scale,
                                             float* __restrict__ part_o, float* __restrict__ part_lse,
+                                            uint32_t* __restrict__ counters,
                                             __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {
     static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
     constexpr int KSTEPS = HD / 16;            // k-steps of Q·Kᵀ
@@ -855,12 +974,13 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     const int g = lane >> 2, t = lane & 3;
     __nv_bfloat16* const ring = reinterpret_cast<__nv_bfloat16*>(pf_dyn_smem) + warp * DEC_STAGES * STAGE;
 
-    const uint4 it = reinterpret_cast<const uint4*>(items)[blockIdx.x];
+    const uint4 it = reinterpret_cast<const uint4*>(items)[2 * blockIdx.x];
+    const uint4 it2 = reinterpret_cast<const uint4*>(items)[2 * blockIdx.x + 1];
     const uint32_t token = it.x, k0 = it.y, k1 = it.z, state = it.w;
     const int kvh = (int)(blockIdx.y % (unsigned)n_kv_heads), sub = (int)(blockIdx.y / (unsigned)n_kv_heads);
     const int h0 = kvh * group + DEC_ROWS * sub;  // the tile's first query head
     const int nh = min(DEC_ROWS, group - DEC_ROWS * sub);
-    const uint32_t* table = tables + seq_table_start[token_seq[token]];
+    const uint32_t* table = tables + it2.x;
     const size_t slot_stride = (size_t)n_kv_heads * HD;
     const __nv_bfloat16* kb = k_cache + (size_t)kvh * HD;
     const __nv_bfloat16* vb = v_cache + (size_t)kvh * HD;
@@ -1051,18 +1171,38 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             if (d == 0) part_lse[dst] = lse;
         }
     }
+    if (direct) return;
+
+    // The row's last range to finish merges its states. The barrier orders every thread's state
+    // writes before thread 0's count, whose release (cumulative) publishes them to the GPU and
+    // whose acquire, in the last CTA, makes the other CTAs' states visible to it; the second
+    // barrier passes that on to the CTA's threads. (A __threadfence per thread, an SC fence, cost
+    // far more.) No static shared memory here: it would move the ring off the dynamic block's
+    // start, which measured 8-40% slower.
+    __syncthreads();
+    const uint32_t merge_first = it2.y, n_states = it2.z, ranges = it2.w;
+    bool last = false;
+    if (tid == 0) {
+        uint32_t* const count = counters + (size_t)merge_first * gridDim.y + blockIdx.y;
+        uint32_t before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(count) : "memory");
+        last = before == ranges - 1;
+        if (last) *count = 0;  // every range has counted: ready for the next launch
+    }
+    if (!__syncthreads_or(last)) return;
+    dec_merge_states<HD>(part_o, part_lse, merge_first, n_states, n_heads, h0, nh, token, out, lse_out,
+                         reinterpret_cast<float*>(pf_dyn_smem));
 }
 
 #define ATTN_DECODE_KERNEL(HD)                                                                            \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) attn_decode_d##HD(                       \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
         const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
-        const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ token_seq,            \
         const uint32_t* __restrict__ items, int n_heads, int group, int n_kv_heads, int block_size,      \
         int block_shift, float scale, float* __restrict__ part_o, float* __restrict__ part_lse,          \
-        __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {                                  \
-        attn_decode<HD>(q, k_cache, v_cache, tables, seq_table_start, token_seq, items, n_heads, group,  \
-                        n_kv_heads, block_size, block_shift, scale, part_o, part_lse, out, lse_out);     \
+        uint32_t* __restrict__ counters, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) { \
+        attn_decode<HD>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size,      \
+                        block_shift, scale, part_o, part_lse, counters, out, lse_out);                   \
     }
 
 ATTN_DECODE_KERNEL(64)

@@ -2,6 +2,7 @@
 //! GPU the bench prints a skip message and measures nothing.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use std::sync::Arc;
@@ -9,6 +10,10 @@ use std::time::Duration;
 use turbo_attention::QuerySpan;
 use turbo_kernels::ops::{attention, elementwise, linear, norm};
 use turbo_kernels::CudaDevice;
+
+/// Bytes a bench reads between two reads of the same buffer when it must miss in L2 (the H100's
+/// is 50 MB).
+const L2_FLUSH_BYTES: usize = 160 << 20;
 
 fn random_bf16(stream: &Arc<CudaStream>, n: usize, seed: u64) -> CudaSlice<bf16> {
     // A cheap deterministic pattern in [-1, 1): never zeros, different per buffer.
@@ -53,12 +58,27 @@ fn bench(c: &mut Criterion) {
     // Decode attention, GQA 32/8, d 128, bf16, blocks of 16, planned once and run (as the model
     // does once per layer): batch 64 at context 4096 with the grouped and the per-head row
     // kernels, then batch 1 and 4 at 8k to 128k keys (split-KV).
-    let mut decode = |batch: usize, ctx: usize, row_kernel: attention::RowKernel| {
+    let mut decode = |batch: usize,
+                      ctx: usize,
+                      row_kernel: attention::RowKernel,
+                      split: attention::KvSplit,
+                      graph: bool| {
         let (heads, kv_heads, d, bs) = (32usize, 8usize, 128usize, 16usize);
         let blocks_per_seq = ctx / bs;
         let cache_len = batch * blocks_per_seq * bs * kv_heads * d;
-        let k = random_bf16(&s, cache_len, 1);
-        let v = random_bf16(&s, cache_len, 2);
+        // A model reads each layer's KV once per step, long after the other layers' traffic has
+        // evicted it from the 50 MB L2: runs cycle through enough caches to read at least
+        // L2_FLUSH_BYTES between two reads of the same one, so that small caches are not served
+        // from L2.
+        let copies = L2_FLUSH_BYTES.div_ceil(2 * cache_len * 2).max(1);
+        let caches: Vec<_> = (0..copies as u64)
+            .map(|i| {
+                (
+                    random_bf16(&s, cache_len, 1 + 2 * i),
+                    random_bf16(&s, cache_len, 2 + 2 * i),
+                )
+            })
+            .collect();
         let q = random_bf16(&s, batch * heads * d, 3);
         let mut out = s.alloc_zeros::<bf16>(batch * heads * d).unwrap();
         let tables: Vec<Vec<u32>> = (0..batch)
@@ -85,6 +105,7 @@ fn bench(c: &mut Criterion) {
         };
         let options = attention::PlanOptions {
             row_kernel,
+            split,
             ..Default::default()
         };
         let mut plan = attention::AttentionPlan::new(
@@ -103,28 +124,73 @@ fn bench(c: &mut Criterion) {
             attention::RowKernel::Auto => "",
             attention::RowKernel::PerHead => "_per_head",
         };
-        g.bench_function(
-            format!("decode_attention_b{batch}_ctx{ctx}_gqa32x8_d128{kernel}"),
-            |b| {
+        let split = match split {
+            attention::KvSplit::Chunk(c) => format!("_chunk{c}"),
+            _ => String::new(),
+        };
+        let name = format!("decode_attention_b{batch}_ctx{ctx}_gqa32x8_d128{kernel}{split}");
+        if !graph {
+            g.bench_function(name, |b| {
                 b.iter_custom(|iters| {
+                    let mut next = caches.iter().cycle();
                     time_gpu(&dev, iters, || {
-                        plan.run(&dev, &q, &k, &v, 0.088, &mut out, None).unwrap()
+                        let (k, v) = next.next().unwrap();
+                        plan.run(&dev, &q, k, v, 0.088, &mut out, None).unwrap()
                     })
                 })
-            },
-        );
+            });
+            return;
+        }
+        // As a decode step runs it: one replayed CUDA graph with the attention of every layer,
+        // each over its own cache, so that launches cost what they cost in a recorded step and no
+        // host work sits between them.
+        const LAYERS: u32 = 32;
+        let (k, v) = &caches[0];
+        plan.run(&dev, &q, k, v, 0.088, &mut out, None).unwrap(); // module load, smem opt-in
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        for (k, v) in caches.iter().cycle().take(LAYERS as usize) {
+            plan.run(&dev, &q, k, v, 0.088, &mut out, None).unwrap();
+        }
+        let step = s
+            .end_capture(CUgraphInstantiate_flags(0))
+            .unwrap()
+            .expect("captured work");
+        g.bench_function(format!("{name}_graph"), |b| {
+            b.iter_custom(|iters| time_gpu(&dev, iters, || step.launch().unwrap()) / LAYERS)
+        });
     };
-    decode(64, 4096, attention::RowKernel::Auto);
-    decode(64, 4096, attention::RowKernel::PerHead);
+    let (grouped, per_head, auto) = (
+        attention::RowKernel::Auto,
+        attention::RowKernel::PerHead,
+        attention::KvSplit::Auto,
+    );
+    decode(64, 4096, grouped, auto, false);
+    decode(64, 4096, per_head, auto, false);
     // Short contexts, as in batched chat decode.
     for ctx in [256usize, 1024] {
-        decode(64, ctx, attention::RowKernel::Auto);
-        decode(64, ctx, attention::RowKernel::PerHead);
+        decode(64, ctx, grouped, auto, false);
+        decode(64, ctx, per_head, auto, false);
     }
-    for batch in [1usize, 4] {
-        for ctx in [8192usize, 16384, 32768, 65536, 131072] {
-            decode(batch, ctx, attention::RowKernel::Auto);
+    // Split-KV: launched one by one, and replayed from a graph as the model runs them.
+    for graph in [false, true] {
+        for batch in [1usize, 4] {
+            for ctx in [8192usize, 16384, 32768, 65536, 131072] {
+                decode(batch, ctx, grouped, auto, graph);
+            }
         }
+    }
+    // The split planner's choice against longer ranges (fewer CTAs and states), and the fixed
+    // cost of a split step (1024 keys in 16 ranges).
+    for (batch, ctx, chunk) in [
+        (1, 1024, 64),
+        (1, 8192, 512),
+        (1, 16384, 1024),
+        (1, 32768, 2048),
+        (4, 8192, 2048),
+        (4, 16384, 4096),
+    ] {
+        decode(batch, ctx, grouped, attention::KvSplit::Chunk(chunk), true);
     }
 
     // Prefill attention: one causal sequence of 2048 or 8192 tokens, 32 heads, d 128.

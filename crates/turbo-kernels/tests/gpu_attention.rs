@@ -551,6 +551,72 @@ fn large_decode_batch() {
     );
 }
 
+/// One plan run several times, as every layer of a step runs it. The grouped decode kernel merges
+/// a split row in the last of its ranges to finish, found by a count the kernel resets: a count
+/// left over from one run would merge too early or never in the next. The cases also cover
+/// ranges of hundreds of blocks (blocks of 1), one query head per KV head (the merge's columns
+/// then use a quarter of the CTA) and 20 heads per KV head (two head tiles; the merge takes
+/// several passes over its columns), with and without lse.
+#[test]
+fn plans_run_repeatedly() {
+    require_gpu!();
+    let dev = device();
+    let cases = [
+        (32, 8, 128, 16, vec![(1, 9000), (1, 300), (1, 4000)]),
+        (8, 8, 64, 1, vec![(1, 1500), (1, 700)]),
+        (40, 2, 128, 4, vec![(1, 3000), (1, 64)]),
+    ];
+    for (seed, (n_heads, n_kv_heads, head_dim, block_size, seqs)) in cases.into_iter().enumerate() {
+        let case = Case {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            block_size,
+            seqs,
+            seed: 70 + seed as u64,
+        };
+        let p = Problem::new(&case);
+        let mut gpu = Device::upload(&dev, &p);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let (ref_out, ref_lse) = p.reference(scale);
+        let spans = p.spans();
+        let n_blocks = p.k.len() / (block_size * n_kv_heads * head_dim);
+        for split in [
+            KvSplit::Auto,
+            KvSplit::Off,
+            KvSplit::Chunk(64),
+            KvSplit::Chunk(1000),
+            KvSplit::Fixed(8),
+        ] {
+            let options = PlanOptions {
+                split,
+                ..PlanOptions::default()
+            };
+            let mut plan = AttentionPlan::new(
+                &dev,
+                p.layout(),
+                n_heads,
+                p.n_tokens,
+                &spans,
+                n_blocks,
+                options,
+            )
+            .unwrap();
+            for run in 0..3 {
+                gpu.poison(&dev);
+                let with_lse = run != 1;
+                let lse = with_lse.then_some(&mut gpu.lse);
+                plan.run(&dev, &gpu.q, &gpu.k, &gpu.v, scale, &mut gpu.out, lse)
+                    .unwrap();
+                let out = to_f32(&dev.stream.clone_dtoh(&gpu.out).unwrap());
+                let lse = with_lse.then(|| dev.stream.clone_dtoh(&gpu.lse).unwrap());
+                let what = format!("{case:?}, {split:?}, run {run}");
+                compare(&what, &p, (&out, lse.as_deref()), (&ref_out, &ref_lse));
+            }
+        }
+    }
+}
+
 /// The other head dimensions, a block size of 8, and block sizes that are no power of two
 /// (3) or a single slot (1).
 #[test]

@@ -17,15 +17,16 @@
 //!   (head_dim 64 and 128: each K and V row read once per KV head) or for one query head with CUDA
 //!   cores (the other head dimensions). When those rows alone would leave the GPU idle (decode of
 //!   few or long sequences), their keys are split into ranges whose states `(o, lse)` go to f32
-//!   scratch and a merge kernel combines them ("flash-decoding"); otherwise each CTA covers all of
-//!   its row's keys and writes the output directly.
+//!   scratch ("flash-decoding"), merged by the last of a row's CTAs to finish in the grouped kernel
+//!   (no second launch) or by a merge kernel after the per-head one; otherwise each CTA covers all
+//!   of its row's keys and writes the output directly.
 //!
 //! - Cascade: when decode rows of several sequences share leading KV blocks (a common prompt prefix
 //!   the KV manager shares), [`turbo_attention::cascade::cascade_groups`] finds the groups and
 //!   their attention over the shared prefix is one multi-query pass per KV head (the prefill
 //!   kernel's body, with the group's rows and query heads as its tile rows), reading each shared
 //!   key once for the whole group; each row's own remaining keys go to the row kernel, and the
-//!   merge kernel combines the states.
+//!   states are merged as above.
 //!
 //! A batch may mix all of them: the launches cover disjoint rows (or, with cascade, disjoint keys
 //! of a row, merged).
@@ -56,8 +57,8 @@ pub enum KvSplit {
     /// Every row to a row kernel, one CTA per (row, head group) over all of the row's keys,
     /// writing the output directly.
     Off,
-    /// Every row to a row kernel, in ranges of this many keys (at least 1), always merged by the
-    /// merge kernel, also for rows with a single range.
+    /// Every row to a row kernel, in ranges of this many keys (at least 1), always merged, also
+    /// rows with a single range.
     Chunk(usize),
     /// Every row to a row kernel, in exactly this many ranges (at least 1) of a multiple of 64
     /// keys (trailing ones may be empty), merged when more than one; no cascade. The plan's
@@ -115,6 +116,8 @@ const GROUPED_ROWS: usize = 16;
 fn grouped_smem(head_dim: usize) -> usize {
     4 * 3 * 2 * 16 * head_dim * 2
 }
+/// Words of a grouped decode kernel's work item; the per-head kernel's have 4.
+const GROUPED_ITEM: usize = 8;
 /// The smallest key range [`KvSplit::Auto`] makes: below it, a CTA's fixed costs (loading Q,
 /// merging its warps' states) and the merge pass cost more than the parallelism gains.
 pub const MIN_AUTO_CHUNK: usize = 256;
@@ -303,6 +306,8 @@ fn grouped_kernel(head_dim: usize) -> Option<&'static str> {
 #[derive(Debug)]
 struct RowLaunch {
     kernel: &'static str,
+    /// The grouped decode kernel (8-word items, fused merge), else the per-head one.
+    grouped: bool,
     /// Dynamic shared memory, bytes.
     smem: usize,
     items: Range<usize>,
@@ -359,6 +364,9 @@ pub struct AttentionPlan {
     /// `[slot][n_heads][head_dim]` and `[slot][n_heads]` partial states (one element when unused).
     part_o: CudaSlice<f32>,
     part_lse: CudaSlice<f32>,
+    /// The grouped decode kernel's count of finished ranges per split row and head tile, which the
+    /// last range resets: all zero between launches.
+    merge_counts: CudaSlice<u32>,
 }
 
 /// `old` if it holds at least `len` elements, else a new buffer of a power-of-two length (so that a
@@ -653,7 +661,8 @@ impl AttentionPlan {
 
         // Work items [row, first key, end key, state slot]; rows with several ranges, cascade rows
         // (or all rows under an explicit chunk size) get state slots, contiguous per row (the
-        // prefix chunks' first), and a merge row.
+        // prefix chunks' first), and a merge row. The grouped kernel's items add the row's table
+        // start, first state slot, state count and range count: it merges split rows itself.
         let mut items: Vec<u32> = Vec::new();
         let mut row_states: Vec<u32> = Vec::new();
         let mut merge_rows: Vec<u32> = Vec::new();
@@ -688,15 +697,25 @@ impl AttentionPlan {
                 };
                 let (k0, k1) = ((first + i * c).min(n), (first + (i + 1) * c).min(n));
                 items.extend_from_slice(&[t, k0 as u32, k1 as u32, state]);
+                if grouped.is_some() {
+                    items.extend_from_slice(&[
+                        starts[token_seq[t as usize] as usize],
+                        token_state[t as usize],
+                        (prefix + ranges) as u32,
+                        ranges as u32,
+                    ]);
+                }
             }
         }
-        let n_items = items.len() / 4;
+        let item_len = if grouped.is_some() { GROUPED_ITEM } else { 4 };
+        let n_items = items.len() / item_len;
         check(
             n_items <= i32::MAX as usize && grid_y <= 65535 && fits_u32(meta.0.len() + items.len()),
             || format!("paged_attention: {n_items} work items"),
         )?;
         let rows = (n_items > 0).then(|| RowLaunch {
             kernel,
+            grouped: grouped.is_some(),
             smem: if grouped.is_some() {
                 grouped_smem(head_dim)
             } else {
@@ -753,7 +772,7 @@ impl AttentionPlan {
             }
             _ => None,
         };
-        let merge = if merge_rows.is_empty() {
+        let merge = if merge_rows.is_empty() || grouped.is_some() {
             None
         } else {
             row_states.push(n_states as u32);
@@ -771,15 +790,23 @@ impl AttentionPlan {
         })?;
 
         let slots = n_states.max(1);
-        let (old_meta, old_o, old_lse) = match reuse {
-            Some(p) => (Some(p.meta), Some(p.part_o), Some(p.part_lse)),
-            None => (None, None, None),
+        let (old_meta, old_o, old_lse, old_counts) = match reuse {
+            Some(p) => (
+                Some(p.meta),
+                Some(p.part_o),
+                Some(p.part_lse),
+                Some(p.merge_counts),
+            ),
+            None => (None, None, None, None),
         };
         let (mut meta_dev, m1) = reuse_or_alloc(dev, old_meta, meta.0.len())?;
         dev.stream
             .memcpy_htod(&meta.0, &mut meta_dev.slice_mut(..meta.0.len()))?;
         let (part_o, m2) = reuse_or_alloc(dev, old_o, slots * n_heads * head_dim)?;
         let (part_lse, m3) = reuse_or_alloc(dev, old_lse, slots * n_heads)?;
+        // The fused merge's counts, one per (first state slot, grid.y); zero between launches.
+        let counts = if grouped.is_some() { slots * grid_y } else { 1 };
+        let (merge_counts, m4) = reuse_or_alloc(dev, old_counts, counts)?;
         let plan = AttentionPlan {
             layout,
             n_heads,
@@ -795,8 +822,9 @@ impl AttentionPlan {
             merge,
             part_o,
             part_lse,
+            merge_counts,
         };
-        Ok((plan, m1 || m2 || m3))
+        Ok((plan, m1 || m2 || m3 || m4))
     }
 
     /// The kernels the plan runs prefill spans and the cascade pass with, where it has them.
@@ -965,13 +993,11 @@ impl AttentionPlan {
             let token_seq = section(&self.token_seq);
             let f = dev.function_with_smem("attention", r.kernel, r.smem)?;
             let mut b = dev.stream.launch_builder(&f);
-            b.arg(q)
-                .arg(k_cache)
-                .arg(v_cache)
-                .arg(&tables)
-                .arg(&seq_start)
-                .arg(&token_seq)
-                .arg(&items)
+            b.arg(q).arg(k_cache).arg(v_cache).arg(&tables);
+            if !r.grouped {
+                b.arg(&seq_start).arg(&token_seq);
+            }
+            b.arg(&items)
                 .arg(&n_heads_i)
                 .arg(&group)
                 .arg(&n_kv_heads_i)
@@ -979,8 +1005,11 @@ impl AttentionPlan {
                 .arg(&block_shift)
                 .arg(&scale)
                 .arg(&mut self.part_o)
-                .arg(&mut self.part_lse)
-                .arg(&mut *out);
+                .arg(&mut self.part_lse);
+            if r.grouped {
+                b.arg(&mut self.merge_counts);
+            }
+            b.arg(&mut *out);
             match lse.as_deref_mut() {
                 Some(l) => b.arg(l),
                 None => b.arg(&null),
@@ -991,9 +1020,10 @@ impl AttentionPlan {
                 shared_mem_bytes: r.smem as u32,
             };
             // SAFETY: the arguments match attn_chunk_d* / attn_decode_d*'s parameters; every
-            // item names a row of q and out, a non-empty key range within the row's keys (whose
-            // blocks were checked when planning), and a state slot below the scratch's size or
-            // NO_STATE.
+            // item names a row of q and out, a key range within the row's keys (whose blocks were
+            // checked when planning), and a state slot below the scratch's size or NO_STATE; a
+            // grouped item's table start is its row's, its state slots lie below the scratch's
+            // size and its count slot (first slot · grid.y + head tile) below merge_counts'.
             unsafe { b.launch(cfg)? };
         }
 
