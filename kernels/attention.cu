@@ -835,13 +835,15 @@ ATTN_PREFILL_KERNEL(128, 4, 2, 32, 2)
 #define DEC_ROWS 16
 #define DEC_KEYS 16
 #define DEC_STAGES 3
-// States the fused merge loads before using any.
-#define DEC_MERGE_UNROLL 16
+// States the fused merge loads before using any: at d 128 the 4 heads of GQA 4 fill the CTA's
+// columns, so each thread walks all of a row's states (32 at batch 1); at d 64 two groups share
+// them.
+#define DEC_MERGE_UNROLL(HD) ((HD) == 128 ? 32 : 16)
 
 // Merges states [first, first + n) of query heads h0 .. h0 + nh of query row `token` into out
 // (and lse_out when given): all DEC_THREADS threads. Thread c of group g sums float4 column
 // c (head c / (HD / 4)) of states g, g + G, .. as an online softmax (max-shifted, loading
-// DEC_MERGE_UNROLL states before using any); the groups' sums are combined through `smem`
+// DEC_MERGE_UNROLL(HD) states before using any); the groups' sums are combined through `smem`
 // (DEC_THREADS · 6 floats). The states were written by other CTAs of this launch: they are read
 // from L2 (ld.cg), after the caller's acquire.
 template <int HD>
@@ -851,6 +853,7 @@ __device__ __forceinline__ void dec_merge_states(const float* __restrict__ part_
                                                  __nv_bfloat16* __restrict__ out,
                                                  float* __restrict__ lse_out, float* smem) {
     constexpr int C = HD / 4;  // float4 columns per head
+    constexpr int U = DEC_MERGE_UNROLL(HD);
     const int tid = threadIdx.x;
     const int cols = nh * C;
     const int width = min(cols, DEC_THREADS);  // columns per pass
@@ -865,11 +868,11 @@ __device__ __forceinline__ void dec_merge_states(const float* __restrict__ part_
         float m = attn_neg_inf(), l = 0.f;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         if (active) {
-            for (uint32_t s0 = (uint32_t)g; s0 < n; s0 += DEC_MERGE_UNROLL * (uint32_t)groups) {
-                float x[DEC_MERGE_UNROLL];
-                float4 v[DEC_MERGE_UNROLL];
+            for (uint32_t s0 = (uint32_t)g; s0 < n; s0 += U * (uint32_t)groups) {
+                float x[U];
+                float4 v[U];
 #pragma unroll
-                for (int u = 0; u < DEC_MERGE_UNROLL; u++) {
+                for (int u = 0; u < U; u++) {
                     const uint32_t sidx = s0 + (uint32_t)(u * groups);
                     x[u] = attn_neg_inf();
                     v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -881,7 +884,7 @@ __device__ __forceinline__ void dec_merge_states(const float* __restrict__ part_
                 }
                 float mx = m;
 #pragma unroll
-                for (int u = 0; u < DEC_MERGE_UNROLL; u++) mx = fmaxf(mx, x[u]);
+                for (int u = 0; u < U; u++) mx = fmaxf(mx, x[u]);
                 if (mx == attn_neg_inf()) continue;  // nothing but empty states so far
                 const float corr = __expf(m - mx);    // 0 while m is -inf
                 l *= corr;
@@ -890,7 +893,7 @@ __device__ __forceinline__ void dec_merge_states(const float* __restrict__ part_
                 acc.z *= corr;
                 acc.w *= corr;
 #pragma unroll
-                for (int u = 0; u < DEC_MERGE_UNROLL; u++) {
+                for (int u = 0; u < U; u++) {
                     const float w = __expf(x[u] - mx);  // 0 for an empty state
                     l += w;
                     acc.x = fmaf(w, v[u].x, acc.x);
