@@ -679,6 +679,11 @@ impl AttentionPlan {
             };
             let prefix = prefix_chunks[t as usize];
             let merged = matches!(options.split, KvSplit::Chunk(_)) || ranges > 1 || prefix > 0;
+            // The grouped kernel merges a row in its last range, so a merged row needs one (a
+            // cascade row always has keys of its own: its query's position is past the prefix).
+            check(ranges > 0 || grouped.is_none(), || {
+                format!("paged_attention: row {t} has no keys past its shared prefix")
+            })?;
             if merged {
                 row_states.push(n_states as u32);
                 merge_rows.push(t);
