@@ -300,6 +300,115 @@ fn bench(c: &mut Criterion) {
 }
 
 /// `n` f32 values in [-scale, scale) from a cheap deterministic pattern, never zero.
+/// A kernel that does nothing but read: each CTA XORs its share of a buffer's 16-byte words
+/// (eight loads in flight per thread) and writes one word. Compiled here with NVRTC: it is a
+/// measuring instrument, not part of the engine.
+const READ_PROBE: &str = r#"
+extern "C" __global__ void __launch_bounds__(1024) read_xor(const uint4* src, unsigned long long n16,
+                                                             unsigned int* partial) {
+    unsigned int acc = 0;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 7 * stride < n16; i += 8 * stride) {
+        unsigned int v[8][4];
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+            asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v[u][0]), "=r"(v[u][1]), "=r"(v[u][2]), "=r"(v[u][3])
+                         : "l"(src + i + u * stride));
+#pragma unroll
+        for (int u = 0; u < 8; u++) acc ^= v[u][0] ^ v[u][1] ^ v[u][2] ^ v[u][3];
+    }
+    for (; i < n16; i += stride) {
+        const uint4 w = src[i];
+        acc ^= w.x ^ w.y ^ w.z ^ w.w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    __shared__ unsigned int warps[32];
+    if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (unsigned w = 1; w < blockDim.x / 32; w++) acc ^= warps[w];
+        partial[blockIdx.x] = acc;
+    }
+}
+"#;
+
+/// The read ceiling of one launch of a given size: [`READ_PROBE`] replayed 32 times from a graph
+/// over buffers cycled as the decode benches cycle caches (cold in L2). Its result is checked
+/// against the host's XOR of the same bytes once per size.
+fn bench_read_probe(c: &mut Criterion) {
+    if !turbo_kernels::cuda_available() {
+        eprintln!("skipping the read probe: no CUDA device");
+        return;
+    }
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    let dev = CudaDevice::new(0).expect("CUDA device");
+    let s = dev.stream.clone();
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some("compute_80"),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(READ_PROBE, opts).expect("NVRTC");
+    let f = dev
+        .ctx
+        .load_module(ptx)
+        .and_then(|m| m.load_function("read_xor"))
+        .expect("read probe");
+    let mut g = c.benchmark_group("cuda");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_secs(1));
+    let ctas = 2 * dev.sm_count();
+    let cfg = LaunchConfig {
+        grid_dim: (ctas as u32, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut partial = s.alloc_zeros::<u32>(ctas).unwrap();
+    // The decode benches' K and V bytes at batch 1, 8k to 128k keys (and 8 MiB, 16 MiB below).
+    for mib in [8usize, 16, 32, 64, 128, 256, 512, 1024] {
+        let bytes = mib << 20;
+        let copies = L2_FLUSH_BYTES.div_ceil(bytes).max(1);
+        let bufs: Vec<CudaSlice<bf16>> = (0..copies as u64)
+            .map(|i| random_bf16(&s, bytes / 2, 11 + i))
+            .collect();
+        let n16 = (bytes / 16) as u64;
+        let run = |buf: &CudaSlice<bf16>, partial: &mut CudaSlice<u32>| {
+            let mut b = s.launch_builder(&f);
+            b.arg(buf).arg(&n16).arg(partial);
+            // SAFETY: read_xor reads n16 16-byte words of `buf` (its whole length) and writes
+            // one word per CTA of `partial`, which has one per CTA.
+            unsafe { b.launch(cfg).unwrap() };
+        };
+        run(&bufs[0], &mut partial);
+        let host_words: Vec<bf16> = s.clone_dtoh(&bufs[0]).unwrap();
+        let want = host_words.chunks_exact(2).fold(0u32, |a, w| {
+            a ^ (w[0].to_bits() as u32 | (w[1].to_bits() as u32) << 16)
+        });
+        let got = s
+            .clone_dtoh(&partial)
+            .unwrap()
+            .iter()
+            .fold(0u32, |a, p| a ^ p);
+        assert_eq!(got, want, "read probe XOR of {mib} MiB");
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        for buf in bufs.iter().cycle().take(32) {
+            run(buf, &mut partial);
+        }
+        let step = s
+            .end_capture(CUgraphInstantiate_flags(0))
+            .unwrap()
+            .expect("captured work");
+        g.throughput(Throughput::Bytes(bytes as u64));
+        g.bench_function(format!("read_probe_{mib}MiB_graph"), |b| {
+            b.iter_custom(|iters| time_gpu(&dev, iters, || step.launch().unwrap()) / 32)
+        });
+    }
+}
+
 fn random_f32(stream: &Arc<CudaStream>, n: usize, seed: u64, scale: f32) -> CudaSlice<f32> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let host: Vec<f32> = (0..n)
@@ -618,6 +727,7 @@ fn bench_gemv(c: &mut Criterion) {
 
 criterion_group!(
     benches,
+    bench_read_probe,
     bench,
     bench_merge,
     bench_cascade,
