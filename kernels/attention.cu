@@ -13,20 +13,24 @@
 // are split into several ranges has its states written to f32 scratch and merged; a row with a
 // single range is written to the output directly. Two kernels do this:
 //   attn_decode_d*  tensor cores, all query heads of one KV head in one CTA (each K and V row is
-//                   read once for the whole group): head_dim 64 and 128; merges split rows
-//                   itself (see the kernel) and takes items of 8 u32
-//   attn_chunk_d*   CUDA cores, one CTA per query head: every supported head_dim; its split rows
-//                   are merged by attn_merge
+//                   read once for the whole group): head_dim 64 and 128
+//   attn_chunk_d*   CUDA cores, one CTA per query head: every supported head_dim
+// Both merge split rows themselves: each range's CTA writes its state, and the last of a row's
+// ranges to finish (an atomic count per first state slot and grid.y, which that CTA resets to 0
+// for the next launch) merges all the row's states for its heads and writes the output, so a
+// split step is one launch with no merge pass behind it.
 //
 // Host-made tables (all u32):
 //   tables          the block tables of all sequences, concatenated
-//   seq_table_start [seqs]   where each sequence's table starts in `tables`
-//   token_seq       [tokens] the sequence of each query row
-//   items           [n][4]   work items: query row, first key, end key (exclusive, at most the
-//                            row's position + 1), state slot (0xffffffff: write the output);
-//                            attn_decode_d*'s have 4 more words (see there)
-//   row_states      [rows + 1] merge row r combines state slots row_states[r]..row_states[r + 1]
-//   rows            [rows]   the query row of each merge row, or null: merge row r is query row r
+//   seq_table_start [seqs]   where each sequence's table starts in `tables` (prefill, cascade)
+//   items           [n][8]   the row kernels' work items: query row, first key, end key
+//                            (exclusive, at most the row's position + 1), state slot (0xffffffff:
+//                            write the output), where the row's block table starts in `tables`,
+//                            and for a split row: its first state slot, its number of states
+//                            (prefix chunks of the cascade pass included), and how many items
+//                            (ranges) it has
+//   counters        [first state slot][grid.y] finished ranges of each split row, zero between
+//                   launches
 //
 // Prefill spans (many query rows of one sequence) go instead to attn_prefill_d*, a tensor-core
 // FlashAttention-2 kernel (at the end of this file).
@@ -36,10 +40,11 @@
 #define ATTN_THREADS (ATTN_WARPS * TURBO_WARP)
 // Keys each lane group takes per step: their loads are all issued before any score is reduced.
 #define ATTN_UNROLL 2
-#define ATTN_MERGE_THREADS 128
 // CTAs per SM the chunk kernels are built for (so up to 128 registers a thread): without it
 // ptxas caps them lower and spills.
 #define ATTN_MIN_CTAS 4
+// States attn_chunk's fused merge loads before using any (within those registers).
+#define ATTN_MERGE_UNROLL 8
 
 #define ATTN_LOG2E 1.4426950408889634f
 // A work item's state slot meaning "write the output, not a state".
@@ -95,6 +100,142 @@ __device__ __forceinline__ void attn_load(const __nv_bfloat16* __restrict__ p, f
     }
 }
 
+// Two f32 as a bf16 pair (lo in the low half, as mma fragments and memory order want).
+__device__ __forceinline__ uint32_t pf_pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Merges states [first, first + n) of query heads h0 .. h0 + nh of query row `token` into out
+// (and lse_out when given), run by all THREADS threads of the CTA that counted last
+// (attn_last_range). Thread c of group g sums float4 column c (head c / (HD / 4)) of states g,
+// g + G, .. as an online softmax (max-shifted, loading U states before using any, so that they
+// are one round trip rather than one per state); the groups' sums are combined through `smem`
+// (THREADS · 6 floats). Empty states (lse = -inf) weigh exactly 0; with none finite, o = 0 and
+// lse = -inf; a single state passes through exactly (weight 1). The states were written by other
+// CTAs of this launch: they are read from L2 (ld.cg), after attn_last_range's acquire.
+template <int HD, int THREADS, int U>
+__device__ __forceinline__ void attn_merge_row(const float* __restrict__ part_o,
+                                                 const float* __restrict__ part_lse, uint32_t first,
+                                                 uint32_t n, int n_heads, int h0, int nh, size_t token,
+                                                 __nv_bfloat16* __restrict__ out,
+                                                 float* __restrict__ lse_out, float* smem) {
+    constexpr int C = HD / 4;  // float4 columns per head
+    const int tid = threadIdx.x;
+    const int cols = nh * C;
+    const int width = min(cols, THREADS);  // columns per pass
+    const int groups = THREADS / width;
+    float4* const sm_acc = reinterpret_cast<float4*>(smem);
+    float* const sm_m = smem + 4 * THREADS;
+    float* const sm_l = sm_m + THREADS;
+    for (int col0 = 0; col0 < cols; col0 += width) {
+        const int c = col0 + tid % width, g = tid / width;
+        const bool active = g < groups && c < cols;
+        const int head = h0 + c / C;
+        float m = attn_neg_inf(), l = 0.f;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (active) {
+            for (uint32_t s0 = (uint32_t)g; s0 < n; s0 += U * (uint32_t)groups) {
+                float x[U];
+                float4 v[U];
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const uint32_t sidx = s0 + (uint32_t)(u * groups);
+                    x[u] = attn_neg_inf();
+                    v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (sidx < n) {
+                        const size_t st = (size_t)(first + sidx) * (size_t)n_heads + (size_t)head;
+                        x[u] = __ldcg(part_lse + st);
+                        v[u] = __ldcg(reinterpret_cast<const float4*>(part_o + st * HD) + c % C);
+                    }
+                }
+                float mx = m;
+#pragma unroll
+                for (int u = 0; u < U; u++) mx = fmaxf(mx, x[u]);
+                if (mx == attn_neg_inf()) continue;  // nothing but empty states so far
+                const float corr = __expf(m - mx);    // 0 while m is -inf
+                l *= corr;
+                acc.x *= corr;
+                acc.y *= corr;
+                acc.z *= corr;
+                acc.w *= corr;
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const float w = __expf(x[u] - mx);  // 0 for an empty state
+                    l += w;
+                    acc.x = fmaf(w, v[u].x, acc.x);
+                    acc.y = fmaf(w, v[u].y, acc.y);
+                    acc.z = fmaf(w, v[u].z, acc.z);
+                    acc.w = fmaf(w, v[u].w, acc.w);
+                }
+                m = mx;
+            }
+        }
+        if (groups > 1) {
+            sm_acc[tid] = acc;
+            sm_m[tid] = m;
+            sm_l[tid] = l;
+            __syncthreads();
+            if (g == 0) {
+                float mx = m;
+                for (int k = 1; k < groups; k++) mx = fmaxf(mx, sm_m[k * width + tid]);
+                if (mx != attn_neg_inf()) {
+                    const float c0 = __expf(m - mx);
+                    l *= c0;
+                    acc.x *= c0;
+                    acc.y *= c0;
+                    acc.z *= c0;
+                    acc.w *= c0;
+                    for (int k = 1; k < groups; k++) {
+                        const float ck = __expf(sm_m[k * width + tid] - mx);
+                        const float4 a = sm_acc[k * width + tid];
+                        l = fmaf(ck, sm_l[k * width + tid], l);
+                        acc.x = fmaf(ck, a.x, acc.x);
+                        acc.y = fmaf(ck, a.y, acc.y);
+                        acc.z = fmaf(ck, a.z, acc.z);
+                        acc.w = fmaf(ck, a.w, acc.w);
+                    }
+                }
+                m = mx;
+            }
+            __syncthreads();  // the buffers are reused by the next pass
+        }
+        if (active && g == 0) {
+            // l == 0 only when every state is empty: o = 0, lse = -inf.
+            const bool empty = !(l > 0.f);
+            const float inv = empty ? 0.f : 1.f / l;
+            const size_t row = token * (size_t)n_heads + (size_t)head;
+            uint2 packed;
+            packed.x = pf_pack(acc.x * inv, acc.y * inv);
+            packed.y = pf_pack(acc.z * inv, acc.w * inv);
+            *reinterpret_cast<uint2*>(out + row * HD + 4 * (c % C)) = packed;
+            if (c % C == 0 && lse_out != nullptr) lse_out[row] = empty ? attn_neg_inf() : m + logf(l);
+        }
+    }
+}
+
+// Counts the CTA's range as finished for its row (counter first_slot · grid.y + blockIdx.y);
+// true, in every thread, in the CTA that counts last, which then merges the row. The barrier
+// orders every thread's state writes before thread 0's count, whose release (cumulative)
+// publishes them to the GPU and whose acquire, in the last CTA, makes the other CTAs' states
+// visible to it; the second barrier passes that on to the CTA's threads (in place of a
+// __threadfence, an SC fence, in every thread). The last CTA resets the counter for the next
+// launch. The flag is a barrier's result, not static shared memory: with a __shared__ flag, decode
+// steps measured 8-40% slower, also those that never merge (docs/perf/h100.md).
+__device__ __forceinline__ bool attn_last_range(uint32_t* __restrict__ counters, uint32_t first_slot,
+                                                uint32_t ranges) {
+    __syncthreads();
+    bool last = false;
+    if (threadIdx.x == 0) {
+        uint32_t* const count = counters + (size_t)first_slot * gridDim.y + blockIdx.y;
+        uint32_t before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(count) : "memory");
+        last = before == ranges - 1;
+        if (last) *count = 0;
+    }
+    return __syncthreads_or(last);
+}
+
 // One CTA: work item blockIdx.x (query row `token`, keys [k0, k1) of that row's sequence, a state
 // slot), head blockIdx.y.
 //
@@ -111,12 +252,10 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
                                            const __nv_bfloat16* __restrict__ k_cache,
                                            const __nv_bfloat16* __restrict__ v_cache,
                                            const uint32_t* __restrict__ tables,
-                                           const uint32_t* __restrict__ seq_table_start,
-                                           const uint32_t* __restrict__ token_seq,
                                            const uint32_t* __restrict__ items, int n_heads, int group,
                                            int n_kv_heads, int block_size, int block_shift, float scale, float* __restrict__ part_o,
-                                           float* __restrict__ part_lse, __nv_bfloat16* __restrict__ out,
-                                           float* __restrict__ lse_out) {
+                                           float* __restrict__ part_lse, uint32_t* __restrict__ counters,
+                                           __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {
     static_assert(G >= 1 && G <= TURBO_WARP && (G & (G - 1)) == 0, "G must be a power of two <= 32");
     static_assert(HD % G == 0 && HD <= 256, "head_dim must be a multiple of G, at most 256");
     constexpr int E = HD / G;
@@ -127,14 +266,16 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
     __shared__ float sm_m[S];
     __shared__ float sm_l[S];
     __shared__ float sm_o[S][HD];
+    static_assert(S * HD >= 6 * ATTN_THREADS, "sm_o doubles as the fused merge's buffer");
 
     const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
     const int sub = lane / G, part = lane % G;
     const int head = blockIdx.y;
     // An empty range (k0 == k1, as a fixed split makes) gives o = 0 and lse = -inf.
-    const uint4 it = reinterpret_cast<const uint4*>(items)[blockIdx.x];
+    const uint4 it = reinterpret_cast<const uint4*>(items)[2 * blockIdx.x];
+    const uint4 it2 = reinterpret_cast<const uint4*>(items)[2 * blockIdx.x + 1];
     const uint32_t token = it.x, k0 = it.y, k1 = it.z, state = it.w;
-    const uint32_t* table = tables + seq_table_start[token_seq[token]];
+    const uint32_t* table = tables + it2.x;
 
     const size_t row_q = (size_t)token * (size_t)n_heads + (size_t)head;
     float qv[E];
@@ -247,18 +388,22 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
             lse_out[dst] = lse;
         }
     }
+    if (direct) return;
+    // The row's last range to finish merges its states (sm_o, read above, becomes the buffer).
+    if (!attn_last_range(counters, it2.y, it2.w)) return;
+    attn_merge_row<HD, ATTN_THREADS, ATTN_MERGE_UNROLL>(part_o, part_lse, it2.y, it2.z, n_heads, head, 1, token,
+                                                        out, lse_out, &sm_o[0][0]);
 }
 
 #define ATTN_CHUNK_KERNEL(HD, G)                                                                          \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) attn_chunk_d##HD(                         \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
         const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
-        const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ token_seq,            \
         const uint32_t* __restrict__ items, int n_heads, int group, int n_kv_heads, int block_size,      \
         int block_shift, float scale, float* __restrict__ part_o, float* __restrict__ part_lse,          \
-        __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {                                  \
-        attn_chunk<HD, G>(q, k_cache, v_cache, tables, seq_table_start, token_seq, items, n_heads, group,   \
-                          n_kv_heads, block_size, block_shift, scale, part_o, part_lse, out, lse_out);      \
+        uint32_t* __restrict__ counters, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) { \
+        attn_chunk<HD, G>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size,    \
+                          block_shift, scale, part_o, part_lse, counters, out, lse_out);                \
     }
 
 // (head_dim, lanes per key): 8 or 16 bf16 per lane (12 for 96 and 192), loaded 16 or 8 bytes at a time.
@@ -268,103 +413,6 @@ ATTN_CHUNK_KERNEL(96, 8)
 ATTN_CHUNK_KERNEL(128, 8)
 ATTN_CHUNK_KERNEL(192, 16)
 ATTN_CHUNK_KERNEL(256, 16)
-
-// Two f32 as a bf16 pair (lo in the low half, as mma fragments and memory order want).
-__device__ __forceinline__ uint32_t pf_pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// Merges the states of merge row blockIdx.x, head blockIdx.y (state slots i, laid out
-// [slot][n_heads][head_dim] and [slot][n_heads]):
-//   M = max_i lse_i,  S = Σ_i exp(lse_i - M),  o = Σ_i exp(lse_i - M) o_i / S,  lse = M + ln S.
-// Empty states (lse_i = -inf) weigh exactly 0; with no finite lse_i at all, o = 0 and lse = -inf.
-// A single state passes through exactly (weight 1, S = 1).
-// Merge row blockIdx.x is query row rows[blockIdx.x], or blockIdx.x itself when rows is null.
-//
-// A row may have many states (a long sequence split for a batch of one). The CTA's threads are
-// G groups of C = head_dim / 4 threads; thread c of group g sums dimensions 4c..4c+3 of states
-// g, g + G, .., loading four states' lse and float4 slices before using any (so that loads are in
-// flight together rather than one latency per state), and the groups' sums are added through
-// shared memory. head_dim is a multiple of 4, at most 4 · ATTN_MERGE_THREADS.
-extern "C" __global__ void __launch_bounds__(ATTN_MERGE_THREADS)
-attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_lse,
-           const uint32_t* __restrict__ row_states, const uint32_t* __restrict__ rows, int n_heads,
-           int head_dim, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {
-    __shared__ float4 sm_o[ATTN_MERGE_THREADS];
-    __shared__ float sm_x[ATTN_MERGE_THREADS];
-    const int tid = threadIdx.x, lane = tid % TURBO_WARP, warp = tid / TURBO_WARP;
-    const size_t token = rows != nullptr ? rows[blockIdx.x] : blockIdx.x;
-    const int head = blockIdx.y;
-    const uint32_t w0 = row_states[blockIdx.x], w1 = row_states[blockIdx.x + 1];
-
-    float mx = attn_neg_inf();
-    for (uint32_t w = w0 + tid; w < w1; w += ATTN_MERGE_THREADS) mx = fmaxf(mx, part_lse[(size_t)w * n_heads + head]);
-    mx = warp_max(mx);
-    if (lane == 0) sm_x[warp] = mx;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < ATTN_MERGE_THREADS / TURBO_WARP; w++) mx = fmaxf(mx, sm_x[w]);
-    __syncthreads();  // sm_x is reused for the sums
-
-    const int chunks = head_dim / 4;                     // C
-    const int groups = ATTN_MERGE_THREADS / chunks;      // G
-    const int c = tid % chunks, g = tid / chunks;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float sum = 0.f;
-    // Weight of state w (all -inf: mx too, all weights 0).
-    auto weight = [&](float x) { return x == attn_neg_inf() ? 0.f : expf(x - mx); };
-    auto add = [&](float wt, float4 v) {
-        sum += wt;
-        acc.x = fmaf(wt, v.x, acc.x);
-        acc.y = fmaf(wt, v.y, acc.y);
-        acc.z = fmaf(wt, v.z, acc.z);
-        acc.w = fmaf(wt, v.w, acc.w);
-    };
-    if (g < groups) {
-        uint32_t w = w0 + (uint32_t)g;
-        const uint32_t step = (uint32_t)groups;
-        for (; w + 3 * step < w1; w += 4 * step) {
-            float x[4];
-            float4 v[4];
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const size_t st = (size_t)(w + u * step) * n_heads + head;
-                x[u] = part_lse[st];
-                v[u] = *reinterpret_cast<const float4*>(part_o + st * head_dim + 4 * c);
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++) add(weight(x[u]), v[u]);
-        }
-        for (; w < w1; w += step) {
-            const size_t st = (size_t)w * n_heads + head;
-            add(weight(part_lse[st]), *reinterpret_cast<const float4*>(part_o + st * head_dim + 4 * c));
-        }
-    }
-    sm_o[tid] = acc;
-    sm_x[tid] = sum;
-    __syncthreads();
-    if (tid < chunks) {
-        float total = 0.f;
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int k = 0; k < groups; k++) {
-            const float4 a = sm_o[k * chunks + tid];
-            total += sm_x[k * chunks + tid];
-            o.x += a.x;
-            o.y += a.y;
-            o.z += a.z;
-            o.w += a.w;
-        }
-        const bool empty = !(total > 0.f);
-        const float inv = empty ? 0.f : 1.f / total;
-        const size_t row = token * (size_t)n_heads + (size_t)head;
-        uint2 packed;
-        packed.x = pf_pack(o.x * inv, o.y * inv);
-        packed.y = pf_pack(o.z * inv, o.w * inv);
-        *reinterpret_cast<uint2*>(out + row * head_dim + 4 * tid) = packed;
-        if (tid == 0 && lse_out != nullptr) lse_out[row] = empty ? attn_neg_inf() : mx + logf(total);
-    }
-}
 
 // ------------------------------------------------------------------------------------------------
 // Prefill: tensor-core FlashAttention-2 over the paged KV.
@@ -401,7 +449,7 @@ attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_lse,
 // items[8 i .. 8 i + 8] = first flattened row f0, rows, k0, k1, the sequence whose table holds
 // the prefix, prefix chunk index, KV head, unused; flattened row f is query row
 // shared_tokens[f / group], query head kv · group + f % group. The CTA writes f32 states to slot
-// token_state[row] + chunk of part_o / part_lse (the layout attn_merge reads).
+// token_state[row] + chunk of part_o / part_lse (the layout attn_merge_row reads).
 
 // The prefill kernels' shared memory (dynamic: above 48 KiB for some shapes).
 extern __shared__ __align__(16) unsigned char pf_dyn_smem[];
@@ -822,14 +870,9 @@ ATTN_PREFILL_KERNEL(128, 4, 2, 32, 2)
 // Shared memory: DEC_WARPS · DEC_STAGES · 2 · 16 · head_dim bf16 (96 KiB at d 128: two CTAs per
 // SM), reused at the end for the warps' states and the fused merge.
 //
-// Items are 8 u32: query row, first key, end key (exclusive), state slot (ATTN_NO_STATE: write
-// the output), where the row's block table starts in `tables` (two dependent loads fewer before
-// the first copy than finding it through the row's sequence), and for a split row: its first
-// state slot, its number of states (prefix chunks of the cascade pass included), and how many
-// items (ranges) it has. The merge is fused: each CTA of a split row writes its state, and the
-// last of the row's ranges to finish (an atomic count per first state slot and grid.y, which that
-// CTA resets to 0 for the next launch) merges all the row's states for its heads and writes the
-// output, so a split step is one launch with no merge pass behind it.
+// Items carry the row's block-table start: two dependent loads fewer before the first copy than
+// finding it through the row's sequence. Split rows are merged by their last range (see the top
+// of this file).
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * TURBO_WARP)
 #define DEC_ROWS 16
@@ -839,113 +882,6 @@ ATTN_PREFILL_KERNEL(128, 4, 2, 32, 2)
 // columns, so each thread walks all of a row's states (32 at batch 1); at d 64 two groups share
 // them.
 #define DEC_MERGE_UNROLL(HD) ((HD) == 128 ? 32 : 16)
-
-// Merges states [first, first + n) of query heads h0 .. h0 + nh of query row `token` into out
-// (and lse_out when given): all DEC_THREADS threads. Thread c of group g sums float4 column
-// c (head c / (HD / 4)) of states g, g + G, .. as an online softmax (max-shifted, loading
-// DEC_MERGE_UNROLL(HD) states before using any); the groups' sums are combined through `smem`
-// (DEC_THREADS · 6 floats). The states were written by other CTAs of this launch: they are read
-// from L2 (ld.cg), after the caller's acquire.
-template <int HD>
-__device__ __forceinline__ void dec_merge_states(const float* __restrict__ part_o,
-                                                 const float* __restrict__ part_lse, uint32_t first,
-                                                 uint32_t n, int n_heads, int h0, int nh, size_t token,
-                                                 __nv_bfloat16* __restrict__ out,
-                                                 float* __restrict__ lse_out, float* smem) {
-    constexpr int C = HD / 4;  // float4 columns per head
-    constexpr int U = DEC_MERGE_UNROLL(HD);
-    const int tid = threadIdx.x;
-    const int cols = nh * C;
-    const int width = min(cols, DEC_THREADS);  // columns per pass
-    const int groups = DEC_THREADS / width;
-    float4* const sm_acc = reinterpret_cast<float4*>(smem);
-    float* const sm_m = smem + 4 * DEC_THREADS;
-    float* const sm_l = sm_m + DEC_THREADS;
-    for (int col0 = 0; col0 < cols; col0 += width) {
-        const int c = col0 + tid % width, g = tid / width;
-        const bool active = g < groups && c < cols;
-        const int head = h0 + c / C;
-        float m = attn_neg_inf(), l = 0.f;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (active) {
-            for (uint32_t s0 = (uint32_t)g; s0 < n; s0 += U * (uint32_t)groups) {
-                float x[U];
-                float4 v[U];
-#pragma unroll
-                for (int u = 0; u < U; u++) {
-                    const uint32_t sidx = s0 + (uint32_t)(u * groups);
-                    x[u] = attn_neg_inf();
-                    v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-                    if (sidx < n) {
-                        const size_t st = (size_t)(first + sidx) * (size_t)n_heads + (size_t)head;
-                        x[u] = __ldcg(part_lse + st);
-                        v[u] = __ldcg(reinterpret_cast<const float4*>(part_o + st * HD) + c % C);
-                    }
-                }
-                float mx = m;
-#pragma unroll
-                for (int u = 0; u < U; u++) mx = fmaxf(mx, x[u]);
-                if (mx == attn_neg_inf()) continue;  // nothing but empty states so far
-                const float corr = __expf(m - mx);    // 0 while m is -inf
-                l *= corr;
-                acc.x *= corr;
-                acc.y *= corr;
-                acc.z *= corr;
-                acc.w *= corr;
-#pragma unroll
-                for (int u = 0; u < U; u++) {
-                    const float w = __expf(x[u] - mx);  // 0 for an empty state
-                    l += w;
-                    acc.x = fmaf(w, v[u].x, acc.x);
-                    acc.y = fmaf(w, v[u].y, acc.y);
-                    acc.z = fmaf(w, v[u].z, acc.z);
-                    acc.w = fmaf(w, v[u].w, acc.w);
-                }
-                m = mx;
-            }
-        }
-        if (groups > 1) {
-            sm_acc[tid] = acc;
-            sm_m[tid] = m;
-            sm_l[tid] = l;
-            __syncthreads();
-            if (g == 0) {
-                float mx = m;
-                for (int k = 1; k < groups; k++) mx = fmaxf(mx, sm_m[k * width + tid]);
-                if (mx != attn_neg_inf()) {
-                    const float c0 = __expf(m - mx);
-                    l *= c0;
-                    acc.x *= c0;
-                    acc.y *= c0;
-                    acc.z *= c0;
-                    acc.w *= c0;
-                    for (int k = 1; k < groups; k++) {
-                        const float ck = __expf(sm_m[k * width + tid] - mx);
-                        const float4 a = sm_acc[k * width + tid];
-                        l = fmaf(ck, sm_l[k * width + tid], l);
-                        acc.x = fmaf(ck, a.x, acc.x);
-                        acc.y = fmaf(ck, a.y, acc.y);
-                        acc.z = fmaf(ck, a.z, acc.z);
-                        acc.w = fmaf(ck, a.w, acc.w);
-                    }
-                }
-                m = mx;
-            }
-            __syncthreads();  // the buffers are reused by the next pass
-        }
-        if (active && g == 0) {
-            // l == 0 only when every state is empty: o = 0, lse = -inf.
-            const bool empty = !(l > 0.f);
-            const float inv = empty ? 0.f : 1.f / l;
-            const size_t row = token * (size_t)n_heads + (size_t)head;
-            uint2 packed;
-            packed.x = pf_pack(acc.x * inv, acc.y * inv);
-            packed.y = pf_pack(acc.z * inv, acc.w * inv);
-            *reinterpret_cast<uint2*>(out + row * HD + 4 * (c % C)) = packed;
-            if (c % C == 0 && lse_out != nullptr) lse_out[row] = empty ? attn_neg_inf() : m + logf(l);
-        }
-    }
-}
 
 // Waits until at most N of this thread's cp.async groups are pending.
 template <int N>
@@ -1176,25 +1112,10 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     }
     if (direct) return;
 
-    // The row's last range to finish merges its states. The barrier orders every thread's state
-    // writes before thread 0's count, whose release (cumulative) publishes them to the GPU and
-    // whose acquire, in the last CTA, makes the other CTAs' states visible to it; the second
-    // barrier passes that on to the CTA's threads (in place of a __threadfence, an SC fence, in
-    // every thread). No static shared memory for the flag: with it, decode steps measured 8-40%
-    // slower, also those that never merge (docs/perf/h100.md).
-    __syncthreads();
-    const uint32_t merge_first = it2.y, n_states = it2.z, ranges = it2.w;
-    bool last = false;
-    if (tid == 0) {
-        uint32_t* const count = counters + (size_t)merge_first * gridDim.y + blockIdx.y;
-        uint32_t before;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(count) : "memory");
-        last = before == ranges - 1;
-        if (last) *count = 0;  // every range has counted: ready for the next launch
-    }
-    if (!__syncthreads_or(last)) return;
-    dec_merge_states<HD>(part_o, part_lse, merge_first, n_states, n_heads, h0, nh, token, out, lse_out,
-                         reinterpret_cast<float*>(pf_dyn_smem));
+    // The row's last range to finish merges its states.
+    if (!attn_last_range(counters, it2.y, it2.w)) return;
+    attn_merge_row<HD, DEC_THREADS, DEC_MERGE_UNROLL(HD)>(part_o, part_lse, it2.y, it2.z, n_heads, h0, nh, token,
+                                                          out, lse_out, reinterpret_cast<float*>(pf_dyn_smem));
 }
 
 #define ATTN_DECODE_KERNEL(HD)                                                                            \

@@ -179,6 +179,11 @@ fn bench(c: &mut Criterion) {
                 decode(batch, ctx, grouped, auto, graph);
             }
         }
+        // The per-head kernel (head dimensions without a grouped one) splits and merges the same
+        // way, reading each K and V row once per query head.
+        for ctx in [8192usize, 32768] {
+            decode(1, ctx, per_head, auto, graph);
+        }
     }
     // The split planner's choice against longer ranges (fewer CTAs and states), and the fixed
     // cost of a split step (1024 keys in 16 ranges).

@@ -551,12 +551,12 @@ fn large_decode_batch() {
     );
 }
 
-/// One plan run several times, as every layer of a step runs it. The grouped decode kernel merges
-/// a split row in the last of its ranges to finish, found by a count the kernel resets: a count
-/// left over from one run would merge too early or never in the next. The cases also cover
-/// ranges of hundreds of blocks (blocks of 1), one query head per KV head (the merge's columns
-/// then use a quarter of the CTA) and 20 heads per KV head (two head tiles; the merge takes
-/// several passes over its columns), with and without lse.
+/// One plan run several times, as every layer of a step runs it. Both row kernels merge a split
+/// row in the last of its ranges to finish, found by a count the kernel resets: a count left over
+/// from one run would merge too early or never in the next. The cases also cover ranges of
+/// hundreds of blocks (blocks of 1), one query head per KV head (the grouped merge's columns then
+/// use a quarter of the CTA), 20 heads per KV head (two head tiles; the merge takes several passes
+/// over its columns) and head_dim 96 (the per-head kernel only), with and without lse.
 #[test]
 fn plans_run_repeatedly() {
     require_gpu!();
@@ -565,6 +565,7 @@ fn plans_run_repeatedly() {
         (32, 8, 128, 16, vec![(1, 9000), (1, 300), (1, 4000)]),
         (8, 8, 64, 1, vec![(1, 1500), (1, 700)]),
         (40, 2, 128, 4, vec![(1, 3000), (1, 64)]),
+        (6, 2, 96, 8, vec![(1, 2500), (1, 100)]),
     ];
     for (seed, (n_heads, n_kv_heads, head_dim, block_size, seqs)) in cases.into_iter().enumerate() {
         let case = Case {
@@ -581,15 +582,18 @@ fn plans_run_repeatedly() {
         let (ref_out, ref_lse) = p.reference(scale);
         let spans = p.spans();
         let n_blocks = p.k.len() / (block_size * n_kv_heads * head_dim);
-        for split in [
+        let splits = [
             KvSplit::Auto,
             KvSplit::Off,
             KvSplit::Chunk(64),
             KvSplit::Chunk(1000),
             KvSplit::Fixed(8),
-        ] {
+        ];
+        let kernels = [RowKernel::Auto, RowKernel::PerHead];
+        for (split, row_kernel) in splits.into_iter().flat_map(|s| kernels.map(|k| (s, k))) {
             let options = PlanOptions {
                 split,
+                row_kernel,
                 ..PlanOptions::default()
             };
             let mut plan = AttentionPlan::new(
@@ -610,7 +614,7 @@ fn plans_run_repeatedly() {
                     .unwrap();
                 let out = to_f32(&dev.stream.clone_dtoh(&gpu.out).unwrap());
                 let lse = with_lse.then(|| dev.stream.clone_dtoh(&gpu.lse).unwrap());
-                let what = format!("{case:?}, {split:?}, run {run}");
+                let what = format!("{case:?}, {split:?}, {row_kernel:?}, run {run}");
                 compare(&what, &p, (&out, lse.as_deref()), (&ref_out, &ref_lse));
             }
         }

@@ -17,9 +17,8 @@
 //!   (head_dim 64 and 128: each K and V row read once per KV head) or for one query head with CUDA
 //!   cores (the other head dimensions). When those rows alone would leave the GPU idle (decode of
 //!   few or long sequences), their keys are split into ranges whose states `(o, lse)` go to f32
-//!   scratch ("flash-decoding"), merged by the last of a row's CTAs to finish in the grouped kernel
-//!   (no second launch) or by a merge kernel after the per-head one; otherwise each CTA covers all
-//!   of its row's keys and writes the output directly.
+//!   scratch ("flash-decoding"), merged by the last of a row's CTAs to finish (no second launch);
+//!   otherwise each CTA covers all of its row's keys and writes the output directly.
 //!
 //! - Cascade: when decode rows of several sequences share leading KV blocks (a common prompt prefix
 //!   the KV manager shares), [`turbo_attention::cascade::cascade_groups`] finds the groups and
@@ -106,8 +105,6 @@ const CASCADE_MIN_CHUNK: usize = 512;
 
 /// Threads of the row kernels (`ATTN_THREADS`, `DEC_THREADS`: 4 warps).
 const ROW_THREADS: u32 = 128;
-/// Threads of the merge kernel (`ATTN_MERGE_THREADS`).
-const MERGE_THREADS: u32 = 128;
 /// Query heads the grouped decode kernel puts in one CTA (`DEC_ROWS`: one 16-row mma tile).
 const GROUPED_ROWS: usize = 16;
 
@@ -116,8 +113,8 @@ const GROUPED_ROWS: usize = 16;
 fn grouped_smem(head_dim: usize) -> usize {
     4 * 3 * 2 * 16 * head_dim * 2
 }
-/// Words of a grouped decode kernel's work item; the per-head kernel's have 4.
-const GROUPED_ITEM: usize = 8;
+/// Words of a row kernel's work item (see `kernels/attention.cu`).
+const ROW_ITEM: usize = 8;
 /// The smallest key range [`KvSplit::Auto`] makes: below it, a CTA's fixed costs (loading Q,
 /// merging its warps' states) and the merge pass cost more than the parallelism gains.
 pub const MIN_AUTO_CHUNK: usize = 256;
@@ -306,8 +303,6 @@ fn grouped_kernel(head_dim: usize) -> Option<&'static str> {
 #[derive(Debug)]
 struct RowLaunch {
     kernel: &'static str,
-    /// The grouped decode kernel (8-word items, fused merge), else the per-head one.
-    grouped: bool,
     /// Dynamic shared memory, bytes.
     smem: usize,
     items: Range<usize>,
@@ -335,15 +330,6 @@ struct SharedLaunch {
     token_state: Range<usize>,
 }
 
-/// The merge kernel's launch: per merge row its state slots, and its query row.
-#[derive(Debug)]
-struct MergeLaunch {
-    row_states: Range<usize>,
-    /// `None` when merge row `r` is query row `r`.
-    rows: Option<Range<usize>>,
-    n_rows: usize,
-}
-
 /// One step's attention, planned once and run for every layer: which kernel computes which query
 /// rows, how their keys are split, and where partial states go, with all of it (block tables
 /// included) uploaded to the device in one copy.
@@ -356,16 +342,14 @@ pub struct AttentionPlan {
     meta: CudaSlice<u32>,
     tables: Range<usize>,
     seq_table_start: Range<usize>,
-    token_seq: Range<usize>,
     prefill: Option<PrefillLaunch>,
     shared: Option<SharedLaunch>,
     rows: Option<RowLaunch>,
-    merge: Option<MergeLaunch>,
     /// `[slot][n_heads][head_dim]` and `[slot][n_heads]` partial states (one element when unused).
     part_o: CudaSlice<f32>,
     part_lse: CudaSlice<f32>,
-    /// The grouped decode kernel's count of finished ranges per split row and head tile, which the
-    /// last range resets: all zero between launches.
+    /// The row kernels' count of finished ranges per split row and `grid.y`, which the last range
+    /// resets: all zero between launches.
     merge_counts: CudaSlice<u32>,
 }
 
@@ -391,10 +375,11 @@ fn reuse_or_alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBit
 struct Meta(Vec<u32>);
 
 impl Meta {
-    /// Appends a section, starting 16 bytes aligned (kernels read work items as `uint4`; the
-    /// upload itself is aligned far more).
+    /// Appends a section, starting 32 bytes aligned: kernels read work items as `uint4`s, and a
+    /// row kernel's 8-word item then lies in one 32-byte sector (the upload itself is aligned far
+    /// more).
     fn push(&mut self, data: &[u32]) -> Range<usize> {
-        self.0.resize(self.0.len().next_multiple_of(4), 0);
+        self.0.resize(self.0.len().next_multiple_of(8), 0);
         let start = self.0.len();
         self.0.extend_from_slice(data);
         start..self.0.len()
@@ -534,7 +519,6 @@ impl AttentionPlan {
             _ => None,
         };
         let seq_table_start = meta.push(&starts);
-        let token_seq_sec = meta.push(&token_seq);
 
         // Prefill spans: under Auto, with a prefill kernel for this head_dim, the spans of at least
         // PREFILL_MIN_ROWS rows that still own all of their rows (where spans overlap, the last one
@@ -659,13 +643,11 @@ impl AttentionPlan {
             }
         };
 
-        // Work items [row, first key, end key, state slot]; rows with several ranges, cascade rows
-        // (or all rows under an explicit chunk size) get state slots, contiguous per row (the
-        // prefix chunks' first), and a merge row. The grouped kernel's items add the row's table
-        // start, first state slot, state count and range count: it merges split rows itself.
+        // Work items [row, first key, end key, state slot, table start, first state slot, state
+        // count, range count]; rows with several ranges, cascade rows (or all rows under an
+        // explicit chunk size) get state slots, contiguous per row (the prefix chunks' first),
+        // which the row's last range merges.
         let mut items: Vec<u32> = Vec::new();
-        let mut row_states: Vec<u32> = Vec::new();
-        let mut merge_rows: Vec<u32> = Vec::new();
         let mut token_state = vec![0u32; n_tokens];
         let mut n_states = 0usize;
         for &t in &row_tokens {
@@ -679,14 +661,12 @@ impl AttentionPlan {
             };
             let prefix = prefix_chunks[t as usize];
             let merged = matches!(options.split, KvSplit::Chunk(_)) || ranges > 1 || prefix > 0;
-            // The grouped kernel merges a row in its last range, so a merged row needs one (a
-            // cascade row always has keys of its own: its query's position is past the prefix).
-            check(ranges > 0 || grouped.is_none(), || {
+            // A row is merged in its last range, so a merged row needs one (a cascade row always
+            // has keys of its own: its query's position is past the prefix).
+            check(ranges > 0, || {
                 format!("paged_attention: row {t} has no keys past its shared prefix")
             })?;
             if merged {
-                row_states.push(n_states as u32);
-                merge_rows.push(t);
                 token_state[t as usize] = n_states as u32;
                 n_states += prefix;
             }
@@ -701,26 +681,25 @@ impl AttentionPlan {
                     NO_STATE
                 };
                 let (k0, k1) = ((first + i * c).min(n), (first + (i + 1) * c).min(n));
-                items.extend_from_slice(&[t, k0 as u32, k1 as u32, state]);
-                if grouped.is_some() {
-                    items.extend_from_slice(&[
-                        starts[token_seq[t as usize] as usize],
-                        token_state[t as usize],
-                        (prefix + ranges) as u32,
-                        ranges as u32,
-                    ]);
-                }
+                items.extend_from_slice(&[
+                    t,
+                    k0 as u32,
+                    k1 as u32,
+                    state,
+                    starts[token_seq[t as usize] as usize],
+                    token_state[t as usize],
+                    (prefix + ranges) as u32,
+                    ranges as u32,
+                ]);
             }
         }
-        let item_len = if grouped.is_some() { GROUPED_ITEM } else { 4 };
-        let n_items = items.len() / item_len;
+        let n_items = items.len() / ROW_ITEM;
         check(
             n_items <= i32::MAX as usize && grid_y <= 65535 && fits_u32(meta.0.len() + items.len()),
             || format!("paged_attention: {n_items} work items"),
         )?;
         let rows = (n_items > 0).then(|| RowLaunch {
             kernel,
-            grouped: grouped.is_some(),
             smem: if grouped.is_some() {
                 grouped_smem(head_dim)
             } else {
@@ -777,17 +756,6 @@ impl AttentionPlan {
             }
             _ => None,
         };
-        let merge = if merge_rows.is_empty() || grouped.is_some() {
-            None
-        } else {
-            row_states.push(n_states as u32);
-            let all = merge_rows.len() == n_tokens;
-            Some(MergeLaunch {
-                row_states: meta.push(&row_states),
-                rows: (!all).then(|| meta.push(&merge_rows)),
-                n_rows: merge_rows.len(),
-            })
-        };
         // Last, so that every other section's offset is the same for plans of one shape.
         let tables_sec = meta.push(&tables);
         check(fits_u32(meta.0.len()), || {
@@ -809,9 +777,8 @@ impl AttentionPlan {
             .memcpy_htod(&meta.0, &mut meta_dev.slice_mut(..meta.0.len()))?;
         let (part_o, m2) = reuse_or_alloc(dev, old_o, slots * n_heads * head_dim)?;
         let (part_lse, m3) = reuse_or_alloc(dev, old_lse, slots * n_heads)?;
-        // The fused merge's counts, one per (first state slot, grid.y); zero between launches.
-        let counts = if grouped.is_some() { slots * grid_y } else { 1 };
-        let (merge_counts, m4) = reuse_or_alloc(dev, old_counts, counts)?;
+        // The merge's counts, one per (first state slot, grid.y); zero between launches.
+        let (merge_counts, m4) = reuse_or_alloc(dev, old_counts, slots * grid_y)?;
         let plan = AttentionPlan {
             layout,
             n_heads,
@@ -820,11 +787,9 @@ impl AttentionPlan {
             meta: meta_dev,
             tables: tables_sec,
             seq_table_start,
-            token_seq: token_seq_sec,
             prefill,
             shared,
             rows,
-            merge,
             part_o,
             part_lse,
             merge_counts,
@@ -918,7 +883,6 @@ impl AttentionPlan {
         } else {
             -1
         };
-        let head_dim_i = head_dim as i32;
         let meta = &self.meta;
         let section = |r: &Range<usize>| -> CudaView<'_, u32> { meta.slice(r.clone()) };
         let tables = section(&self.tables);
@@ -995,14 +959,13 @@ impl AttentionPlan {
 
         if let Some(r) = &self.rows {
             let items = section(&r.items);
-            let token_seq = section(&self.token_seq);
             let f = dev.function_with_smem("attention", r.kernel, r.smem)?;
             let mut b = dev.stream.launch_builder(&f);
-            b.arg(q).arg(k_cache).arg(v_cache).arg(&tables);
-            if !r.grouped {
-                b.arg(&seq_start).arg(&token_seq);
-            }
-            b.arg(&items)
+            b.arg(q)
+                .arg(k_cache)
+                .arg(v_cache)
+                .arg(&tables)
+                .arg(&items)
                 .arg(&n_heads_i)
                 .arg(&group)
                 .arg(&n_kv_heads_i)
@@ -1010,12 +973,10 @@ impl AttentionPlan {
                 .arg(&block_shift)
                 .arg(&scale)
                 .arg(&mut self.part_o)
-                .arg(&mut self.part_lse);
-            if r.grouped {
-                b.arg(&mut self.merge_counts);
-            }
-            b.arg(&mut *out);
-            match lse.as_deref_mut() {
+                .arg(&mut self.part_lse)
+                .arg(&mut self.merge_counts)
+                .arg(&mut *out);
+            match lse {
                 Some(l) => b.arg(l),
                 None => b.arg(&null),
             };
@@ -1026,37 +987,12 @@ impl AttentionPlan {
             };
             // SAFETY: the arguments match attn_chunk_d* / attn_decode_d*'s parameters; every
             // item names a row of q and out, a key range within the row's keys (whose blocks were
-            // checked when planning), and a state slot below the scratch's size or NO_STATE; a
-            // grouped item's table start is its row's, its state slots lie below the scratch's
-            // size and its count slot (first slot · grid.y + head tile) below merge_counts'.
+            // checked when planning), and a state slot below the scratch's size or NO_STATE; its
+            // table start is its row's, its row's state slots lie below the scratch's size and
+            // its count slot (first slot · grid.y + blockIdx.y) below merge_counts'.
             unsafe { b.launch(cfg)? };
         }
 
-        if let Some(m) = &self.merge {
-            let row_states = section(&m.row_states);
-            let rows = m.rows.as_ref().map(section);
-            let f = dev.function("attention", "attn_merge")?;
-            let mut b = dev.stream.launch_builder(&f);
-            b.arg(&self.part_o).arg(&self.part_lse).arg(&row_states);
-            match &rows {
-                Some(r) => b.arg(r),
-                None => b.arg(&null),
-            };
-            b.arg(&n_heads_i).arg(&head_dim_i).arg(&mut *out);
-            match lse {
-                Some(l) => b.arg(l),
-                None => b.arg(&null),
-            };
-            let cfg = LaunchConfig {
-                grid_dim: (m.n_rows as u32, n_heads as u32, 1),
-                block_dim: (MERGE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the arguments match attn_merge's parameters; row_states has one entry per
-            // merge row plus one, indexing the state slots the row kernel just wrote, and the
-            // merge rows (when given) are rows of `out`.
-            unsafe { b.launch(cfg)? };
-        }
         Ok(())
     }
 }

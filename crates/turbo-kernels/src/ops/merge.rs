@@ -6,9 +6,9 @@
 //! States are f32, one per (row, head): `o` is `[rows][heads][head_dim]` and `lse` `[rows][heads]`.
 //! [`merge_states`] takes `n` such sets stacked chunk-major, `[n][rows][heads][head_dim]` and
 //! `[n][rows][heads]`, which is what a pass over `n` KV chunks writes when each chunk's launch (or
-//! grid slice) fills its own slab; for a varying number of chunks per row, `attn_merge` in
-//! `kernels/attention.cu` takes per-row ranges instead. The merged `o` is written as f32 or bf16
-//! ([`MergeOutput`]).
+//! grid slice) fills its own slab (the paged attention kernels merge their own split rows, a
+//! varying number of ranges each, in the launch that computes them). The merged `o` is written as
+//! f32 or bf16 ([`MergeOutput`]).
 
 use super::check;
 use crate::device::CudaDevice;
