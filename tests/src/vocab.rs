@@ -1,7 +1,7 @@
 //! A tiny byte-level BPE vocabulary, laid out like SmolLM2's: three control tokens, the 256
 //! byte tokens, a few merges, then unused padding up to the model's vocabulary size.
 
-use turbo_llama::tokenizer::{GgufVocab, TextTokenizer};
+use turbo_tokenizer::tokenizer::{GgufVocab, TextTokenizer};
 
 /// llama.cpp token types.
 pub const TOKEN_NORMAL: i32 = 1;

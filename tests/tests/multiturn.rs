@@ -8,7 +8,7 @@
 
 use turbo_core::cpu::CpuBackend;
 use turbo_core::Backend;
-use turbo_llama::chat::{ChatMessage, ChatTemplate};
+use turbo_tokenizer::chat::{ChatMessage, ChatTemplate};
 use turbo_llama::{Llama, LoadedModel, Logits, SequenceChunk};
 use turbo_scheduler::{Completion, Engine, EngineError, FinishReason, GenerationRequest, Session};
 use turbo_tests::default_model::{load_default_model, model_chat_template};

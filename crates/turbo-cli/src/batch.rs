@@ -7,7 +7,7 @@ use serde::Deserialize;
 use std::path::PathBuf;
 use std::time::Instant;
 use turbo_core::Backend;
-use turbo_llama::tokenizer::TextTokenizer;
+use turbo_tokenizer::tokenizer::TextTokenizer;
 use turbo_llama::Llama;
 use turbo_scheduler::{BatchConfig, Completion, PersistentBatch, Request, SamplingParams};
 

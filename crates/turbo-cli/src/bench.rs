@@ -10,7 +10,7 @@ use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
 use turbo_core::Backend;
-use turbo_llama::tokenizer::TextTokenizer;
+use turbo_tokenizer::tokenizer::TextTokenizer;
 use turbo_scheduler::{Engine, GenerationRequest, Session};
 
 #[derive(Args)]

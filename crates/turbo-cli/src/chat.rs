@@ -10,8 +10,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::io::{BufRead, Write};
 use turbo_core::Backend;
-use turbo_llama::chat::ChatMessage;
-use turbo_llama::tokenizer::TextTokenizer;
+use turbo_tokenizer::chat::ChatMessage;
+use turbo_tokenizer::tokenizer::TextTokenizer;
 use turbo_llama::Llama;
 use turbo_scheduler::{
     BatchConfig, Completion, Event, PersistentBatch, Request, RequestError, RequestHandle,

@@ -8,7 +8,7 @@ use serde::Serialize;
 use std::io::Write;
 use std::path::PathBuf;
 use turbo_core::Backend;
-use turbo_llama::chat::ChatMessage;
+use turbo_tokenizer::chat::ChatMessage;
 use turbo_scheduler::{Completion, Engine, FinishReason, GenerationRequest, Session, Timings};
 
 #[derive(Args)]

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use turbo_core::cpu::CpuBackend;
 use turbo_core::Backend;
 use turbo_kernels::CudaBackend;
-use turbo_llama::tokenizer::TextTokenizer;
+use turbo_tokenizer::tokenizer::TextTokenizer;
 use turbo_llama::{Llama, LoadedModel};
 use turbo_models::DEFAULT_MODEL;
 use turbo_scheduler::{Engine, SamplingParams};
@@ -217,8 +217,8 @@ pub struct LoadedModelInfo {
 pub fn chat_template(
     tokenizer: &TextTokenizer,
     source: Option<&str>,
-) -> Result<turbo_llama::chat::ChatTemplate> {
-    Ok(turbo_llama::chat::ChatTemplate::for_model(
+) -> Result<turbo_tokenizer::chat::ChatTemplate> {
+    Ok(turbo_tokenizer::chat::ChatTemplate::for_model(
         source, tokenizer,
     )?)
 }

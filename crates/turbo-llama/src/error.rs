@@ -26,9 +26,9 @@ pub enum LlamaError {
         supported: &'static str,
     },
     #[error(transparent)]
-    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    Tokenizer(#[from] turbo_tokenizer::tokenizer::TokenizerError),
     #[error(transparent)]
-    Chat(#[from] crate::chat::ChatError),
+    Chat(#[from] turbo_tokenizer::chat::ChatError),
     #[error(transparent)]
     Backend(#[from] turbo_core::BackendError),
     #[error("{0}")]

@@ -1,12 +1,11 @@
 //! The LLaMA model family: configuration, weights from GGUF, HF safetensors or Turbo's native
-//! directories, the forward pass over any backend, the tokenizer and the chat template.
+//! directories (with the tokenizer and chat template they carry), and the forward pass over any
+//! backend.
 
-pub mod chat;
 pub mod config;
 mod error;
 pub mod model;
 pub mod native;
-pub mod tokenizer;
 pub mod weights;
 
 pub use config::{LlamaConfig, RopeScaling};

@@ -9,7 +9,7 @@
 
 use crate::config::LlamaConfig;
 use crate::error::{io_err, LlamaError, Result};
-use crate::tokenizer::TextTokenizer;
+use turbo_tokenizer::tokenizer::TextTokenizer;
 use crate::weights::{assemble, check_vocab, LoadedModel, ModelFormat, SafetensorsSet};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;

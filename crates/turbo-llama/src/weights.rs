@@ -8,7 +8,7 @@
 
 use crate::config::{HfConfig, LlamaConfig, RopeScaling};
 use crate::error::{io_err, LlamaError, Result};
-use crate::tokenizer::{GgufVocab, TextTokenizer};
+use turbo_tokenizer::tokenizer::{GgufVocab, TextTokenizer};
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

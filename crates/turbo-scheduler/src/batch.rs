@@ -37,7 +37,7 @@ use thiserror::Error;
 use turbo_core::sampling::{PenaltyLists, SampleParams};
 use turbo_core::Backend;
 use turbo_kv::{KvError, KvManager, SeqId, SeqState};
-use turbo_llama::tokenizer::{TextStream, TextTokenizer, TokenizerError};
+use turbo_tokenizer::tokenizer::{TextStream, TextTokenizer, TokenizerError};
 use turbo_llama::{Llama, LlamaError, SequenceChunk};
 
 /// Sizes of a persistent batch.

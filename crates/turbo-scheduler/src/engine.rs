@@ -8,7 +8,7 @@ use thiserror::Error;
 use turbo_core::sampling::{PenaltyLists, SampleParams};
 use turbo_core::Backend;
 use turbo_kv::{BlockPool, BlockTable, KvError};
-use turbo_llama::tokenizer::{TextStream, TextTokenizer};
+use turbo_tokenizer::tokenizer::{TextStream, TextTokenizer};
 use turbo_llama::{Llama, LlamaError, SequenceChunk};
 
 #[derive(Debug, Error)]
@@ -27,8 +27,8 @@ pub enum EngineError {
     Model(#[from] LlamaError),
 }
 
-impl From<turbo_llama::tokenizer::TokenizerError> for EngineError {
-    fn from(e: turbo_llama::tokenizer::TokenizerError) -> Self {
+impl From<turbo_tokenizer::tokenizer::TokenizerError> for EngineError {
+    fn from(e: turbo_tokenizer::tokenizer::TokenizerError) -> Self {
         EngineError::Model(e.into())
     }
 }

@@ -12,7 +12,7 @@ use std::time::Instant;
 use turbo_core::cpu::CpuBackend;
 use turbo_core::Backend;
 use turbo_kv::SeqState;
-use turbo_llama::chat::{ChatMessage, ChatTemplate};
+use turbo_tokenizer::chat::{ChatMessage, ChatTemplate};
 use turbo_llama::{Llama, LoadedModel, Logits, SequenceChunk};
 use turbo_scheduler::batch::Completion;
 use turbo_scheduler::{

@@ -13,8 +13,8 @@ use crate::runtime::{chat_template, KvArgs, LoadedModelInfo, ModelTask};
 use anyhow::{anyhow, Result};
 use serde::Serialize;
 use turbo_core::Backend;
-use turbo_llama::chat::{ChatMessage, ChatTemplate};
-use turbo_llama::tokenizer::TextTokenizer;
+use turbo_tokenizer::chat::{ChatMessage, ChatTemplate};
+use turbo_tokenizer::tokenizer::TextTokenizer;
 use turbo_llama::Llama;
 use turbo_scheduler::{BatchConfig, PersistentBatch, Request};
 

@@ -11,7 +11,7 @@ use anyhow::{ensure, Result};
 use serde::Serialize;
 use std::time::Instant;
 use turbo_core::Backend;
-use turbo_llama::tokenizer::TextTokenizer;
+use turbo_tokenizer::tokenizer::TextTokenizer;
 use turbo_llama::Llama;
 use turbo_scheduler::{BatchConfig, Completion, PersistentBatch, Request};
 
