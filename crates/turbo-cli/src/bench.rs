@@ -3,18 +3,25 @@
 //! [`shared_prefix`]).
 
 mod multi_round;
+mod serve;
 mod shared_prefix;
 
-use crate::runtime::{EngineTask, KvArgs, LoadedModelInfo, ModelArgs};
-use anyhow::Result;
+use crate::runtime::{KvArgs, ModelArgs};
+use anyhow::{bail, Result};
 use clap::Args;
 use serde::Serialize;
 use turbo_core::Backend;
+use turbo_engine::{LoadedModelInfo, ModelTask};
+use turbo_llama::Llama;
+use turbo_scheduler::{BatchConfig, Completion, PersistentBatch, Request};
 use turbo_tokenizer::tokenizer::TextTokenizer;
-use turbo_scheduler::{Engine, GenerationRequest, Session};
 
 #[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
+    /// Load on a running server instead of measuring the engine in process.
+    #[command(subcommand)]
+    target: Option<BenchTarget>,
     #[command(flatten)]
     model: ModelArgs,
     /// Prompt length of the prefill test.
@@ -59,6 +66,13 @@ pub struct BenchArgs {
     /// Print one JSON object with every measurement.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(clap::Subcommand)]
+enum BenchTarget {
+    /// Requests to an OpenAI-compatible server: throughput and TTFT / ITL / end-to-end latency
+    /// percentiles.
+    Serve(serve::ServeBenchArgs),
 }
 
 #[derive(Serialize)]
@@ -117,7 +131,10 @@ fn median(v: &[f64]) -> f64 {
     s[s.len() / 2]
 }
 
-pub fn run(args: BenchArgs) -> Result<()> {
+pub fn run(mut args: BenchArgs) -> Result<()> {
+    if let Some(BenchTarget::Serve(serve)) = args.target.take() {
+        return serve::run(serve);
+    }
     let positive = |v: Option<usize>, name: &str| -> Result<()> {
         anyhow::ensure!(v != Some(0), "{name} must be positive");
         Ok(())
@@ -161,7 +178,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
          --shared-prefix; the prefill and decode tests run one sequence"
     );
     anyhow::ensure!(args.prompt_tokens > 0, "--prompt-tokens must be positive");
-    model.run(Bench { args, path })
+    model.run_model(Bench { args, path })
 }
 
 struct Bench {
@@ -169,10 +186,15 @@ struct Bench {
     path: std::path::PathBuf,
 }
 
-impl EngineTask for Bench {
-    type Output = ();
+impl ModelTask for Bench {
+    type Output = Result<()>;
 
-    fn run<B: Backend>(self, mut engine: Engine<B>, info: LoadedModelInfo) -> Result<()> {
+    fn run<B: Backend>(
+        self,
+        model: Llama<B>,
+        tokenizer: TextTokenizer,
+        info: LoadedModelInfo,
+    ) -> Result<()> {
         let Bench { args, path } = self;
         let gen_tokens = args.gen_tokens.unwrap_or(128);
         let repeats = args.repeats.unwrap_or(3);
@@ -185,23 +207,34 @@ impl EngineTask for Bench {
         );
         let mut prompt = Vec::new();
         while prompt.len() < args.prompt_tokens.max(args.decode_context) {
-            prompt.extend(engine.tokenizer().encode(TEXT)?);
+            prompt.extend(tokenizer.encode(TEXT)?);
         }
         let decode_prompt = prompt[..args.decode_context].to_vec();
         prompt.truncate(args.prompt_tokens);
 
-        let mut run_once =
-            |prompt: &[u32], max_tokens: usize| -> Result<turbo_scheduler::Completion> {
-                let mut session = Session::new();
-                let request = GenerationRequest {
-                    max_tokens,
-                    ignore_eos: true,
-                    ..Default::default()
-                };
-                let c = engine.generate(&mut session, prompt, &request, |_| true)?;
-                engine.release(&mut session)?;
-                Ok(c)
-            };
+        // One sequence at a time, its prompt in one forward pass, nothing reused between runs.
+        let chunk = args.prompt_tokens.max(args.decode_context);
+        let config = BatchConfig {
+            max_batch: 1,
+            max_batched_tokens: chunk,
+            block_size: info.block_size,
+            num_blocks: info.context_length.div_ceil(info.block_size),
+            prefill_chunk: chunk,
+            prefix_caching: false,
+        };
+        let mut batch = PersistentBatch::new(model, tokenizer, config)?;
+        let mut run_once = |prompt: &[u32], max_tokens: usize| -> Result<Completion> {
+            let handle = batch.submit(Request {
+                max_tokens,
+                ignore_eos: true,
+                ..Request::new(prompt.to_vec())
+            });
+            batch.run_until_idle()?;
+            match handle.wait() {
+                Ok(c) => Ok(c),
+                Err(e) => bail!(e),
+            }
+        };
         run_once(&prompt[..prompt.len().min(16)], 2)?; // warm-up: page in the weights
         let mut prefill = Vec::new();
         let mut decode = Vec::new();
@@ -213,7 +246,7 @@ impl EngineTask for Bench {
             decode.push(gen_tokens as f64 / (c.timings.decode_ms / 1e3));
         }
         let report = Report {
-            device: engine.model().backend().name(),
+            device: batch.model().backend().name(),
             model: path.display().to_string(),
             prompt_tokens: args.prompt_tokens,
             gen_tokens,

@@ -1,15 +1,13 @@
 //! `turbo generate`: one completion, streamed or as JSON.
 
-use crate::runtime::{chat_template, KvArgs, ModelArgs, SamplingArgs};
-use crate::runtime::{EngineTask, LoadedModelInfo};
-use anyhow::{Context, Result};
+use crate::runtime::{KvArgs, ModelArgs, SamplingArgs};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use std::io::Write;
 use std::path::PathBuf;
-use turbo_core::Backend;
-use turbo_tokenizer::chat::ChatMessage;
-use turbo_scheduler::{Completion, Engine, FinishReason, GenerationRequest, Session, Timings};
+use turbo_engine::{ChatMessage, Engine, EngineConfig, KvSize};
+use turbo_scheduler::{Completion, Event, FinishReason, Request, Timings};
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -84,7 +82,7 @@ impl<'a> Output<'a> {
 pub fn run(args: GenerateArgs) -> Result<()> {
     if let Some(file) = &args.prompts_file {
         anyhow::ensure!(args.max_batch > 0, "--max-batch must be positive");
-        let task = crate::batch::BatchTask(crate::batch::BatchArgs {
+        let batch = crate::batch::BatchArgs {
             file: file.clone(),
             max_tokens: args.max_tokens,
             sampling: args.sampling.params(),
@@ -93,8 +91,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             max_batch: args.max_batch,
             max_batched_tokens: args.max_batched_tokens,
             kv: args.kv.clone(),
-        });
-        return args.model.run_model(task);
+        };
+        return crate::batch::run(&args.model, batch);
     }
     anyhow::ensure!(
         !args.kv.is_set(),
@@ -107,53 +105,63 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             .with_context(|| format!("cannot read prompt file {}", f.display()))?,
         (None, None) => unreachable!("clap requires one of them"),
     };
-    let model = args.model.clone();
-    model.run(Generate { args, prompt })
-}
-
-struct Generate {
-    args: GenerateArgs,
-    prompt: String,
-}
-
-impl EngineTask for Generate {
-    type Output = ();
-
-    fn run<B: Backend>(self, mut engine: Engine<B>, info: LoadedModelInfo) -> Result<()> {
-        let Generate { args, prompt } = self;
-        let ids = if args.chat {
-            let template = chat_template(engine.tokenizer(), info.chat_template.as_deref())?;
-            let text = template.render(&[ChatMessage::new("user", prompt)], true)?;
-            engine.tokenizer().encode(&text)?
-        } else {
-            engine.tokenizer().encode_with_bos(&prompt)?
-        };
-        let request = GenerationRequest {
-            sampling: args.sampling.params(),
-            max_tokens: args.max_tokens,
-            stop_strings: args.stop.clone(),
-            ignore_eos: args.ignore_eos,
-        };
-        let mut session = Session::new();
-        let stdout = std::io::stdout();
-        let json = args.json;
-        let completion = engine.generate(&mut session, &ids, &request, |text| {
-            if !json {
-                let mut out = stdout.lock();
+    let model = args.model.options()?;
+    // One request: room for one full context, prefilled in chunks of 512 tokens.
+    let engine = Engine::start(EngineConfig {
+        kv: KvSize::Contexts(1),
+        max_batch: 1,
+        max_batched_tokens: 512,
+        prefill_chunk: 512,
+        ..EngineConfig::new(model)
+    })?;
+    let ids = if args.chat {
+        engine.chat_prompt(&[ChatMessage::new("user", prompt)])?
+    } else {
+        engine.text_prompt(&prompt)?
+    };
+    let request = Request {
+        sampling: args.sampling.params(),
+        max_tokens: args.max_tokens,
+        stop_strings: args.stop.clone(),
+        ignore_eos: args.ignore_eos,
+        ..Request::new(ids.clone())
+    };
+    let mut stream = engine.submit(request)?;
+    let mut stdout = std::io::stdout().lock();
+    let mut closed = false;
+    let completion = loop {
+        match stream.blocking_next() {
+            Some(Event::Text(text)) if !args.json && !closed => {
                 // A closed stdout (e.g. `| head`) cancels generation.
-                return out
+                if stdout
                     .write_all(text.as_bytes())
-                    .and_then(|_| out.flush())
-                    .is_ok();
+                    .and_then(|_| stdout.flush())
+                    .is_err()
+                {
+                    closed = true;
+                    stream.cancel();
+                }
             }
-            true
-        })?;
-        if json {
-            let out = Output::new(&ids, &completion);
-            println!("{}", serde_json::to_string(&out)?);
-        } else {
-            println!();
+            Some(Event::Finished(c)) => break c,
+            Some(Event::Failed(e)) => bail!(e),
+            Some(_) => {}
+            None => bail!("the engine stopped before the request ended"),
         }
-        Ok(())
+    };
+    if closed {
+        return Ok(());
     }
+    let written = if args.json {
+        let out = Output::new(&ids, &completion);
+        writeln!(stdout, "{}", serde_json::to_string(&out)?)
+    } else {
+        writeln!(stdout)
+    };
+    // A reader that went away is not an error of ours.
+    if let Err(e) = written {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            return Err(e).context("cannot write the output");
+        }
+    }
+    Ok(())
 }

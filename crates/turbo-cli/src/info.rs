@@ -11,7 +11,7 @@ pub struct InfoArgs {
 }
 
 pub fn run(args: InfoArgs) -> Result<()> {
-    let m = args.model.load()?;
+    let m = args.model.options()?.load()?;
     let c = &m.config;
     println!("model        {}", m.path.display());
     println!("format       {}", m.format);

@@ -6,6 +6,7 @@ mod chat;
 mod generate;
 mod info;
 mod runtime;
+mod serve;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -30,6 +31,8 @@ enum Command {
     Chat(chat::ChatArgs),
     /// Complete one prompt.
     Generate(generate::GenerateArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
     /// Show a model's configuration, tensor types and parameter count.
     Info(info::InfoArgs),
     /// Measure prefill and decode throughput, or what the KV cache saves (--multi-round,
@@ -50,6 +53,7 @@ fn main() -> ExitCode {
         None => chat::run(cli.chat),
         Some(Command::Chat(args)) => chat::run(args),
         Some(Command::Generate(args)) => generate::run(args),
+        Some(Command::Serve(args)) => serve::run(args),
         Some(Command::Info(args)) => info::run(args),
         Some(Command::Bench(args)) => bench::run(args),
     };

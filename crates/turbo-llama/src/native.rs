@@ -9,12 +9,12 @@
 
 use crate::config::LlamaConfig;
 use crate::error::{io_err, LlamaError, Result};
-use turbo_tokenizer::tokenizer::TextTokenizer;
 use crate::weights::{assemble, check_vocab, LoadedModel, ModelFormat, SafetensorsSet};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
 use turbo_core::{DType, WeightMatrix};
+use turbo_tokenizer::tokenizer::TextTokenizer;
 
 pub const MANIFEST: &str = "turbo.json";
 const FORMAT: &str = "turbo-native";

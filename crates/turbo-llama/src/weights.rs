@@ -8,13 +8,13 @@
 
 use crate::config::{HfConfig, LlamaConfig, RopeScaling};
 use crate::error::{io_err, LlamaError, Result};
-use turbo_tokenizer::tokenizer::{GgufVocab, TextTokenizer};
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use turbo_core::{Bytes, DType, WeightMatrix};
 use turbo_gguf::GgufFile;
+use turbo_tokenizer::tokenizer::{GgufVocab, TextTokenizer};
 
 /// One transformer block's weights; `M` is a matrix, `V` a vector (host or device resident).
 #[derive(Clone, Debug)]

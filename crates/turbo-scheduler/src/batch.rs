@@ -25,20 +25,22 @@
 mod request;
 
 pub use crate::completion::{Completion, Timings};
-pub use request::{Event, Request, RequestError, RequestHandle, RequestId};
+pub use request::{
+    Event, EventSink, Request, RequestError, RequestHandle, RequestId, RequestLimits,
+};
 
 use crate::completion::FinishReason;
 use crate::sampling::Sampler;
 use crate::stop::StopStrings;
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::channel;
 use std::time::Instant;
 use thiserror::Error;
 use turbo_core::sampling::{PenaltyLists, SampleParams};
 use turbo_core::Backend;
 use turbo_kv::{KvError, KvManager, SeqId, SeqState};
-use turbo_tokenizer::tokenizer::{TextStream, TextTokenizer, TokenizerError};
 use turbo_llama::{Llama, LlamaError, SequenceChunk};
+use turbo_tokenizer::tokenizer::{TextStream, TextTokenizer, TokenizerError};
 
 /// Sizes of a persistent batch.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -183,8 +185,8 @@ struct Live {
     stops: StopStrings,
     generated: Vec<u32>,
     text: String,
-    events: Sender<Event>,
-    /// False once the client dropped its handle: the request is cancelled at the next step.
+    events: Box<dyn EventSink>,
+    /// False once the client went away: the request is cancelled at the next step.
     connected: bool,
     /// Prompt tokens found cached at the first admission; `None` before it.
     cached_prompt: Option<usize>,
@@ -198,7 +200,7 @@ struct Live {
 
 impl Live {
     fn send(&mut self, event: Event) {
-        if self.connected && self.events.send(event).is_err() {
+        if self.connected && !self.events.send(event) {
             self.connected = false;
         }
     }
@@ -342,18 +344,24 @@ impl<B: Backend> PersistentBatch<B> {
     /// Queues a request. An invalid one, or one too large for the KV cache even alone, gets its
     /// [`Event::Failed`] at once.
     pub fn submit(&mut self, request: Request) -> RequestHandle {
+        let (tx, rx) = channel();
+        let id = self.submit_to(request, Box::new(tx));
+        RequestHandle { id, events: rx }
+    }
+
+    /// Queues a request whose events go to `sink` (called on the thread that steps the batch),
+    /// as [`submit`](Self::submit) does with a channel. A sink that reports its client gone is
+    /// cancelled at the next step, waiting or running, and its KV freed.
+    pub fn submit_to(&mut self, request: Request, mut sink: Box<dyn EventSink>) -> RequestId {
         let id = RequestId(self.next_request);
         self.next_request += 1;
-        let (tx, rx) = channel();
-        let handle = RequestHandle { id, events: rx };
-        let context = self.model.config.context_length;
-        let max_tokens = request
-            .max_tokens
-            .min(context.saturating_sub(request.prompt.len()));
-        if let Err(e) = self.validate(&request, max_tokens) {
-            let _ = tx.send(Event::Failed(e));
-            return handle;
-        }
+        let max_tokens = match request.validate(&self.limits()) {
+            Ok(max_tokens) => max_tokens,
+            Err(e) => {
+                sink.send(Event::Failed(e));
+                return id;
+            }
+        };
         let seq = match &request.session {
             Some(name) => match self.sessions.get(name) {
                 Some(&seq) => seq,
@@ -377,7 +385,7 @@ impl<B: Backend> PersistentBatch<B> {
             stops: StopStrings::new(request.stop_strings),
             generated: Vec::new(),
             text: String::new(),
-            events: tx,
+            events: sink,
             connected: true,
             cached_prompt: None,
             stamp: 0,
@@ -392,7 +400,7 @@ impl<B: Backend> PersistentBatch<B> {
         } else {
             self.waiting.push_back(live);
         }
-        handle
+        id
     }
 
     /// Ends a request now, waiting or running: its KV blocks are released at once (a session's
@@ -415,6 +423,22 @@ impl<B: Backend> PersistentBatch<B> {
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// Cancels every request in the batch, running or waiting (e.g. at a shutdown deadline);
+    /// returns how many there were.
+    pub fn cancel_all(&mut self) -> Result<usize, BatchError> {
+        let ids: Vec<RequestId> = self
+            .slots
+            .iter()
+            .flatten()
+            .chain(self.waiting.iter())
+            .map(|l| l.id)
+            .collect();
+        for &id in &ids {
+            self.cancel(id)?;
+        }
+        Ok(ids.len())
     }
 
     /// Forgets a session and frees its KV; false if it is unknown or has a request in the batch.
@@ -485,8 +509,16 @@ impl<B: Backend> PersistentBatch<B> {
         Ok(work)
     }
 
-    /// Cancels the requests whose client dropped its handle.
+    /// Cancels the requests whose client went away.
     fn drop_disconnected(&mut self, report: &mut StepReport) -> Result<(), KvError> {
+        for live in self
+            .slots
+            .iter_mut()
+            .flatten()
+            .chain(self.waiting.iter_mut())
+        {
+            live.connected &= live.events.is_connected();
+        }
         for slot in 0..self.slots.len() {
             if self.slots[slot].as_ref().is_some_and(|l| !l.connected) {
                 self.end(slot, FinishReason::Cancelled)?;
@@ -809,37 +841,14 @@ impl<B: Backend> PersistentBatch<B> {
         }
     }
 
-    fn validate(&self, request: &Request, max_tokens: usize) -> Result<(), RequestError> {
-        let context = self.model.config.context_length;
-        let vocab = self.model.config.vocab_size;
-        request
-            .sampling
-            .validate()
-            .map_err(RequestError::Sampling)?;
-        let prompt = &request.prompt;
-        if prompt.is_empty() {
-            return Err(RequestError::EmptyPrompt);
+    /// What a request may ask of this batch.
+    pub fn limits(&self) -> RequestLimits {
+        RequestLimits {
+            context: self.model.config.context_length,
+            vocab: self.model.config.vocab_size,
+            block_size: self.config.block_size,
+            num_blocks: self.config.num_blocks,
         }
-        if prompt.len() >= context {
-            return Err(RequestError::PromptTooLong {
-                prompt: prompt.len(),
-                context,
-            });
-        }
-        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(RequestError::BadToken { id, vocab });
-        }
-        // The last generated token's KV is never computed.
-        let tokens = prompt.len() + max_tokens.saturating_sub(1);
-        let needed = tokens.div_ceil(self.config.block_size);
-        if needed > self.config.num_blocks {
-            return Err(RequestError::TooLargeForCache {
-                tokens,
-                needed,
-                total: self.config.num_blocks,
-            });
-        }
-        Ok(())
     }
 
     /// The error of a request (`seq`, else `tokens` long) that cannot fit in the cache.

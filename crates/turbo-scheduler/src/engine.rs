@@ -8,8 +8,8 @@ use thiserror::Error;
 use turbo_core::sampling::{PenaltyLists, SampleParams};
 use turbo_core::Backend;
 use turbo_kv::{BlockPool, BlockTable, KvError};
-use turbo_tokenizer::tokenizer::{TextStream, TextTokenizer};
 use turbo_llama::{Llama, LlamaError, SequenceChunk};
+use turbo_tokenizer::tokenizer::{TextStream, TextTokenizer};
 
 #[derive(Debug, Error)]
 pub enum EngineError {

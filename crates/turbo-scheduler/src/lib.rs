@@ -8,8 +8,8 @@ pub mod sampling;
 pub mod stop;
 
 pub use batch::{
-    BatchConfig, BatchError, BatchStats, Event, PersistentBatch, Request, RequestError,
-    RequestHandle, RequestId, StepReport,
+    BatchConfig, BatchError, BatchStats, Event, EventSink, PersistentBatch, Request, RequestError,
+    RequestHandle, RequestId, RequestLimits, StepReport,
 };
 pub use completion::{Completion, FinishReason, Timings};
 pub use engine::{Engine, EngineError, GenerationRequest, Session};

@@ -9,14 +9,15 @@
 //! prompts: the uncached conversations replay the replies of the first cached one.
 
 use super::{median, prose};
-use crate::runtime::{chat_template, KvArgs, LoadedModelInfo, ModelTask};
+use crate::runtime::KvArgs;
 use anyhow::{anyhow, Result};
 use serde::Serialize;
 use turbo_core::Backend;
-use turbo_tokenizer::chat::{ChatMessage, ChatTemplate};
-use turbo_tokenizer::tokenizer::TextTokenizer;
+use turbo_engine::{LoadedModelInfo, ModelTask};
 use turbo_llama::Llama;
 use turbo_scheduler::{BatchConfig, PersistentBatch, Request};
+use turbo_tokenizer::chat::{ChatMessage, ChatTemplate};
+use turbo_tokenizer::tokenizer::TextTokenizer;
 
 /// Tokens per forward pass while prefilling, as `turbo chat` runs.
 const PREFILL_CHUNK: usize = 512;
@@ -64,7 +65,7 @@ struct Report {
 }
 
 impl ModelTask for MultiRound {
-    type Output = ();
+    type Output = Result<()>;
 
     fn run<B: Backend>(
         self,
@@ -72,7 +73,7 @@ impl ModelTask for MultiRound {
         tokenizer: TextTokenizer,
         info: LoadedModelInfo,
     ) -> Result<()> {
-        let template = chat_template(&tokenizer, info.chat_template.as_deref())?;
+        let template = info.template(&tokenizer)?;
         let users = (0..self.rounds)
             .map(|k| {
                 let header = format!("Round {}. ", k + 1);
@@ -80,7 +81,7 @@ impl ModelTask for MultiRound {
             })
             .collect::<Result<Vec<_>>>()?;
         // On the CPU, room for one full context, as `turbo chat` has.
-        let num_blocks = self.kv.num_blocks(&model, &info, info.context_length)?;
+        let num_blocks = self.kv.num_blocks(&model, &info, 1, info.context_length)?;
         let config = |prefix_caching| BatchConfig {
             max_batch: 1,
             max_batched_tokens: PREFILL_CHUNK,

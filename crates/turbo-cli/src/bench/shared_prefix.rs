@@ -6,14 +6,15 @@
 //! most KV blocks held at once, wall time, time to first token and output throughput.
 
 use super::{median, prose};
-use crate::runtime::{KvArgs, LoadedModelInfo, ModelTask};
+use crate::runtime::KvArgs;
 use anyhow::{ensure, Result};
 use serde::Serialize;
 use std::time::Instant;
 use turbo_core::Backend;
-use turbo_tokenizer::tokenizer::TextTokenizer;
+use turbo_engine::{LoadedModelInfo, ModelTask};
 use turbo_llama::Llama;
 use turbo_scheduler::{BatchConfig, Completion, PersistentBatch, Request};
+use turbo_tokenizer::tokenizer::TextTokenizer;
 
 /// Longest prompt chunk of one sequence per step.
 const PREFILL_CHUNK: usize = 512;
@@ -72,7 +73,7 @@ struct Report {
 }
 
 impl ModelTask for SharedPrefix {
-    type Output = ();
+    type Output = Result<()>;
 
     fn run<B: Backend>(
         self,
@@ -90,8 +91,8 @@ impl ModelTask for SharedPrefix {
             info.context_length
         );
         // On the CPU: room for every request at once without sharing, so neither run preempts.
-        let cpu_default = self.requests * (longest + self.gen_tokens);
-        let num_blocks = self.kv.num_blocks(&model, &info, cpu_default)?;
+        let tokens = longest + self.gen_tokens;
+        let num_blocks = self.kv.num_blocks(&model, &info, self.requests, tokens)?;
         let config = |prefix_caching| BatchConfig {
             max_batch: self.max_batch,
             max_batched_tokens: self.max_batched_tokens,

@@ -5,7 +5,7 @@ use crate::completion::Completion;
 use crate::sampling::SamplingParams;
 use serde::Serialize;
 use std::fmt;
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use thiserror::Error;
 
 /// Names a request for its whole life in the batch (waiting, running, preempted).
@@ -48,6 +48,54 @@ impl Request {
             ignore_eos: false,
             session: None,
         }
+    }
+}
+
+/// What a request may ask of a batch: its model's context and vocabulary, its KV cache's size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestLimits {
+    pub context: usize,
+    pub vocab: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+impl Request {
+    /// Checks the request against `limits` as the batch does at submission, so that a caller
+    /// (a server) can refuse it before it is queued; returns `max_tokens` capped by the context.
+    pub fn validate(&self, limits: &RequestLimits) -> Result<usize, RequestError> {
+        let RequestLimits {
+            context,
+            vocab,
+            block_size,
+            num_blocks,
+        } = *limits;
+        self.sampling.validate().map_err(RequestError::Sampling)?;
+        let prompt = &self.prompt;
+        if prompt.is_empty() {
+            return Err(RequestError::EmptyPrompt);
+        }
+        if prompt.len() >= context {
+            return Err(RequestError::PromptTooLong {
+                prompt: prompt.len(),
+                context,
+            });
+        }
+        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(RequestError::BadToken { id, vocab });
+        }
+        let max_tokens = self.max_tokens.min(context - prompt.len());
+        // The last generated token's KV is never computed.
+        let tokens = prompt.len() + max_tokens.saturating_sub(1);
+        let needed = tokens.div_ceil(block_size);
+        if needed > num_blocks {
+            return Err(RequestError::TooLargeForCache {
+                tokens,
+                needed,
+                total: num_blocks,
+            });
+        }
+        Ok(max_tokens)
     }
 }
 
@@ -95,6 +143,26 @@ impl Event {
     /// Whether this is the request's last event.
     pub fn is_terminal(&self) -> bool {
         matches!(self, Event::Finished(_) | Event::Failed(_))
+    }
+}
+
+/// Where a request's events go, called on the thread that steps the batch (TurboMind's streaming
+/// callback). A server hands each request a sink that forwards to its connection; a closed
+/// connection makes the sink report itself gone, and the batch cancels the request.
+pub trait EventSink: Send {
+    /// Delivers an event in order; false once nobody receives them.
+    fn send(&mut self, event: Event) -> bool;
+
+    /// Whether the client still listens. Polled every step, so that a request whose client left
+    /// is cancelled even before it has anything to stream (waiting, or prefilling).
+    fn is_connected(&self) -> bool {
+        true
+    }
+}
+
+impl EventSink for Sender<Event> {
+    fn send(&mut self, event: Event) -> bool {
+        Sender::send(self, event).is_ok()
     }
 }
 

@@ -1,0 +1,554 @@
+//! The engine handle and the thread that steps its persistent batch.
+
+use crate::load::{LoadedModelInfo, ModelOptions, ModelTask};
+use crate::{EngineError, KvSize, SubmitError};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use turbo_core::Backend;
+use turbo_llama::Llama;
+use turbo_scheduler::{
+    BatchConfig, BatchStats, Completion, Event, EventSink, PersistentBatch, Request, RequestError,
+    RequestLimits,
+};
+use turbo_tokenizer::{ChatMessage, ChatTemplate, TextTokenizer};
+
+/// Everything an [`Engine`] is made from.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub model: ModelOptions,
+    pub kv: KvSize,
+    /// Slots: requests that run at once.
+    pub max_batch: usize,
+    /// Tokens per forward pass (decode tokens plus prefill chunks); raised to `max_batch` if
+    /// lower.
+    pub max_batched_tokens: usize,
+    /// Most prompt tokens of one sequence per forward pass.
+    pub prefill_chunk: usize,
+    /// Share computed KV between requests with a common prefix and keep finished sequences
+    /// resident (the cache of KV caches). Off only to measure what it saves.
+    pub prefix_caching: bool,
+    /// Requests running or queued beyond which [`Engine::submit`] refuses new ones
+    /// ([`SubmitError::QueueFull`]), so that a burst is answered at once instead of piling up.
+    pub max_pending: usize,
+}
+
+impl EngineConfig {
+    /// The defaults for `model`: 64 slots, 2048 tokens a step, a bounded queue of 1024.
+    pub fn new(model: ModelOptions) -> Self {
+        EngineConfig {
+            model,
+            kv: KvSize::Default {
+                cpu_slots: 64,
+                cpu_tokens_per_slot: 4096,
+            },
+            max_batch: 64,
+            max_batched_tokens: 2048,
+            prefill_chunk: 512,
+            prefix_caching: true,
+            max_pending: 1024,
+        }
+    }
+}
+
+/// What the engine runs, once it is loaded.
+#[derive(Clone, Debug)]
+pub struct EngineInfo {
+    pub model_path: PathBuf,
+    /// The name clients address the model by: the file or directory name without extension.
+    pub model_id: String,
+    /// The backend's description, e.g. "CPU (AVX-512, 16 threads)" or the GPU's name.
+    pub backend: String,
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub max_batch: usize,
+    pub max_pending: usize,
+    /// What a request may ask (context, vocabulary, KV cache size).
+    pub limits: RequestLimits,
+}
+
+/// A snapshot of the engine, published after every step.
+#[derive(Clone, Debug, Default)]
+pub struct EngineStats {
+    pub batch: BatchStats,
+    /// Requests submitted and not yet ended (running, waiting, or not yet seen by the batch).
+    pub pending: usize,
+    /// Whether the engine thread is running (false after it stopped or failed).
+    pub alive: bool,
+}
+
+/// A command for the engine thread.
+enum Command {
+    Submit(Request, Box<dyn EventSink>),
+    EndSession(String, mpsc::SyncSender<bool>),
+    /// Accept nothing more; finish what runs, and cancel what is left at the deadline.
+    Drain(Instant),
+}
+
+/// State shared by the handle, the streams and the engine thread.
+struct Shared {
+    pending: AtomicUsize,
+    accepting: AtomicBool,
+    alive: AtomicBool,
+    stats: Mutex<EngineStats>,
+    /// Cancellation flags of the requests in flight, by id.
+    cancels: Mutex<HashMap<u64, Arc<AtomicBool>>>,
+}
+
+impl Shared {
+    fn stats(&self) -> EngineStats {
+        let mut stats = self
+            .stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        stats.pending = self.pending.load(Ordering::Relaxed);
+        stats.alive = self.alive.load(Ordering::Relaxed);
+        stats
+    }
+}
+
+/// The engine: a model on a device with its persistent batch, stepped on a thread of its own.
+/// Cheap to share behind an `Arc`; every method takes `&self`.
+pub struct Engine {
+    commands: Mutex<Sender<Command>>,
+    shared: Arc<Shared>,
+    info: EngineInfo,
+    tokenizer: TextTokenizer,
+    /// The chat template, or why it does not compile (raw completions still work).
+    template: Result<ChatTemplate, String>,
+    next_id: AtomicU64,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Engine {
+    /// Loads the model and starts the engine thread; returns once the model is on the device
+    /// and the KV cache is made (or why it could not be).
+    pub fn start(config: EngineConfig) -> Result<Engine, EngineError> {
+        if config.max_batch == 0 || config.prefill_chunk == 0 || config.max_pending == 0 {
+            return Err(EngineError::Config(
+                "the batch size, prefill chunk and queue bound must be positive".into(),
+            ));
+        }
+        config.model.validate()?;
+        let shared = Arc::new(Shared {
+            pending: AtomicUsize::new(0),
+            accepting: AtomicBool::new(true),
+            alive: AtomicBool::new(true),
+            stats: Mutex::new(EngineStats::default()),
+            cancels: Mutex::new(HashMap::new()),
+        });
+        let (commands, inbox) = mpsc::channel();
+        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+        let task = EngineThread {
+            config: config.clone(),
+            inbox,
+            ready: ready_tx,
+            shared: shared.clone(),
+        };
+        let thread_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("turbo-engine".into())
+            .spawn(move || {
+                let model = task.config.model.clone();
+                let ready = task.ready.clone();
+                // Loading errors go to `start`; a task that ran reported through `ready` itself.
+                if let Err(e) = model.run(task) {
+                    let _ = ready.send(Err(e));
+                }
+                thread_shared.alive.store(false, Ordering::Relaxed);
+            })
+            .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
+        let (info, tokenizer, template) = match ready_rx.recv() {
+            Ok(Ok(ready)) => ready,
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(EngineError::Stopped);
+            }
+        };
+        Ok(Engine {
+            commands: Mutex::new(commands),
+            shared,
+            info,
+            tokenizer,
+            template,
+            next_id: AtomicU64::new(0),
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    /// The model's chat template, or why it does not compile.
+    pub fn template(&self) -> Result<&ChatTemplate, EngineError> {
+        self.template
+            .as_ref()
+            .map_err(|e| EngineError::Template(e.clone()))
+    }
+
+    /// A conversation as the prompt tokens the model was trained on: rendered with its chat
+    /// template, ending with the assistant's turn opened.
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+        let text = self.template()?.render(messages, true)?;
+        Ok(self.tokenizer.encode(&text)?)
+    }
+
+    /// Raw text as prompt tokens, with the BOS token when the model wants one.
+    pub fn text_prompt(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        Ok(self.tokenizer.encode_with_bos(text)?)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.shared.stats()
+    }
+
+    /// Queues a request; its events arrive on the returned stream. Refused at once when it can
+    /// never run, when the engine is at capacity, or when it is shutting down.
+    pub fn submit(&self, request: Request) -> Result<RequestStream, SubmitError> {
+        request.validate(&self.info.limits)?;
+        if !self.shared.accepting.load(Ordering::Acquire) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        if !self.shared.alive.load(Ordering::Relaxed) {
+            return Err(SubmitError::Stopped);
+        }
+        let max = self.info.max_pending;
+        let taken = self
+            .shared
+            .pending
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            });
+        if taken.is_err() {
+            return Err(SubmitError::QueueFull(max));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let cancelled = Arc::new(AtomicBool::new(false));
+        self.shared
+            .cancels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id, cancelled.clone());
+        let (tx, rx) = unbounded_channel();
+        let sink = StreamSink {
+            tx,
+            cancelled: cancelled.clone(),
+            _flight: InFlight {
+                id,
+                shared: self.shared.clone(),
+            },
+        };
+        self.send(Command::Submit(request, Box::new(sink)))
+            .map_err(|_| SubmitError::Stopped)?;
+        Ok(RequestStream {
+            id,
+            events: rx,
+            cancelled,
+        })
+    }
+
+    /// Ends a request by the id of its stream: it finishes as cancelled and its KV is freed at
+    /// the engine's next step. False if it has already ended.
+    pub fn cancel(&self, id: u64) -> bool {
+        let cancels = self
+            .shared
+            .cancels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match cancels.get(&id) {
+            Some(flag) => !flag.swap(true, Ordering::AcqRel),
+            None => false,
+        }
+    }
+
+    /// Forgets a session and frees its KV; false if it is unknown or a request of it is in the
+    /// engine. Blocks until the engine thread has answered.
+    pub fn end_session(&self, session: &str) -> bool {
+        let (tx, rx) = mpsc::sync_channel(1);
+        if self
+            .send(Command::EndSession(session.to_string(), tx))
+            .is_err()
+        {
+            return false;
+        }
+        rx.recv().unwrap_or(false)
+    }
+
+    /// Stops accepting requests, lets the running and queued ones finish until `deadline`,
+    /// cancels whatever is left then, and waits for the engine thread to end.
+    pub fn shutdown(&self, deadline: Duration) {
+        self.drain(deadline);
+        self.join();
+    }
+
+    /// Stops accepting requests and has the engine thread end once the running and queued ones
+    /// have finished, or `deadline` from now, when it cancels the rest. Does not wait.
+    pub fn drain(&self, deadline: Duration) {
+        self.shared.accepting.store(false, Ordering::Release);
+        let _ = self.send(Command::Drain(Instant::now() + deadline));
+    }
+
+    /// Waits for the engine thread to end (after [`drain`](Self::drain)).
+    pub fn join(&self) {
+        let thread = self
+            .thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(thread) = thread {
+            if thread.join().is_err() {
+                tracing::error!("the engine thread panicked");
+            }
+        }
+    }
+
+    fn send(&self, command: Command) -> Result<(), mpsc::SendError<Command>> {
+        self.commands
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .send(command)
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown(Duration::ZERO);
+    }
+}
+
+/// A request's events, in order: [`Event::Token`] and [`Event::Text`] as they are generated,
+/// then one [`Event::Finished`] or [`Event::Failed`]. Dropping the stream cancels the request.
+pub struct RequestStream {
+    id: u64,
+    events: UnboundedReceiver<Event>,
+    cancelled: Arc<AtomicBool>,
+}
+
+impl RequestStream {
+    /// The id [`Engine::cancel`] takes.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The next event; `None` once the request has ended (after its terminal event) or the
+    /// engine stopped.
+    pub async fn next(&mut self) -> Option<Event> {
+        self.events.recv().await
+    }
+
+    /// [`next`](Self::next) for threads outside an async runtime.
+    pub fn blocking_next(&mut self) -> Option<Event> {
+        self.events.blocking_recv()
+    }
+
+    /// Waits for the outcome, skipping the streamed events (outside an async runtime).
+    pub fn wait(mut self) -> Result<Completion, RequestError> {
+        while let Some(event) = self.blocking_next() {
+            match event {
+                Event::Finished(c) => return Ok(c),
+                Event::Failed(e) => return Err(e),
+                Event::Token(_) | Event::Text(_) => {}
+            }
+        }
+        Err(RequestError::Disconnected)
+    }
+
+    /// Ends the request at the engine's next step; it still sends its terminal event.
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+/// The batch's end of a [`RequestStream`].
+struct StreamSink {
+    tx: UnboundedSender<Event>,
+    cancelled: Arc<AtomicBool>,
+    _flight: InFlight,
+}
+
+impl EventSink for StreamSink {
+    fn send(&mut self, event: Event) -> bool {
+        self.tx.send(event).is_ok()
+    }
+
+    fn is_connected(&self) -> bool {
+        !self.cancelled.load(Ordering::Acquire) && !self.tx.is_closed()
+    }
+}
+
+/// Counts a request as pending from submission until the batch lets go of its sink.
+struct InFlight {
+    id: u64,
+    shared: Arc<Shared>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.shared.pending.fetch_sub(1, Ordering::AcqRel);
+        self.shared
+            .cancels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.id);
+    }
+}
+
+type Ready = Result<(EngineInfo, TextTokenizer, Result<ChatTemplate, String>), EngineError>;
+
+/// The engine thread's work, run on whichever backend the model loaded on.
+struct EngineThread {
+    config: EngineConfig,
+    inbox: Receiver<Command>,
+    ready: mpsc::SyncSender<Ready>,
+    shared: Arc<Shared>,
+}
+
+impl ModelTask for EngineThread {
+    type Output = ();
+
+    fn run<B: Backend>(self, model: Llama<B>, tokenizer: TextTokenizer, info: LoadedModelInfo) {
+        let EngineThread {
+            config,
+            inbox,
+            ready,
+            shared,
+        } = self;
+        let made = (|| {
+            let template = info.template(&tokenizer).map_err(|e| {
+                tracing::debug!("{e}: chat requests will fail");
+                e.to_string()
+            });
+            let num_blocks = config.kv.num_blocks(&model, &info)?;
+            let batch_config = BatchConfig {
+                max_batch: config.max_batch,
+                max_batched_tokens: config.max_batched_tokens.max(config.max_batch),
+                block_size: info.block_size,
+                num_blocks,
+                prefill_chunk: config.prefill_chunk,
+                prefix_caching: config.prefix_caching,
+            };
+            let engine_info = EngineInfo {
+                model_id: model_id(&info.path),
+                model_path: info.path.clone(),
+                backend: model.backend().name(),
+                context_length: info.context_length,
+                vocab_size: info.vocab_size,
+                block_size: info.block_size,
+                num_blocks,
+                max_batch: config.max_batch,
+                max_pending: config.max_pending,
+                limits: RequestLimits {
+                    context: info.context_length,
+                    vocab: info.vocab_size,
+                    block_size: info.block_size,
+                    num_blocks,
+                },
+            };
+            let batch = PersistentBatch::new(model, tokenizer.clone(), batch_config)?;
+            Ok::<_, EngineError>((batch, (engine_info, tokenizer, template)))
+        })();
+        let mut batch = match made {
+            Ok((batch, handle_parts)) => {
+                if ready.send(Ok(handle_parts)).is_err() {
+                    return;
+                }
+                batch
+            }
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        };
+        serve(&mut batch, &inbox, &shared);
+        // Whatever is left (an engine dropped with work in it) ends as cancelled.
+        if let Err(e) = batch.cancel_all() {
+            tracing::error!("cancelling the requests left at shutdown: {e}");
+        }
+    }
+}
+
+/// The engine loop: take commands (sleeping while there is nothing to do), step, publish stats.
+fn serve<B: Backend>(batch: &mut PersistentBatch<B>, inbox: &Receiver<Command>, shared: &Shared) {
+    let mut deadline: Option<Instant> = None;
+    loop {
+        if batch.is_idle() {
+            if deadline.is_some() {
+                return;
+            }
+            match inbox.recv() {
+                Ok(command) => apply(batch, command, &mut deadline),
+                Err(_) => return, // the handle is gone
+            }
+        }
+        while let Ok(command) = inbox.try_recv() {
+            apply(batch, command, &mut deadline);
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return;
+        }
+        if !batch.is_idle() {
+            if let Err(e) = batch.step() {
+                // The step's requests have failed with this error; the others go on.
+                tracing::error!("step failed: {e}");
+            }
+        }
+        *shared.stats.lock().unwrap_or_else(PoisonError::into_inner) = EngineStats {
+            batch: batch.stats(),
+            ..EngineStats::default()
+        };
+    }
+}
+
+fn apply<B: Backend>(
+    batch: &mut PersistentBatch<B>,
+    command: Command,
+    deadline: &mut Option<Instant>,
+) {
+    match command {
+        Command::Submit(request, sink) => {
+            batch.submit_to(request, sink);
+        }
+        Command::EndSession(name, reply) => {
+            let ended = batch.end_session(&name).unwrap_or_else(|e| {
+                tracing::error!("ending session {name}: {e}");
+                false
+            });
+            let _ = reply.send(ended);
+        }
+        Command::Drain(at) => *deadline = Some(deadline.map_or(at, |d| d.min(at))),
+    }
+}
+
+/// A model's name for clients: the file or directory name, without a `.gguf` extension.
+fn model_id(path: &std::path::Path) -> String {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string());
+    name.strip_suffix(".gguf")
+        .map(str::to_string)
+        .unwrap_or(name)
+}

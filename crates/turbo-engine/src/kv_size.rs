@@ -1,0 +1,109 @@
+use crate::{Device, EngineError, LoadedModelInfo};
+use turbo_core::Backend;
+use turbo_llama::Llama;
+
+/// Share of free GPU memory (measured after the weights are loaded) that the KV cache takes when
+/// no size is given: the rest is left for activations, cuBLAS workspaces and other processes.
+pub const DEFAULT_GPU_KV_FRACTION: f64 = 0.9;
+
+/// The size of the persistent batch's KV cache.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KvSize {
+    Blocks(usize),
+    /// Bytes (of the backend's KV element type).
+    Bytes(f64),
+    /// A fraction in (0, 1] of the device's free memory once the weights are loaded (on the
+    /// CPU, of `MemAvailable`).
+    Fraction(f64),
+    /// Room for this many sequences of the model's whole context, on any device.
+    Contexts(usize),
+    /// A GPU takes [`DEFAULT_GPU_KV_FRACTION`] of its free memory; the CPU, whose KV storage only
+    /// grows as blocks are used, room for `cpu_slots` sequences of `cpu_tokens_per_slot` tokens
+    /// (at most the model's context each).
+    Default {
+        cpu_slots: usize,
+        cpu_tokens_per_slot: usize,
+    },
+}
+
+impl KvSize {
+    /// KV blocks for `model`. Refuses sizes that are not positive, a fraction outside (0, 1],
+    /// and sizes below one block.
+    pub fn num_blocks<B: Backend>(
+        &self,
+        model: &Llama<B>,
+        info: &LoadedModelInfo,
+    ) -> Result<usize, EngineError> {
+        let block_size = info.block_size;
+        let block_bytes = model.kv_spec(block_size, 1).bytes_per_token() / 4
+            * model.backend().kv_element_bytes()
+            * block_size;
+        let config = |m: String| Err(EngineError::Config(m));
+        let from_bytes = |bytes: f64, what: String| -> Result<usize, EngineError> {
+            let blocks = (bytes / block_bytes as f64).floor();
+            if blocks < 1.0 {
+                return config(format!(
+                    "{what} is less than one KV block ({block_bytes} bytes)"
+                ));
+            }
+            Ok(blocks.min(u32::MAX as f64) as usize)
+        };
+        let fraction_of_free = |f: f64, what: String| -> Result<usize, EngineError> {
+            let Some(free) = model.backend().free_memory() else {
+                return config(format!(
+                    "{what}: {} does not report its free memory; give the KV cache's size in \
+                     blocks or bytes",
+                    model.backend().name()
+                ));
+            };
+            from_bytes(f * free as f64, format!("{what} of {free} free bytes"))
+        };
+        match *self {
+            KvSize::Blocks(0) => config("the KV cache needs at least one block".into()),
+            KvSize::Blocks(n) if u32::try_from(n).is_err() => config(format!(
+                "{n} KV blocks is more than the {} allowed",
+                u32::MAX
+            )),
+            KvSize::Blocks(n) => Ok(n),
+            KvSize::Contexts(n) => {
+                let blocks = info.context_length.div_ceil(block_size).saturating_mul(n);
+                match blocks {
+                    0 => config("the KV cache needs room for at least one sequence".into()),
+                    b if u32::try_from(b).is_err() => config(format!(
+                        "{n} contexts of KV is more than {} blocks",
+                        u32::MAX
+                    )),
+                    b => Ok(b),
+                }
+            }
+            KvSize::Bytes(bytes) => {
+                if !(bytes.is_finite() && bytes > 0.0) {
+                    return config(format!(
+                        "the KV cache size must be a positive number of bytes, got {bytes}"
+                    ));
+                }
+                from_bytes(bytes, format!("a KV cache of {bytes} bytes"))
+            }
+            KvSize::Fraction(f) => {
+                if !(f > 0.0 && f <= 1.0) {
+                    return config(format!("the KV cache fraction must be in (0, 1], got {f}"));
+                }
+                fraction_of_free(f, format!("a KV cache fraction of {f}"))
+            }
+            KvSize::Default {
+                cpu_slots,
+                cpu_tokens_per_slot,
+            } => match info.device {
+                Device::Cuda(_) => fraction_of_free(
+                    DEFAULT_GPU_KV_FRACTION,
+                    format!("the default KV cache ({DEFAULT_GPU_KV_FRACTION} of free memory)"),
+                ),
+                _ => {
+                    let tokens = cpu_tokens_per_slot.min(info.context_length);
+                    let blocks = tokens.div_ceil(block_size).saturating_mul(cpu_slots);
+                    Ok(blocks.clamp(1, u32::MAX as usize))
+                }
+            },
+        }
+    }
+}

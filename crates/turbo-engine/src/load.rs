@@ -1,0 +1,158 @@
+//! A model file onto a device: which file (the default model when none is named), which backend,
+//! and the few settings a backend takes at start.
+
+use crate::{Device, EngineError};
+use std::path::PathBuf;
+use turbo_core::cpu::CpuBackend;
+use turbo_core::Backend;
+use turbo_kernels::CudaBackend;
+use turbo_llama::{Llama, LoadedModel};
+use turbo_models::DEFAULT_MODEL;
+use turbo_tokenizer::{ChatTemplate, TextTokenizer};
+
+/// Which model to run, and where.
+#[derive(Clone, Debug)]
+pub struct ModelOptions {
+    /// A GGUF file, an HF directory or a native directory; `None` is the default model
+    /// (SmolLM2-135M-Instruct), fetched on first use.
+    pub model: Option<PathBuf>,
+    pub device: Device,
+    /// CPU threads; `None` uses every core.
+    pub threads: Option<usize>,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Longest sequence to allow instead of the context the model declares.
+    pub context: Option<usize>,
+    /// On a GPU, record decode steps as CUDA graphs and replay them.
+    pub cuda_graphs: bool,
+    /// On a GPU, map the KV cache's memory this many blocks at a time as steps reach them,
+    /// instead of allocating it whole at start.
+    pub kv_alloc_chunk: Option<usize>,
+    /// Print the default model's download progress on stderr.
+    pub progress: bool,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            model: None,
+            device: Device::Auto,
+            threads: None,
+            block_size: 16,
+            context: None,
+            cuda_graphs: true,
+            kv_alloc_chunk: None,
+            progress: true,
+        }
+    }
+}
+
+/// What work on a loaded model still needs to know once the weights moved onto the device.
+#[derive(Clone, Debug)]
+pub struct LoadedModelInfo {
+    pub path: PathBuf,
+    pub context_length: usize,
+    pub vocab_size: usize,
+    /// The chat template's Jinja source, when the model ships one.
+    pub chat_template: Option<String>,
+    pub block_size: usize,
+    /// Where the model runs: `Cpu` or `Cuda(n)`, never `Auto`.
+    pub device: Device,
+}
+
+impl LoadedModelInfo {
+    /// The model's chat template (ChatML when it ships none).
+    pub fn template(&self, tokenizer: &TextTokenizer) -> Result<ChatTemplate, EngineError> {
+        Ok(ChatTemplate::for_model(
+            self.chat_template.as_deref(),
+            tokenizer,
+        )?)
+    }
+}
+
+/// Work that drives a model on whichever backend it was loaded on (a persistent batch of its own
+/// sizes, a benchmark). [`ModelOptions::run`] picks the backend and calls `run` once.
+pub trait ModelTask {
+    type Output;
+    fn run<B: Backend>(
+        self,
+        model: Llama<B>,
+        tokenizer: TextTokenizer,
+        info: LoadedModelInfo,
+    ) -> Self::Output;
+}
+
+impl ModelOptions {
+    /// Refuses settings that can never work, before anything is loaded.
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let positive = [
+            ("threads", self.threads),
+            ("block size", Some(self.block_size)),
+            ("context", self.context),
+            ("KV allocation chunk", self.kv_alloc_chunk),
+        ];
+        match positive.iter().find(|(_, v)| *v == Some(0)) {
+            Some((name, _)) => Err(EngineError::Config(format!("the {name} must be positive"))),
+            None => Ok(()),
+        }
+    }
+
+    /// The model's path, fetching the default model if none was given.
+    pub fn resolve(&self) -> Result<PathBuf, EngineError> {
+        match &self.model {
+            Some(p) => Ok(p.clone()),
+            None => Ok(DEFAULT_MODEL.ensure(self.progress)?),
+        }
+    }
+
+    /// Reads the model's files (weights stay memory-mapped where the format allows).
+    pub fn load(&self) -> Result<LoadedModel, EngineError> {
+        self.validate()?;
+        let path = self.resolve()?;
+        let mut loaded = LoadedModel::load(&path).map_err(|error| EngineError::Load {
+            path: path.display().to_string(),
+            error,
+        })?;
+        if let Some(context) = self.context {
+            if context > loaded.config.context_length {
+                tracing::warn!(
+                    "a context of {context} is past the {} tokens the model declares",
+                    loaded.config.context_length
+                );
+            }
+            loaded.config.context_length = context;
+        }
+        Ok(loaded)
+    }
+
+    /// Loads the model onto the chosen device and runs `task` with it.
+    pub fn run<T: ModelTask>(&self, task: T) -> Result<T::Output, EngineError> {
+        let loaded = self.load()?;
+        let device = self.device.resolve();
+        let info = LoadedModelInfo {
+            path: loaded.path.clone(),
+            context_length: loaded.config.context_length,
+            vocab_size: loaded.config.vocab_size,
+            chat_template: loaded.chat_template.clone(),
+            block_size: self.block_size,
+            device,
+        };
+        match device {
+            Device::Cuda(ordinal) => {
+                let backend = CudaBackend::new(ordinal)?;
+                backend.set_graphs(self.cuda_graphs);
+                backend.set_kv_chunk_blocks(self.kv_alloc_chunk);
+                let model = Llama::new(backend, &loaded.config, &loaded.weights)?;
+                Ok(task.run(model, loaded.tokenizer, info))
+            }
+            _ => {
+                let backend = match self.threads {
+                    Some(n) => CpuBackend::with_threads(n)?,
+                    None => CpuBackend::new(),
+                };
+                let model = Llama::new(backend, &loaded.config, &loaded.weights)?;
+                Ok(task.run(model, loaded.tokenizer, info))
+            }
+        }
+    }
+}

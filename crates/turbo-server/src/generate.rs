@@ -1,0 +1,446 @@
+//! The two generation endpoints: a request becomes one engine request per choice (per prompt of
+//! a completions batch), whose events are merged into one response, streamed or whole.
+
+use crate::api::{ChatRequest, CompletionRequest, Generation, Prompt};
+use crate::{read_body, unix_time, ApiError, AppState};
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+use turbo_engine::{Completion, Event, FinishReason, Request, RequestStream};
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+/// A request's identity in its responses.
+struct Meta {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    /// Prompt tokens, counted once per prompt.
+    prompt_tokens: usize,
+    arrived: Instant,
+}
+
+pub async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Response {
+    let arrived = Instant::now();
+    let result = async {
+        let bytes = read_body(body, state.config.max_body_bytes).await?;
+        let request: CompletionRequest = parse(&bytes)?;
+        check_model(&state, request.common.model.as_deref())?;
+        let generation = request.generation()?;
+        let prompts = match request.prompt {
+            Prompt::Text(t) => vec![encode(&state, &t)?],
+            Prompt::Texts(ts) => ts
+                .iter()
+                .map(|t| encode(&state, t))
+                .collect::<Result<_, _>>()?,
+            Prompt::Tokens(ids) => vec![ids],
+            Prompt::TokenLists(lists) => lists,
+        };
+        if prompts.is_empty() {
+            return Err(ApiError::invalid("prompt must not be empty").param("prompt"));
+        }
+        run(&state, Kind::Text, prompts, generation, arrived).await
+    }
+    .await;
+    respond(&state, result)
+}
+
+pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Body) -> Response {
+    let arrived = Instant::now();
+    let result = async {
+        let bytes = read_body(body, state.config.max_body_bytes).await?;
+        let request: ChatRequest = parse(&bytes)?;
+        check_model(&state, request.common.model.as_deref())?;
+        let generation = request.generation()?;
+        let messages = request.messages()?;
+        let prompt = state
+            .engine
+            .chat_prompt(&messages)
+            .map_err(|e| ApiError::invalid(e.to_string()).param("messages"))?;
+        run(&state, Kind::Chat, vec![prompt], generation, arrived).await
+    }
+    .await;
+    respond(&state, result)
+}
+
+fn respond(state: &AppState, result: Result<Response, ApiError>) -> Response {
+    result.unwrap_or_else(|e| {
+        state.metrics.outcome("rejected");
+        tracing::info!(status = e.status.as_u16(), "request refused: {}", e.message);
+        e.into_response()
+    })
+}
+
+fn parse<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid(format!("the request body is not a valid request: {e}")))
+}
+
+fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != state.model_name => Err(ApiError::not_found(format!(
+            "the model '{m}' does not exist; this server serves '{}'",
+            state.model_name
+        ))
+        .param("model")
+        .code("model_not_found")),
+        _ => Ok(()),
+    }
+}
+
+fn encode(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    state
+        .engine
+        .text_prompt(text)
+        .map_err(|e| ApiError::invalid(e.to_string()).param("prompt"))
+}
+
+/// Submits one engine request per choice and answers with their merged events.
+async fn run(
+    state: &Arc<AppState>,
+    kind: Kind,
+    prompts: Vec<Vec<u32>>,
+    g: Generation,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
+    let limits = state.engine.info().limits;
+    let mut streams = Vec::with_capacity(prompts.len() * g.n);
+    let base_seed = if g.seeded {
+        g.sampling.seed
+    } else {
+        rand::random()
+    };
+    for (p, prompt) in prompts.iter().enumerate() {
+        // Without max_tokens: to the end of the context, or of what the KV cache can hold.
+        let room = (limits.num_blocks * limits.block_size + 1).saturating_sub(prompt.len());
+        let max_tokens = g.max_tokens.unwrap_or(room.max(1));
+        for j in 0..g.n {
+            let mut sampling = g.sampling.clone();
+            sampling.seed = base_seed.wrapping_add(j as u64);
+            let request = Request {
+                sampling,
+                max_tokens,
+                stop_strings: g.stop.clone(),
+                ignore_eos: g.ignore_eos,
+                session: g.session.clone(),
+                ..Request::new(prompt.clone())
+            };
+            // An error drops the streams submitted so far, which cancels them.
+            let stream = state.engine.submit(request)?;
+            streams.push((p * g.n + j, stream));
+        }
+    }
+    let meta = Meta {
+        kind,
+        id: format!(
+            "{}-{:016x}",
+            if kind == Kind::Chat {
+                "chatcmpl"
+            } else {
+                "cmpl"
+            },
+            rand::random::<u64>()
+        ),
+        created: unix_time(),
+        model: state.model_name.clone(),
+        include_usage: g.include_usage,
+        prompt_tokens: prompts.iter().map(Vec::len).sum(),
+        arrived,
+    };
+    let collector = Collector::new(state.clone(), meta, streams);
+    if g.stream {
+        let sse = stream::unfold(collector, |mut c| async move {
+            c.next_sse().await.map(|e| (Ok::<_, Infallible>(e), c))
+        });
+        Ok(Sse::new(sse)
+            .keep_alive(KeepAlive::default())
+            .into_response())
+    } else {
+        collector.whole().await
+    }
+}
+
+/// Per-choice progress, for the response and the latency metrics.
+#[derive(Default)]
+struct ChoiceState {
+    text: String,
+    last_token: Option<Instant>,
+    completion: Option<Completion>,
+}
+
+/// Merges the events of a request's choices and turns them into a response.
+struct Collector {
+    state: Arc<AppState>,
+    meta: Meta,
+    events: SelectAll<BoxStream<'static, (usize, Event)>>,
+    choices: Vec<ChoiceState>,
+    /// Server-sent events ready to go.
+    queue: VecDeque<SseEvent>,
+    failed: Option<ApiError>,
+    done: bool,
+}
+
+impl Collector {
+    fn new(state: Arc<AppState>, meta: Meta, streams: Vec<(usize, RequestStream)>) -> Self {
+        let n = streams.len();
+        let events = stream::select_all(streams.into_iter().map(|(i, s)| {
+            stream::unfold(s, move |mut s| async move {
+                s.next().await.map(|e| ((i, e), s))
+            })
+            .boxed()
+        }));
+        let mut c = Collector {
+            state,
+            meta,
+            events,
+            choices: (0..n).map(|_| ChoiceState::default()).collect(),
+            queue: VecDeque::new(),
+            failed: None,
+            done: false,
+        };
+        if c.meta.kind == Kind::Chat {
+            for i in 0..n {
+                let chunk = c.chunk(i, json!({"role": "assistant", "content": ""}), None);
+                c.queue.push_back(chunk);
+            }
+        }
+        c
+    }
+
+    /// Records an event of choice `i`; returns the text it streams, if any.
+    fn record(&mut self, i: usize, event: Event) -> Option<String> {
+        let now = Instant::now();
+        let metrics = &self.state.metrics;
+        let choice = &mut self.choices[i];
+        match event {
+            Event::Token(_) => {
+                match choice.last_token {
+                    None => metrics.ttft.observe(secs(self.meta.arrived, now)),
+                    Some(last) => metrics.itl.observe(secs(last, now)),
+                }
+                choice.last_token = Some(now);
+                None
+            }
+            Event::Text(delta) => {
+                choice.text.push_str(&delta);
+                Some(delta)
+            }
+            Event::Finished(c) => {
+                metrics.e2e.observe(secs(self.meta.arrived, now));
+                metrics.generation_tokens.inc_by(c.token_ids.len() as u64);
+                metrics
+                    .prompt_tokens
+                    .inc_by((c.cached_prompt_tokens + c.prefilled_tokens) as u64);
+                metrics
+                    .cached_prompt_tokens
+                    .inc_by(c.cached_prompt_tokens as u64);
+                metrics.outcome(finish_reason(c.finish_reason));
+                tracing::info!(
+                    id = %self.meta.id,
+                    choice = i,
+                    prompt_tokens = c.cached_prompt_tokens + c.prefilled_tokens,
+                    cached_tokens = c.cached_prompt_tokens,
+                    completion_tokens = c.token_ids.len(),
+                    ttft_ms = c.timings.prefill_ms,
+                    e2e_ms = secs(self.meta.arrived, now) * 1e3,
+                    finish = finish_reason(c.finish_reason),
+                    "request finished"
+                );
+                choice.completion = Some(c);
+                None
+            }
+            Event::Failed(e) => {
+                metrics.outcome("error");
+                tracing::warn!(id = %self.meta.id, choice = i, "request failed: {e}");
+                self.failed = Some(e.into());
+                None
+            }
+        }
+    }
+
+    /// The whole response, once every choice has ended.
+    async fn whole(mut self) -> Result<Response, ApiError> {
+        while let Some((i, event)) = self.events.next().await {
+            self.record(i, event);
+            if let Some(e) = self.failed.take() {
+                return Err(e);
+            }
+        }
+        let mut choices = Vec::with_capacity(self.choices.len());
+        for (i, c) in self.choices.iter().enumerate() {
+            let Some(completion) = &c.completion else {
+                return Err(
+                    ApiError::internal("the engine stopped before the request ended")
+                        .status(StatusCode::SERVICE_UNAVAILABLE),
+                );
+            };
+            let reason = finish_reason(completion.finish_reason);
+            choices.push(match self.meta.kind {
+                Kind::Chat => json!({
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": null,
+                    "finish_reason": reason,
+                }),
+                Kind::Text => json!({
+                    "index": i,
+                    "text": c.text,
+                    "logprobs": null,
+                    "finish_reason": reason,
+                }),
+            });
+        }
+        let object = match self.meta.kind {
+            Kind::Chat => "chat.completion",
+            Kind::Text => "text_completion",
+        };
+        Ok(Json(json!({
+            "id": self.meta.id,
+            "object": object,
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }))
+        .into_response())
+    }
+
+    /// The next server-sent event; `None` after `data: [DONE]`.
+    async fn next_sse(&mut self) -> Option<SseEvent> {
+        loop {
+            if let Some(e) = self.queue.pop_front() {
+                return Some(e);
+            }
+            if self.done {
+                return None;
+            }
+            match self.events.next().await {
+                Some((i, event)) => {
+                    let finished = matches!(event, Event::Finished(_));
+                    if let Some(text) = self.record(i, event) {
+                        let chunk = match self.meta.kind {
+                            Kind::Chat => self.chunk(i, json!({"content": text}), None),
+                            Kind::Text => self.chunk(i, Value::String(text), None),
+                        };
+                        self.queue.push_back(chunk);
+                    }
+                    if finished {
+                        let reason = self.choices[i]
+                            .completion
+                            .as_ref()
+                            .map(|c| finish_reason(c.finish_reason));
+                        let empty = match self.meta.kind {
+                            Kind::Chat => json!({}),
+                            Kind::Text => Value::String(String::new()),
+                        };
+                        let chunk = self.chunk(i, empty, reason);
+                        self.queue.push_back(chunk);
+                    }
+                    if let Some(e) = self.failed.take() {
+                        // The other choices are cancelled when the collector is dropped.
+                        let json = serde_json::to_string(&e.body()).unwrap_or_default();
+                        self.queue.push_back(SseEvent::default().data(json));
+                        self.end();
+                    }
+                }
+                None => {
+                    if self.meta.include_usage {
+                        let mut chunk = self.envelope();
+                        chunk["choices"] = json!([]);
+                        chunk["usage"] = self.usage();
+                        self.queue
+                            .push_back(SseEvent::default().data(chunk.to_string()));
+                    }
+                    self.end();
+                }
+            }
+        }
+    }
+
+    fn end(&mut self) {
+        self.queue.push_back(SseEvent::default().data("[DONE]"));
+        self.done = true;
+        self.events = SelectAll::new();
+    }
+
+    fn envelope(&self) -> Value {
+        let object = match self.meta.kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Text => "text_completion",
+        };
+        json!({
+            "id": self.meta.id,
+            "object": object,
+            "created": self.meta.created,
+            "model": self.meta.model,
+        })
+    }
+
+    /// A chunk of choice `i`: a chat `delta` object, or a completion's text.
+    fn chunk(&self, i: usize, content: Value, finish: Option<&str>) -> SseEvent {
+        let choice = match self.meta.kind {
+            Kind::Chat => json!({
+                "index": i, "delta": content, "logprobs": null, "finish_reason": finish,
+            }),
+            Kind::Text => json!({
+                "index": i, "text": content, "logprobs": null, "finish_reason": finish,
+            }),
+        };
+        let mut chunk = self.envelope();
+        chunk["choices"] = json!([choice]);
+        if self.meta.include_usage {
+            chunk["usage"] = Value::Null;
+        }
+        SseEvent::default().data(chunk.to_string())
+    }
+
+    fn usage(&self) -> Value {
+        let completion_tokens: usize = self
+            .choices
+            .iter()
+            .filter_map(|c| c.completion.as_ref())
+            .map(|c| c.token_ids.len())
+            .sum();
+        // Cached prompt tokens of the first choice of each prompt, as each prompt counts once.
+        let cached: usize = self
+            .choices
+            .iter()
+            .filter_map(|c| c.completion.as_ref())
+            .map(|c| c.cached_prompt_tokens)
+            .max()
+            .unwrap_or(0);
+        json!({
+            "prompt_tokens": self.meta.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.meta.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        })
+    }
+}
+
+fn secs(from: Instant, to: Instant) -> f64 {
+    to.duration_since(from).as_secs_f64()
+}
+
+fn finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled => "abort",
+    }
+}

@@ -1,0 +1,241 @@
+//! `turbo serve`: an OpenAI-compatible HTTP server over one [`Engine`].
+//!
+//! Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as server-sent events
+//! ending in `data: [DONE]`, or whole), `GET /v1/models`, `GET /health`, `GET /metrics`
+//! (Prometheus). Every request runs on the engine's one persistent batch; multi-round chat needs
+//! no session id, since a round's prompt starts with the previous round's tokens and the KV
+//! cache's prefix sharing finds them (`usage.prompt_tokens_details.cached_tokens` shows it).
+//!
+//! Failure is per request: bad input gets an OpenAI-style error (400, 404, 413, 401), a full
+//! queue 429, a stopping server 503; a client that goes away cancels its request, whose KV is
+//! freed at the engine's next step.
+
+mod api;
+mod error;
+mod generate;
+mod metrics;
+
+pub use error::ApiError;
+pub use metrics::Metrics;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::net::TcpListener;
+use turbo_engine::Engine;
+
+/// How the server listens and what it allows.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Requests to `/v1/*` must carry `Authorization: Bearer KEY`.
+    pub api_key: Option<String>,
+    /// The model name clients use; default: the engine's model id.
+    pub served_model_name: Option<String>,
+    /// Largest request body, in bytes (413 past it).
+    pub max_body_bytes: usize,
+    /// After a shutdown signal, how long running requests may take to finish before they are
+    /// cancelled.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            api_key: None,
+            served_model_name: None,
+            max_body_bytes: 8 << 20,
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What every handler shares.
+pub struct AppState {
+    pub engine: Arc<Engine>,
+    pub metrics: Metrics,
+    pub config: ServerConfig,
+    pub model_name: String,
+    pub created: u64,
+}
+
+/// The routes over `engine`, for [`serve`] or a test that drives them itself.
+pub fn router(engine: Arc<Engine>, config: ServerConfig) -> Router {
+    let model_name = config
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| engine.info().model_id.clone());
+    let state = Arc::new(AppState {
+        engine,
+        metrics: Metrics::new(),
+        config,
+        model_name,
+        created: unix_time(),
+    });
+    let v1 = Router::new()
+        .route("/v1/completions", post(generate::completions))
+        .route("/v1/chat/completions", post(generate::chat_completions))
+        .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+/// Serves on `listener` until `shutdown` resolves; then stops accepting, lets running requests
+/// finish for [`ServerConfig::shutdown_timeout`] (cancelling the rest), and stops the engine.
+pub async fn serve(
+    listener: TcpListener,
+    engine: Arc<Engine>,
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let grace = config.shutdown_timeout;
+    let app = router(engine.clone(), config);
+    let draining = engine.clone();
+    let signal = async move {
+        shutdown.await;
+        tracing::info!("shutting down: finishing running requests");
+        draining.drain(grace);
+    };
+    let server = axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(signal);
+    server.await?;
+    tokio::task::spawn_blocking(move || engine.join())
+        .await
+        .map_err(std::io::Error::other)?;
+    Ok(())
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+fn unix_time() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn authorize(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let Some(key) = &state.config.api_key else {
+        return next.run(request).await;
+    };
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given.is_some_and(|g| constant_time_eq(g.trim().as_bytes(), key.as_bytes())) {
+        return next.run(request).await;
+    }
+    ApiError::invalid("invalid or missing API key: send 'Authorization: Bearer <key>'")
+        .status(StatusCode::UNAUTHORIZED)
+        .code("invalid_api_key")
+        .into_response()
+}
+
+/// Equality whose time does not depend on where the inputs first differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let info = state.engine.info();
+    Json(serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "turbo",
+            "max_model_len": info.context_length,
+        }],
+    }))
+    .into_response()
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let stats = state.engine.stats();
+    if stats.alive {
+        (StatusCode::OK, Json(serde_json::json!({"status": "ok"}))).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "engine stopped"})),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let text = state.metrics.render(&state.engine.stats());
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::not_found(format!("no route for {method} {}", uri.path()))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::invalid(format!("{method} is not allowed on {}", uri.path()))
+        .status(StatusCode::METHOD_NOT_ALLOWED)
+        .code("method_not_allowed")
+}
+
+/// The body of a request, at most `limit` bytes.
+async fn read_body(body: Body, limit: usize) -> Result<axum::body::Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let too_large = std::error::Error::source(&e)
+            .is_some_and(|s| s.to_string().contains("length limit"))
+            || e.to_string().contains("length limit");
+        if too_large {
+            ApiError::invalid(format!("the request body is larger than {limit} bytes"))
+                .status(StatusCode::PAYLOAD_TOO_LARGE)
+                .code("body_too_large")
+        } else {
+            ApiError::invalid(format!("cannot read the request body: {e}"))
+        }
+    })
+}

@@ -1,0 +1,602 @@
+//! `turbo serve` over loopback on the real default model (SmolLM2-135M-Instruct, CPU): every
+//! endpoint, streamed and whole, greedy output against the HF transformers golden file, errors,
+//! a client that goes away, a full queue, the API key, and shutdown with a request running.
+
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+use turbo_engine::{Device, Engine, EngineConfig, KvSize, ModelOptions};
+use turbo_server::ServerConfig;
+use turbo_tests::default_model::default_model_path;
+
+/// A server on 127.0.0.1 with its own runtime thread; shut down by dropping the sender.
+struct Server {
+    url: String,
+    engine: Arc<Engine>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    done: Option<std::sync::Mutex<std::sync::mpsc::Receiver<std::io::Result<()>>>>,
+}
+
+fn engine(max_batch: usize, max_pending: usize) -> Arc<Engine> {
+    let model = ModelOptions {
+        model: Some(default_model_path().to_path_buf()),
+        device: Device::Cpu,
+        threads: Some(2),
+        progress: false,
+        ..ModelOptions::default()
+    };
+    Arc::new(
+        Engine::start(EngineConfig {
+            kv: KvSize::Blocks(2048),
+            max_batch,
+            max_pending,
+            ..EngineConfig::new(model)
+        })
+        .expect("the engine starts"),
+    )
+}
+
+impl Server {
+    fn start(engine: Arc<Engine>, config: ServerConfig) -> Server {
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let served = engine.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            let result = rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                addr_tx.send(listener.local_addr()?).unwrap();
+                let shutdown = async {
+                    let _ = stop_rx.await;
+                };
+                turbo_server::serve(listener, served, config, shutdown).await
+            });
+            let _ = done_tx.send(result);
+        });
+        let addr = addr_rx.recv().expect("the server binds");
+        Server {
+            url: format!("http://{addr}"),
+            engine,
+            stop: Some(stop),
+            done: Some(std::sync::Mutex::new(done)),
+        }
+    }
+
+    /// Signals shutdown and waits (bounded) for `serve` to return.
+    fn shutdown(&mut self, within: Duration) -> std::io::Result<()> {
+        drop(self.stop.take());
+        self.done
+            .take()
+            .unwrap()
+            .into_inner()
+            .unwrap()
+            .recv_timeout(within)
+            .expect("the server stops in time")
+    }
+}
+
+/// One server shared by the tests that do not stop or saturate it (they run concurrently, as
+/// real clients would).
+fn shared() -> &'static Server {
+    static SERVER: OnceLock<Server> = OnceLock::new();
+    SERVER.get_or_init(|| Server::start(engine(8, 64), ServerConfig::default()))
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap()
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Runtime::new().unwrap()
+}
+
+async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
+    let r = client()
+        .post(format!("{url}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap())
+}
+
+/// Streams a request; returns the parsed `data:` payloads before `[DONE]` (panics if none came).
+async fn stream(url: &str, path: &str, body: Value) -> Vec<Value> {
+    let r = client()
+        .post(format!("{url}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let text = r.text().await.unwrap();
+    let mut out = Vec::new();
+    let mut done = false;
+    for line in text.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        assert!(!done, "nothing follows [DONE]");
+        if data == "[DONE]" {
+            done = true;
+        } else {
+            out.push(serde_json::from_str(data).unwrap());
+        }
+    }
+    assert!(done, "the stream ends with [DONE]: {text}");
+    out
+}
+
+fn error_of(body: &Value) -> &Value {
+    let e = &body["error"];
+    assert!(
+        e["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
+    assert!(e["type"].is_string(), "{body}");
+    assert!(
+        e.get("param").is_some() && e.get("code").is_some(),
+        "{body}"
+    );
+    e
+}
+
+#[derive(serde::Deserialize)]
+struct Golden {
+    cases: Vec<GoldenCase>,
+}
+
+#[derive(serde::Deserialize)]
+struct GoldenCase {
+    name: String,
+    chat: bool,
+    prompt_token_ids: Vec<u32>,
+    greedy_token_ids: Vec<u32>,
+}
+
+#[test]
+fn greedy_completions_match_the_hf_golden_tokens() {
+    let golden: Golden = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/golden/smollm2_greedy.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let server = shared();
+    let tokenizer = server.engine.tokenizer();
+    rt().block_on(async {
+        for case in golden.cases.iter().filter(|c| !c.chat) {
+            let want = tokenizer.decode(&case.greedy_token_ids).unwrap();
+            let body = json!({
+                "prompt": case.prompt_token_ids,
+                "max_tokens": case.greedy_token_ids.len(),
+                "temperature": 0,
+                "ignore_eos": true,
+            });
+            let (status, r) = post(&server.url, "/v1/completions", body.clone()).await;
+            assert_eq!(status, 200, "{r}");
+            assert_eq!(r["object"], "text_completion");
+            assert_eq!(r["choices"][0]["text"], want.as_str(), "case {}", case.name);
+            assert_eq!(r["choices"][0]["finish_reason"], "length");
+            assert_eq!(r["usage"]["completion_tokens"], case.greedy_token_ids.len());
+            assert_eq!(r["usage"]["prompt_tokens"], case.prompt_token_ids.len());
+            // The same request streamed gives the same text, in deltas.
+            let mut streamed = body;
+            streamed["stream"] = json!(true);
+            let chunks = stream(&server.url, "/v1/completions", streamed).await;
+            let text: String = chunks
+                .iter()
+                .map(|c| c["choices"][0]["text"].as_str().unwrap())
+                .collect();
+            assert_eq!(text, want, "case {} streamed", case.name);
+            assert_eq!(
+                chunks.last().unwrap()["choices"][0]["finish_reason"],
+                "length"
+            );
+        }
+    });
+}
+
+#[test]
+fn chat_completions_whole_streamed_and_multi_round_cached() {
+    let server = shared();
+    rt().block_on(async {
+        let first = json!({
+            "model": server.engine.info().model_id,
+            "messages": [{"role": "user", "content": "Name three colours of the rainbow."}],
+            "max_tokens": 24,
+            "temperature": 0,
+        });
+        let (status, r) = post(&server.url, "/v1/chat/completions", first.clone()).await;
+        assert_eq!(status, 200, "{r}");
+        assert_eq!(r["object"], "chat.completion");
+        assert!(r["id"].as_str().unwrap().starts_with("chatcmpl-"));
+        let reply = r["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(r["choices"][0]["message"]["role"], "assistant");
+        assert!(!reply.is_empty());
+        let usage = &r["usage"];
+        assert_eq!(
+            usage["total_tokens"],
+            usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
+        );
+
+        // Streamed with usage: a role chunk, content deltas, a finish chunk, a usage chunk.
+        let mut streamed = first.clone();
+        streamed["stream"] = json!(true);
+        streamed["stream_options"] = json!({"include_usage": true});
+        let chunks = stream(&server.url, "/v1/chat/completions", streamed).await;
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+        let text: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"].get(0)?["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(text, reply, "greedy: the same reply streamed");
+        let last = chunks.last().unwrap();
+        assert_eq!(last["choices"], json!([]));
+        assert_eq!(
+            last["usage"]["completion_tokens"],
+            usage["completion_tokens"]
+        );
+        assert!(chunks.iter().any(|c| c["choices"]
+            .get(0)
+            .is_some_and(|c| c["finish_reason"].is_string())));
+
+        // Round two starts with round one's tokens: its KV is found in the cache.
+        let second = json!({
+            "messages": [
+                {"role": "user", "content": "Name three colours of the rainbow."},
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": [{"type": "text", "text": "And two more?"}]},
+            ],
+            "max_tokens": 8,
+            "temperature": 0,
+        });
+        let (status, r) = post(&server.url, "/v1/chat/completions", second).await;
+        assert_eq!(status, 200, "{r}");
+        let cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(cached >= 16, "round two reuses round one's KV: {r}");
+    });
+}
+
+#[test]
+fn n_choices_seeds_and_stop_strings() {
+    let server = shared();
+    rt().block_on(async {
+        let body = json!({
+            "prompt": "Once upon a time",
+            "max_tokens": 12,
+            "temperature": 1.0,
+            "seed": 7,
+            "n": 3,
+        });
+        let (status, a) = post(&server.url, "/v1/completions", body.clone()).await;
+        assert_eq!(status, 200, "{a}");
+        let texts = |r: &Value| -> Vec<String> {
+            let choices = r["choices"].as_array().unwrap();
+            assert_eq!(choices.len(), 3);
+            for (i, c) in choices.iter().enumerate() {
+                assert_eq!(c["index"], i);
+            }
+            choices
+                .iter()
+                .map(|c| c["text"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let (_, b) = post(&server.url, "/v1/completions", body).await;
+        assert_eq!(texts(&a), texts(&b), "the same seed gives the same choices");
+        let t = texts(&a);
+        assert!(t[0] != t[1] || t[1] != t[2], "choices draw differently: {t:?}");
+
+        // A stop string ends the text before it.
+        let (_, greedy) = post(
+            &server.url,
+            "/v1/completions",
+            json!({"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}),
+        )
+        .await;
+        let full = greedy["choices"][0]["text"].as_str().unwrap().to_string();
+        let stop: String = full.trim_start().chars().take(3).collect();
+        let (_, stopped) = post(
+            &server.url,
+            "/v1/completions",
+            json!({"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0, "stop": [stop]}),
+        )
+        .await;
+        let text = stopped["choices"][0]["text"].as_str().unwrap();
+        assert!(!text.contains(&stop), "{text:?} holds the stop string {stop:?}");
+        assert!(full.starts_with(text));
+        assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    });
+}
+
+#[test]
+fn bad_requests_get_openai_errors() {
+    let server = shared();
+    let url = &server.url;
+    rt().block_on(async {
+        let raw = |path: &'static str, body: &'static str| async move {
+            let r = client()
+                .post(format!("{url}{path}"))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        };
+        let (s, b) = raw("/v1/completions", "{not json").await;
+        assert_eq!(s, 400);
+        error_of(&b);
+        let (s, b) = raw("/v1/chat/completions", r#"{"messages": "hi"}"#).await;
+        assert_eq!(s, 400);
+        error_of(&b);
+        let (s, b) = post(url, "/v1/completions", json!({"prompt": "x", "model": "gpt-9"})).await;
+        assert_eq!(s, 404);
+        assert_eq!(error_of(&b)["code"], "model_not_found");
+        let long = "word ".repeat(9000);
+        let (s, b) = post(url, "/v1/completions", json!({"prompt": long})).await;
+        assert_eq!(s, 400);
+        assert_eq!(error_of(&b)["code"], "context_length_exceeded");
+        for bad in [
+            json!({"prompt": "x", "temperature": -1}),
+            json!({"prompt": "x", "top_p": 0}),
+            json!({"prompt": "x", "max_tokens": 0}),
+            json!({"prompt": "x", "n": 0}),
+            json!({"prompt": "x", "stop": [""]}),
+            json!({"prompt": [999999]}),
+            json!({"prompt": ""}),
+            json!({"prompt": "x", "presence_penalty": 0.5}),
+        ] {
+            let (s, b) = post(url, "/v1/completions", bad.clone()).await;
+            assert_eq!(s, 400, "{bad}: {b}");
+            error_of(&b);
+        }
+        let (s, b) = post(url, "/v1/chat/completions", json!({"messages": []})).await;
+        assert_eq!(s, 400);
+        error_of(&b);
+        let (s, b) = post(
+            url,
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        )
+        .await;
+        assert_eq!(s, 400);
+        error_of(&b);
+        let r = client().get(format!("{url}/v1/nope")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 404);
+        error_of(&r.json().await.unwrap());
+        let r = client().get(format!("{url}/v1/completions")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 405);
+        let huge = "x".repeat(9 << 20);
+        let r = client()
+            .post(format!("{url}/v1/completions"))
+            .body(huge)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 413);
+        // Still healthy, and still serving.
+        let r = client().get(format!("{url}/health")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let (s, _) = post(url, "/v1/completions", json!({"prompt": "Hi", "max_tokens": 2})).await;
+        assert_eq!(s, 200);
+    });
+}
+
+#[test]
+fn models_and_metrics() {
+    let server = shared();
+    rt().block_on(async {
+        let r: Value = client()
+            .get(format!("{}/v1/models", server.url))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(r["object"], "list");
+        assert_eq!(r["data"][0]["id"], server.engine.info().model_id.as_str());
+        let (s, _) = post(
+            &server.url,
+            "/v1/completions",
+            json!({"prompt": "Hello", "max_tokens": 3}),
+        )
+        .await;
+        assert_eq!(s, 200);
+        let text = client()
+            .get(format!("{}/metrics", server.url))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        for name in [
+            "turbo_requests_running",
+            "turbo_requests_waiting",
+            "turbo_kv_blocks_used",
+            "turbo_kv_blocks_free",
+            "turbo_kv_blocks_evictable",
+            "turbo_prefix_cache_hit_tokens_total",
+            "turbo_preemptions_total",
+            "turbo_prompt_tokens_total",
+            "turbo_generation_tokens_total",
+            "turbo_time_to_first_token_seconds_bucket",
+            "turbo_inter_token_latency_seconds_bucket",
+            "turbo_e2e_request_latency_seconds_count",
+        ] {
+            assert!(text.contains(name), "{name} missing from:\n{text}");
+        }
+    });
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_frees_its_kv() {
+    let server = Server::start(engine(4, 16), ServerConfig::default());
+    rt().block_on(async {
+        let r = client()
+            .post(format!("{}/v1/completions", server.url))
+            .json(&json!({"prompt": "Tell me a long story.", "max_tokens": 4000, "ignore_eos": true, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        let mut body = r.bytes_stream();
+        let mut seen = 0;
+        while seen < 5 {
+            let chunk = body.next().await.unwrap().unwrap();
+            seen += chunk.split(|&b| b == b'\n').filter(|l| l.starts_with(b"data:")).count();
+        }
+        drop(body); // the client goes away
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = client()
+                .get(format!("{}/metrics", server.url))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            if metric(&text, "turbo_kv_blocks_used") == 0.0
+                && metric(&text, "turbo_requests_running") == 0.0
+            {
+                break;
+            }
+            assert!(Instant::now() < deadline, "KV still held:\n{text}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}
+
+#[test]
+fn a_full_queue_refuses_with_429_and_recovers() {
+    let server = Server::start(engine(1, 2), ServerConfig::default());
+    rt().block_on(async {
+        let url = server.url.clone();
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let url = url.clone();
+                tokio::spawn(async move {
+                    post(
+                        &url,
+                        "/v1/completions",
+                        json!({"prompt": "Count:", "max_tokens": 24, "ignore_eos": true}),
+                    )
+                    .await
+                })
+            })
+            .collect();
+        let mut ok = 0;
+        let mut refused = 0;
+        for t in tasks {
+            let (status, body) = t.await.unwrap();
+            match status {
+                200 => ok += 1,
+                429 => {
+                    assert_eq!(error_of(&body)["code"], "queue_full");
+                    refused += 1
+                }
+                s => panic!("status {s}: {body}"),
+            }
+        }
+        assert!(ok >= 2 && refused >= 1, "{ok} served, {refused} refused");
+        let (s, _) = post(
+            &url,
+            "/v1/completions",
+            json!({"prompt": "Hi", "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(s, 200, "served again once the queue drained");
+    });
+}
+
+#[test]
+fn the_api_key_guards_v1_routes() {
+    let config = ServerConfig {
+        api_key: Some("sesame".into()),
+        ..ServerConfig::default()
+    };
+    let server = Server::start(engine(2, 8), config);
+    rt().block_on(async {
+        let url = &server.url;
+        let r = client()
+            .get(format!("{url}/v1/models"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 401);
+        assert_eq!(
+            error_of(&r.json().await.unwrap())["code"],
+            "invalid_api_key"
+        );
+        let r = client()
+            .get(format!("{url}/v1/models"))
+            .bearer_auth("wrong")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 401);
+        let r = client()
+            .get(format!("{url}/v1/models"))
+            .bearer_auth("sesame")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let r = client().get(format!("{url}/health")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 200, "health needs no key");
+    });
+}
+
+#[test]
+fn shutdown_finishes_the_running_request_then_stops() {
+    let mut server = Server::start(engine(2, 8), ServerConfig::default());
+    let url = server.url.clone();
+    let rt = rt();
+    let running = rt.spawn(async move {
+        post(
+            &url,
+            "/v1/completions",
+            json!({"prompt": "Count to ten:", "max_tokens": 40, "ignore_eos": true}),
+        )
+        .await
+    });
+    // Shut down once the request is in the engine.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.engine.stats().batch.running == 0 {
+        assert!(Instant::now() < deadline, "the request never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    server
+        .shutdown(Duration::from_secs(60))
+        .expect("serve returns Ok");
+    let (status, body) = rt.block_on(running).unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 40, "it ran to its end");
+    assert!(!server.engine.stats().alive, "the engine thread has ended");
+}
