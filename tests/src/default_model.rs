@@ -2,8 +2,8 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use turbo_tokenizer::chat::ChatTemplate;
 use turbo_llama::LoadedModel;
+use turbo_tokenizer::chat::ChatTemplate;
 
 /// The default model's file, fetched on first use (pip); a test that needs it fails, with
 /// instructions, when it cannot be had.

@@ -10,7 +10,10 @@
 //! - [`reference_logits`]: the f64 forward pass, with [`RopeStyle`] choosing GGUF's interleaved
 //!   pairs or HF's rotate-half.
 //! - [`engine`]: Turbo's logits for a loaded model, to compare with [`max_rel_err`].
+//! - [`alone`]: a request run alone on a fresh persistent batch of one slot, the reference for
+//!   batched, cached and GPU generation.
 
+pub mod alone;
 pub mod decode;
 pub mod default_model;
 pub mod engine;

@@ -2,7 +2,8 @@
 //! files made by HF transformers on the same GGUF (f32, CPU): `tests/golden/make_golden.py`.
 //!
 //! * prompt ids and the chat template's rendering of the chat cases;
-//! * greedy decoding (48 tokens, EOS ignored) through the [`Engine`], token for token, up to the
+//! * greedy decoding (48 tokens, EOS ignored) on the persistent batch, each case alone on a fresh
+//!   batch of one slot (the prompt prefilled in one forward pass), token for token, up to the
 //!   first divergence, which is only allowed where the reference's top-2 gap is a near tie;
 //! * teacher forcing: prompt + golden tokens in one forward pass, comparing the engine's margin
 //!   of each golden token with the reference's top-2 gap at every step (this also measures the
@@ -17,11 +18,12 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use turbo_core::cpu::CpuBackend;
 use turbo_core::Backend;
+use turbo_llama::{Llama, Logits, SequenceChunk};
+use turbo_scheduler::{FinishReason, Request};
+use turbo_tests::alone::Alone;
+use turbo_tests::default_model::{default_model_path, load_default_model, model_chat_template};
 use turbo_tokenizer::chat::ChatMessage;
 use turbo_tokenizer::tokenizer::{TextStream, TextTokenizer};
-use turbo_llama::{Llama, Logits, SequenceChunk};
-use turbo_scheduler::{Engine, FinishReason, GenerationRequest, Session};
-use turbo_tests::default_model::{default_model_path, load_default_model, model_chat_template};
 
 /// Reference top-2 gaps (logit(top1) - logit(top2)) below this are near ties: a different but
 /// equally valid f32 summation order may pick the other token there, so greedy decoding may
@@ -275,21 +277,16 @@ fn greedy_generation_matches_golden() {
     let g = greedy_golden();
     let loaded = load_default_model();
     let model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
-    let mut engine = Engine::for_context(model, loaded.tokenizer.clone(), 16).unwrap();
-    let request = GenerationRequest {
-        max_tokens: N_GENERATE,
-        ignore_eos: true,
-        ..Default::default()
-    };
+    let mut alone = Alone::new(model, loaded.tokenizer.clone(), 16);
 
     let mut failures = Vec::new();
     let started = Instant::now();
     for c in &g.cases {
-        let mut session = Session::new();
-        let out = engine
-            .generate(&mut session, &c.prompt_token_ids, &request, |_| true)
-            .unwrap();
-        engine.release(&mut session).unwrap();
+        let out = alone.run(Request {
+            max_tokens: N_GENERATE,
+            ignore_eos: true,
+            ..Request::new(c.prompt_token_ids.clone())
+        });
         assert_eq!(out.finish_reason, FinishReason::Length, "{}", c.name);
         assert_eq!(out.cached_prompt_tokens, 0, "{}", c.name);
         assert_eq!(out.prefilled_tokens, c.prompt_token_ids.len(), "{}", c.name);

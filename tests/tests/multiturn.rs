@@ -1,20 +1,25 @@
 //! Multi-turn conversations on the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF): a
-//! [`Session`] keeps its KV between requests, so a new turn prefills only the tokens it does not
-//! share with the session's history, and the result is the same as running the whole prompt in
-//! a fresh engine.
+//! session of the persistent batch ([`Request::session`]) keeps its KV between requests, so a new
+//! turn prefills only the tokens it does not share with the session's history, and the result is
+//! the same as running the whole prompt alone on a fresh batch.
 //!
 //! The model is fetched on first use by `turbo_models::DEFAULT_MODEL.ensure` (pip); when that
 //! fails the tests fail.
 
 use turbo_core::cpu::CpuBackend;
 use turbo_core::Backend;
-use turbo_tokenizer::chat::{ChatMessage, ChatTemplate};
+use turbo_kv::SeqState;
 use turbo_llama::{Llama, LoadedModel, Logits, SequenceChunk};
-use turbo_scheduler::{Completion, Engine, EngineError, FinishReason, GenerationRequest, Session};
+use turbo_scheduler::{BatchConfig, Completion, FinishReason, PersistentBatch, Request};
+use turbo_tests::alone::{run_to_end, single_sequence, Alone};
 use turbo_tests::default_model::{load_default_model, model_chat_template};
+use turbo_tokenizer::chat::{ChatMessage, ChatTemplate};
 
-/// KV block size of every engine here.
+/// KV block size of every batch here.
 const BLOCK: usize = 16;
+
+/// The session of the tests that hold a conversation.
+const CHAT: &str = "chat";
 
 /// Greedy runs that reach the same state along different code paths (KV reused from a session vs.
 /// prefilled at once; decode GEMV vs. prefill GEMM) may round differently, so where a run
@@ -28,9 +33,10 @@ fn model(loaded: &LoadedModel) -> Llama<CpuBackend> {
     Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap()
 }
 
-/// An engine with room for one full-context sequence.
-fn engine(loaded: &LoadedModel) -> Engine<CpuBackend> {
-    Engine::for_context(model(loaded), loaded.tokenizer.clone(), BLOCK).unwrap()
+/// A batch of one slot with room for one full-context sequence.
+fn batch(loaded: &LoadedModel) -> PersistentBatch<CpuBackend> {
+    let config = single_sequence(&loaded.config, BLOCK);
+    PersistentBatch::new(model(loaded), loaded.tokenizer.clone(), config).unwrap()
 }
 
 fn prompt(loaded: &LoadedModel, template: &ChatTemplate, messages: &[ChatMessage]) -> Vec<u32> {
@@ -38,32 +44,49 @@ fn prompt(loaded: &LoadedModel, template: &ChatTemplate, messages: &[ChatMessage
     loaded.tokenizer.encode(&text).unwrap()
 }
 
-fn greedy(max_tokens: usize) -> GenerationRequest {
-    GenerationRequest {
+/// A greedy turn of `session` for up to `max_tokens` tokens after `prompt`.
+fn turn(session: &str, prompt: &[u32], max_tokens: usize) -> Request {
+    Request {
         max_tokens,
-        ..Default::default()
+        session: Some(session.into()),
+        ..Request::new(prompt.to_vec())
     }
+}
+
+/// `request` run to its end on `batch`.
+fn run(batch: &mut PersistentBatch<CpuBackend>, request: Request) -> Completion {
+    run_to_end(batch, request).unwrap()
+}
+
+/// A session's tokens (prompts and generated tokens) and how many leading ones have their KV in
+/// the cache, from the batch's KV bookkeeping.
+fn session_tokens(batch: &PersistentBatch<CpuBackend>, session: &str) -> (Vec<u32>, usize) {
+    let seq = batch.session_seq(session).expect("the session exists");
+    let kv = batch.kv();
+    (kv.tokens(seq).unwrap().to_vec(), kv.computed(seq).unwrap())
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-/// How many prompt tokens `generate` may take from `session`'s cache: the common prefix with
-/// its history, within what is cached, leaving the last prompt token to run.
-fn reusable(session: &Session, prompt: &[u32]) -> usize {
-    common_prefix(session.tokens(), prompt)
-        .min(session.cached_len())
+/// How many prompt tokens a turn may take from `session`'s cache: the common prefix with its
+/// history, within what is cached, leaving the last prompt token to run. (The KV manager may also
+/// find full blocks that other sequences computed; no other sequence runs where this is used.)
+fn reusable(batch: &PersistentBatch<CpuBackend>, session: &str, prompt: &[u32]) -> usize {
+    let (tokens, cached) = session_tokens(batch, session);
+    common_prefix(&tokens, prompt)
+        .min(cached)
         .min(prompt.len() - 1)
 }
 
-/// `prompt` run in a new engine and session.
-fn fresh_run(loaded: &LoadedModel, prompt: &[u32], request: &GenerationRequest) -> Completion {
-    let mut engine = engine(loaded);
-    let mut session = Session::new();
-    let out = engine
-        .generate(&mut session, prompt, request, |_| true)
-        .unwrap();
+/// `prompt` run alone on a fresh batch.
+fn fresh_run(loaded: &LoadedModel, prompt: &[u32], max_tokens: usize) -> Completion {
+    let mut alone = Alone::new(model(loaded), loaded.tokenizer.clone(), BLOCK);
+    let out = alone.run(Request {
+        max_tokens,
+        ..Request::new(prompt.to_vec())
+    });
     assert_eq!(out.cached_prompt_tokens, 0);
     assert_eq!(out.prefilled_tokens, prompt.len());
     out
@@ -132,20 +155,20 @@ fn assert_same_greedy(
 fn second_turn_prefills_only_new_tokens() {
     let loaded = load_default_model();
     let template = model_chat_template(&loaded);
-    let mut engine = engine(&loaded);
-    let request = greedy(32);
-    let mut session = Session::new();
+    let mut batch = batch(&loaded);
 
     let mut messages = vec![ChatMessage::new("user", "What is the capital of France?")];
     let p1 = prompt(&loaded, &template, &messages);
-    let c1 = engine
-        .generate(&mut session, &p1, &request, |_| true)
-        .unwrap();
+    let c1 = run(&mut batch, turn(CHAT, &p1, 32));
     assert_eq!(c1.cached_prompt_tokens, 0);
     assert_eq!(c1.prefilled_tokens, p1.len());
     let mut history = p1.clone();
     history.extend_from_slice(&c1.token_ids);
-    assert_eq!(session.tokens(), history, "session holds prompt + reply");
+    assert_eq!(
+        session_tokens(&batch, CHAT).0,
+        history,
+        "session holds prompt + reply"
+    );
     println!(
         "turn 1: prompt {} tokens, {} generated ({:?}), prefill {:.0} ms: {:?}",
         p1.len(),
@@ -162,11 +185,9 @@ fn second_turn_prefills_only_new_tokens() {
     ));
     let p2 = prompt(&loaded, &template, &messages);
     assert!(p2.starts_with(&p1), "turn 2's prompt extends turn 1's");
-    let expected_cached = reusable(&session, &p2);
-    let cached_before = session.cached_len();
-    let c2 = engine
-        .generate(&mut session, &p2, &request, |_| true)
-        .unwrap();
+    let expected_cached = reusable(&batch, CHAT, &p2);
+    let cached_before = session_tokens(&batch, CHAT).1;
+    let c2 = run(&mut batch, turn(CHAT, &p2, 32));
     println!(
         "turn 2: prompt {} tokens, {} cached (session had {} cached of {}), {} prefilled \
          ({:.0} ms), {} generated: {:?}",
@@ -204,9 +225,9 @@ fn second_turn_prefills_only_new_tokens() {
     }
     let mut history = p2.clone();
     history.extend_from_slice(&c2.token_ids);
-    assert_eq!(session.tokens(), history);
+    assert_eq!(session_tokens(&batch, CHAT).0, history);
 
-    let fresh = fresh_run(&loaded, &p2, &request);
+    let fresh = fresh_run(&loaded, &p2, 32);
     println!(
         "fresh run of turn 2: prefill {} tokens in {:.0} ms (session: {} tokens in {:.0} ms)",
         fresh.prefilled_tokens,
@@ -215,9 +236,18 @@ fn second_turn_prefills_only_new_tokens() {
         c2.timings.prefill_ms
     );
     assert_same_greedy(&loaded, "turn 2 vs fresh run", &p2, &c2, &fresh);
-    engine.release(&mut session).unwrap();
+
+    // Ending the session gives all of its blocks back.
+    assert!(batch.end_session(CHAT).unwrap());
+    assert_eq!(batch.session_seq(CHAT), None);
+    assert_eq!(batch.stats().kv_blocks_used, 0);
+    batch.kv().check().unwrap();
 }
 
+/// On a KV pool that holds exactly one run: a second session evicts the first (idle) one to run,
+/// an ended session keeps nothing of its own (the same prompt again finds only the prompt's full
+/// blocks, by content), a session re-running its prompt reuses all of it but the last token, and
+/// runs that take the same path give identical results.
 #[test]
 fn released_session_reruns_identically() {
     let loaded = load_default_model();
@@ -228,68 +258,93 @@ fn released_session_reruns_identically() {
     ];
     let p = prompt(&loaded, &template, &messages);
     // 32 tokens whatever comes, so that the session's size is known.
-    let request = GenerationRequest {
-        max_tokens: 32,
+    let max_tokens = 32;
+    let request = |session: &str| Request {
+        max_tokens,
         ignore_eos: true,
-        ..Default::default()
+        session: Some(session.into()),
+        ..Request::new(p.clone())
     };
-    // Exactly enough KV blocks for one such run: a session's blocks must be given back for the
-    // next one to fit.
-    let blocks = (p.len() + request.max_tokens).div_ceil(BLOCK);
+    // Exactly enough KV blocks for one such run: a session's blocks must be given back (or
+    // evicted) for the next one to fit.
+    let blocks = (p.len() + max_tokens).div_ceil(BLOCK);
     assert!(p.len() > BLOCK, "the prompt must need several blocks");
-    let mut engine = Engine::new(model(&loaded), loaded.tokenizer.clone(), BLOCK, blocks).unwrap();
+    let config = BatchConfig {
+        num_blocks: blocks,
+        ..single_sequence(&loaded.config, BLOCK)
+    };
+    let mut batch = PersistentBatch::new(model(&loaded), loaded.tokenizer.clone(), config).unwrap();
+    // A finished session holds the KV of all its tokens but the last generated one.
+    let held = (p.len() + max_tokens - 1).div_ceil(BLOCK);
+    // The prompt's full blocks below its last token: what a new sequence finds by content.
+    let shared = (p.len() - 1) / BLOCK * BLOCK;
 
-    let mut a = Session::new();
-    let first = engine.generate(&mut a, &p, &request, |_| true).unwrap();
-    assert_eq!(first.token_ids.len(), request.max_tokens);
+    let first = run(&mut batch, request("a"));
+    assert_eq!(first.token_ids.len(), max_tokens);
     assert_eq!(first.cached_prompt_tokens, 0);
+    let a = batch.session_seq("a").unwrap();
+    assert_eq!(batch.kv().state(a), Some(SeqState::Idle));
+    assert_eq!(batch.stats().kv_blocks_used, held);
     println!("first run: {} prompt tokens, {:?}", p.len(), first.text);
 
-    // While `a` holds its blocks another session does not fit.
-    let mut b = Session::new();
-    let err = engine.generate(&mut b, &p, &request, |_| true);
-    assert!(
-        matches!(err, Err(EngineError::Kv(_))),
-        "a second session should run out of KV blocks, got {:?}",
-        err.map(|c| c.text)
-    );
-    engine.release(&mut b).unwrap();
-
-    engine.release(&mut a).unwrap();
-    assert!(a.tokens().is_empty());
-    assert_eq!(a.cached_len(), 0);
-    let again = engine.generate(&mut a, &p, &request, |_| true).unwrap();
+    // While `a` holds its blocks another session does not fit beside it: running it evicts the
+    // idle `a`. It shares `a`'s full prompt blocks, and prefills the rest.
+    let second = run(&mut batch, request("b"));
     assert_eq!(
-        again.cached_prompt_tokens, 0,
-        "a released session caches nothing"
+        batch.kv().state(a),
+        Some(SeqState::Evicted),
+        "a second session should evict the first"
     );
-    assert_eq!(again.prefilled_tokens, p.len());
-    // The same computation as the first run: identical, bit for bit.
-    assert_eq!(again.token_ids, first.token_ids);
-    assert_eq!(again.text, first.text);
-    assert_eq!(again.finish_reason, first.finish_reason);
+    assert_eq!(second.cached_prompt_tokens, shared);
+    assert_eq!(second.prefilled_tokens, p.len() - shared);
+    assert_same_greedy(&loaded, "a second session", &p, &second, &first);
+    assert!(batch.end_session("b").unwrap());
+
+    assert!(batch.end_session("a").unwrap());
+    assert_eq!(batch.session_seq("a"), None);
+    assert_eq!(batch.kv().state(a), None);
+    let stats = batch.stats();
+    assert_eq!(
+        (stats.kv_blocks_used, stats.idle_sessions),
+        (0, 0),
+        "{stats:?}"
+    );
+    batch.kv().check().unwrap();
+    let again = run(&mut batch, request("a"));
+    assert_ne!(batch.session_seq("a"), Some(a), "a new sequence");
+    assert_eq!(
+        again.cached_prompt_tokens, shared,
+        "a released session caches nothing of its own"
+    );
+    assert_eq!(again.prefilled_tokens, p.len() - shared);
+    // The same computation as the second session's run: identical, bit for bit.
+    assert_eq!(again.token_ids, second.token_ids);
+    assert_eq!(again.text, second.text);
+    assert_eq!(again.finish_reason, second.finish_reason);
+    assert_same_greedy(&loaded, "a released session's re-run", &p, &again, &first);
 
     // Re-running the same prompt without releasing reuses all of it but the last token.
-    let rerun = engine.generate(&mut a, &p, &request, |_| true).unwrap();
+    let rerun = run(&mut batch, request("a"));
     assert_eq!(rerun.cached_prompt_tokens, p.len() - 1);
     assert_eq!(rerun.prefilled_tokens, 1);
     assert_same_greedy(&loaded, "re-run in the same session", &p, &rerun, &first);
-    engine.release(&mut a).unwrap();
+    assert!(batch.end_session("a").unwrap());
+    assert_eq!(batch.stats().kv_blocks_used, 0);
 
-    // Every block is free again: a new session fits.
-    let mut c = Session::new();
-    let third = engine.generate(&mut c, &p, &request, |_| true).unwrap();
-    assert_eq!(third.token_ids, first.token_ids);
-    engine.release(&mut c).unwrap();
+    // Every block is free or evictable again: a new session fits, and runs as the second did.
+    let third = run(&mut batch, request("c"));
+    assert_eq!(third.cached_prompt_tokens, shared);
+    assert_eq!(third.token_ids, second.token_ids);
+    assert!(batch.end_session("c").unwrap());
+    assert_eq!(batch.stats().kv_blocks_used, 0);
+    batch.kv().check().unwrap();
 }
 
 #[test]
 fn edited_history_reuses_only_the_common_prefix() {
     let loaded = load_default_model();
     let template = model_chat_template(&loaded);
-    let mut engine = engine(&loaded);
-    let request = greedy(32);
-    let mut session = Session::new();
+    let mut batch = batch(&loaded);
 
     let conversation = |first_question: &str| {
         vec![
@@ -303,9 +358,7 @@ fn edited_history_reuses_only_the_common_prefix() {
         &template,
         &conversation("Hi! Can you give me a synonym for happy?"),
     );
-    let c = engine
-        .generate(&mut session, &p, &request, |_| true)
-        .unwrap();
+    let c = run(&mut batch, turn(CHAT, &p, 32));
     assert_eq!(c.cached_prompt_tokens, 0);
     println!("original: prompt {} tokens -> {:?}", p.len(), c.text);
 
@@ -321,10 +374,8 @@ fn edited_history_reuses_only_the_common_prefix() {
         "the edit must be in the middle of the history (common prefix {common} of {})",
         p.len()
     );
-    assert_eq!(reusable(&session, &edited), common);
-    let e = engine
-        .generate(&mut session, &edited, &request, |_| true)
-        .unwrap();
+    assert_eq!(reusable(&batch, CHAT, &edited), common);
+    let e = run(&mut batch, turn(CHAT, &edited, 32));
     println!(
         "edited: prompt {} tokens, {} cached (common prefix {common}), {} prefilled -> {:?}",
         edited.len(),
@@ -336,17 +387,16 @@ fn edited_history_reuses_only_the_common_prefix() {
     assert_eq!(e.prefilled_tokens, edited.len() - common);
     let mut history = edited.clone();
     history.extend_from_slice(&e.token_ids);
-    assert_eq!(session.tokens(), history);
+    assert_eq!(session_tokens(&batch, CHAT).0, history);
 
-    let fresh = fresh_run(&loaded, &edited, &request);
+    let fresh = fresh_run(&loaded, &edited, 32);
     assert_same_greedy(&loaded, "edited history vs fresh run", &edited, &e, &fresh);
 
     // Back to the original conversation: again only the common prefix is reused, and the
     // reply is the original one.
-    let back = engine
-        .generate(&mut session, &p, &request, |_| true)
-        .unwrap();
+    let back = run(&mut batch, turn(CHAT, &p, 32));
     assert_eq!(back.cached_prompt_tokens, common);
     assert_same_greedy(&loaded, "original after the edit", &p, &back, &c);
-    engine.release(&mut session).unwrap();
+    assert!(batch.end_session(CHAT).unwrap());
+    assert_eq!(batch.stats().kv_blocks_used, 0);
 }

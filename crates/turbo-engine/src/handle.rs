@@ -255,8 +255,9 @@ impl Engine {
                 shared: self.shared.clone(),
             },
         };
-        self.send(Command::Submit(request, Box::new(sink)))
-            .map_err(|_| SubmitError::Stopped)?;
+        if !self.send(Command::Submit(request, Box::new(sink))) {
+            return Err(SubmitError::Stopped);
+        }
         Ok(RequestStream {
             id,
             events: rx,
@@ -282,10 +283,7 @@ impl Engine {
     /// engine. Blocks until the engine thread has answered.
     pub fn end_session(&self, session: &str) -> bool {
         let (tx, rx) = mpsc::sync_channel(1);
-        if self
-            .send(Command::EndSession(session.to_string(), tx))
-            .is_err()
-        {
+        if !self.send(Command::EndSession(session.to_string(), tx)) {
             return false;
         }
         rx.recv().unwrap_or(false)
@@ -302,7 +300,7 @@ impl Engine {
     /// have finished, or `deadline` from now, when it cancels the rest. Does not wait.
     pub fn drain(&self, deadline: Duration) {
         self.shared.accepting.store(false, Ordering::Release);
-        let _ = self.send(Command::Drain(Instant::now() + deadline));
+        self.send(Command::Drain(Instant::now() + deadline));
     }
 
     /// Waits for the engine thread to end (after [`drain`](Self::drain)).
@@ -319,11 +317,13 @@ impl Engine {
         }
     }
 
-    fn send(&self, command: Command) -> Result<(), mpsc::SendError<Command>> {
+    /// Hands `command` to the engine thread; false if the thread has ended.
+    fn send(&self, command: Command) -> bool {
         self.commands
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .send(command)
+            .is_ok()
     }
 }
 

@@ -4,7 +4,8 @@ use turbo_core::cpu::CpuBackend;
 use turbo_core::DType;
 use turbo_kernels::CudaBackend;
 use turbo_llama::{Llama, LoadedModel};
-use turbo_scheduler::{Engine, GenerationRequest, Session};
+use turbo_scheduler::{PersistentBatch, Request};
+use turbo_tests::alone::{single_sequence, Alone};
 use turbo_tests::engine::engine_logits;
 use turbo_tests::files::write_gguf;
 use turbo_tests::tiny::{random_tokens, TinySpec, TinyWeights};
@@ -106,7 +107,8 @@ fn unsupported_head_dims_are_refused_up_front() {
     let dir = tempfile::tempdir().unwrap();
     let loaded = load(&spec, DType::F32, &dir);
     let model = Llama::new(gpu, &loaded.config, &loaded.weights).unwrap();
-    let err = Engine::for_context(model, loaded.tokenizer, 16)
+    let config = single_sequence(&loaded.config, 16);
+    let err = PersistentBatch::new(model, loaded.tokenizer, config)
         .err()
         .expect("refused");
     assert!(err.to_string().contains("head dimension 16"), "{err}");
@@ -132,28 +134,24 @@ fn gpu_greedy_matches_cpu_on_a_smollm2_shaped_model() {
     let dir = tempfile::tempdir().unwrap();
     let loaded = load(&spec, DType::F16, &dir);
     let prompt = random_tokens(&spec, 24, 3);
-    let request = GenerationRequest {
+    let request = Request {
         max_tokens: 32,
         ignore_eos: true,
-        ..Default::default()
+        ..Request::new(prompt.clone())
     };
     let cpu_model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
     let gpu_model = Llama::new(gpu, &loaded.config, &loaded.weights).unwrap();
 
-    let mut cpu_engine = Engine::for_context(cpu_model, loaded.tokenizer.clone(), 16).unwrap();
-    let cpu_out = cpu_engine
-        .generate(&mut Session::new(), &prompt, &request, |_| true)
-        .unwrap();
-    let mut gpu_engine = Engine::for_context(gpu_model, loaded.tokenizer.clone(), 16).unwrap();
-    let gpu_out = gpu_engine
-        .generate(&mut Session::new(), &prompt, &request, |_| true)
-        .unwrap();
+    let mut cpu = Alone::new(cpu_model, loaded.tokenizer.clone(), 16);
+    let cpu_out = cpu.run(request.clone());
+    let mut gpu = Alone::new(gpu_model, loaded.tokenizer.clone(), 16);
+    let gpu_out = gpu.run(request);
 
     // Tokens must agree until the CPU's own top-2 logit gap is small enough for bf16 rounding to
     // flip it; find that position by scoring the CPU's sequence once.
     let mut seq = prompt.clone();
     seq.extend(&cpu_out.token_ids);
-    let cpu_logits = engine_logits(cpu_engine.model(), &seq);
+    let cpu_logits = engine_logits(cpu.model(), &seq);
     let agree = cpu_out
         .token_ids
         .iter()

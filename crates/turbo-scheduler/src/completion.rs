@@ -25,8 +25,7 @@ pub struct Timings {
     pub decode_ms: f64,
 }
 
-/// The outcome of a request that ran (or was cancelled), from the single-sequence engine or the
-/// persistent batch.
+/// The outcome of a request that ran (or was cancelled).
 #[derive(Clone, Debug, Serialize)]
 pub struct Completion {
     pub token_ids: Vec<u32>,

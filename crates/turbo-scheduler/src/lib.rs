@@ -3,7 +3,6 @@
 
 pub mod batch;
 pub mod completion;
-pub mod engine;
 pub mod sampling;
 pub mod stop;
 
@@ -12,5 +11,4 @@ pub use batch::{
     RequestHandle, RequestId, RequestLimits, StepReport,
 };
 pub use completion::{Completion, FinishReason, Timings};
-pub use engine::{Engine, EngineError, GenerationRequest, Session};
 pub use sampling::{Sampler, SamplingParams};

@@ -12,15 +12,16 @@ use std::time::Instant;
 use turbo_core::cpu::CpuBackend;
 use turbo_core::Backend;
 use turbo_kv::SeqState;
-use turbo_tokenizer::chat::{ChatMessage, ChatTemplate};
 use turbo_llama::{Llama, LoadedModel, Logits, SequenceChunk};
 use turbo_scheduler::batch::Completion;
 use turbo_scheduler::{
-    BatchConfig, Engine, Event, FinishReason, GenerationRequest, PersistentBatch, Request,
-    RequestError, RequestHandle, SamplingParams, Session,
+    BatchConfig, Event, FinishReason, PersistentBatch, Request, RequestError, RequestHandle,
+    SamplingParams,
 };
+use turbo_tests::alone::Alone;
 use turbo_tests::default_model::{load_default_model, model_chat_template};
 use turbo_tests::{random_tokens, write_gguf, DType, TinySpec, TinyWeights};
+use turbo_tokenizer::chat::{ChatMessage, ChatTemplate};
 
 /// A divergence between two greedy runs is accepted only where the reference run's top-2 logit
 /// gap is below this. The f32 forward pass is not bitwise batch-invariant: a sequence's rows go
@@ -108,17 +109,7 @@ fn same_greedy<B: Backend>(
 ) -> bool {
     if got.token_ids == expected.token_ids {
         assert_eq!(got.finish_reason, expected.finish_reason, "{what}");
-        if got.text != expected.text {
-            // The engine drops text held back (an incomplete character, or a possible start of
-            // a stop string) when an end-of-sequence token ends a request that has stop strings;
-            // the batch releases it, as that text is neither a stop string nor past one.
-            assert!(
-                got.finish_reason == FinishReason::Stop && got.text.starts_with(&expected.text),
-                "{what}: same tokens, other text: {:?} vs {:?}",
-                got.text,
-                expected.text
-            );
-        }
+        assert_eq!(got.text, expected.text, "{what}: same tokens, other text");
         return true;
     }
     let m = got
@@ -137,34 +128,6 @@ fn same_greedy<B: Backend>(
     assert!(gap < NEAR_TIE, "{detail}");
     println!("accepted near tie: {detail}");
     false
-}
-
-/// Generation alone through the single-sequence engine, as a completion of the batch's type.
-fn alone<B: Backend>(engine: &mut Engine<B>, prompt: &[u32], request: &Request) -> Completion {
-    let mut session = Session::new();
-    let c = engine
-        .generate(
-            &mut session,
-            prompt,
-            &GenerationRequest {
-                sampling: request.sampling.clone(),
-                max_tokens: request.max_tokens,
-                stop_strings: request.stop_strings.clone(),
-                ignore_eos: request.ignore_eos,
-            },
-            |_| true,
-        )
-        .unwrap();
-    engine.release(&mut session).unwrap();
-    Completion {
-        token_ids: c.token_ids,
-        text: c.text,
-        finish_reason: c.finish_reason,
-        cached_prompt_tokens: c.cached_prompt_tokens,
-        prefilled_tokens: c.prefilled_tokens,
-        preemptions: 0,
-        timings: Default::default(),
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -247,12 +210,8 @@ fn batched_greedy_generation_equals_generation_alone() {
     };
 
     let started = Instant::now();
-    let mut engine =
-        Engine::for_context(cpu_model(&loaded), loaded.tokenizer.clone(), BLOCK).unwrap();
-    let expected: Vec<Completion> = prompts
-        .iter()
-        .map(|p| alone(&mut engine, p, &request(p)))
-        .collect();
+    let mut alone = Alone::new(cpu_model(&loaded), loaded.tokenizer.clone(), BLOCK);
+    let expected: Vec<Completion> = prompts.iter().map(|p| alone.run(request(p))).collect();
     let alone_s = started.elapsed().as_secs_f64();
     let longest = prompts.iter().map(Vec::len).max().unwrap() + 24;
 
@@ -336,8 +295,7 @@ fn sessions_keep_their_kv_until_evicted() {
     };
     let mut batch =
         PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config.clone()).unwrap();
-    let mut engine =
-        Engine::for_context(cpu_model(&loaded), loaded.tokenizer.clone(), BLOCK).unwrap();
+    let mut alone = Alone::new(cpu_model(&loaded), loaded.tokenizer.clone(), BLOCK);
     let turn = |prompt: &[u32]| Request {
         max_tokens: 24,
         session: Some("chat".into()),
@@ -380,7 +338,7 @@ fn sessions_keep_their_kv_until_evicted() {
         p1.len()
     );
     assert_eq!(c2.prefilled_tokens, p2.len() - c2.cached_prompt_tokens);
-    let fresh2 = alone(&mut engine, &p2, &turn(&p2));
+    let fresh2 = alone.run(turn(&p2));
     same_greedy(batch.model(), "turn 2 vs a fresh run", &p2, &c2, &fresh2);
 
     // A request that needs every block of the cache evicts the idle session and reallocates all
@@ -437,7 +395,7 @@ fn sessions_keep_their_kv_until_evicted() {
         "the control's turn 3 is a cache hit"
     );
     same_greedy(batch.model(), "turn 3 evicted vs stayed", &p3, &c3, &stayed);
-    let fresh3 = alone(&mut engine, &p3, &turn(&p3));
+    let fresh3 = alone.run(turn(&p3));
     same_greedy(batch.model(), "turn 3 vs a fresh run", &p3, &c3, &fresh3);
 
     assert!(batch.end_session("chat").unwrap());
@@ -460,7 +418,7 @@ struct Submitted {
 /// system prefix) arriving over time, about 10% cancelled at random moments, on a KV pool far
 /// smaller than their total demand. Every request ends exactly once, the KV bookkeeping holds
 /// after every step, and at the end every block is free or evictable. Greedy results are checked
-/// against the single-sequence engine.
+/// against each request run alone (on a fresh batch of one slot).
 #[test]
 fn stress_random_requests_on_a_tiny_model() {
     let (spec, loaded, _dir) = tiny_model();
@@ -632,15 +590,14 @@ fn stress_random_requests_on_a_tiny_model() {
     );
     batch.kv().check().unwrap();
 
-    // Completions equal the single-sequence engine's, preempted ones included. Greedy ones up to
-    // a near tie; seeded sampling draws from logits that differ at ~1e-6, which changes a draw
+    // Completions equal those of the requests run alone, preempted ones included. Greedy ones up
+    // to a near tie; seeded sampling draws from logits that differ at ~1e-6, which changes a draw
     // only when it falls that close to a boundary between tokens, so all but a rare one match.
-    let mut engine = Engine::for_context(
+    let mut alone = Alone::new(
         cpu_model(&loaded),
         loaded.tokenizer.clone(),
         config.block_size,
-    )
-    .unwrap();
+    );
     let (mut greedy, mut greedy_matched, mut preempted) = (0, 0, 0);
     let (mut sampled, mut sampled_matched) = (0, 0);
     for (i, r) in reqs.iter().enumerate() {
@@ -648,7 +605,7 @@ fn stress_random_requests_on_a_tiny_model() {
         if c.finish_reason == FinishReason::Cancelled {
             continue;
         }
-        let want = alone(&mut engine, &r.prompt, &r.request);
+        let want = alone.run(r.request.clone());
         preempted += (c.preemptions > 0) as usize;
         if r.request.sampling.temperature == 0.0 {
             greedy += 1;
@@ -660,13 +617,13 @@ fn stress_random_requests_on_a_tiny_model() {
         }
     }
     println!(
-        "vs the engine: greedy {greedy_matched}/{greedy} equal token for token, sampled \
+        "vs alone: greedy {greedy_matched}/{greedy} equal token for token, sampled \
          {sampled_matched}/{sampled}; {preempted} of these were preempted at least once"
     );
     assert!(greedy > 100 && preempted > 50);
     assert!(
         sampled_matched * 100 >= sampled * 99,
-        "{sampled_matched}/{sampled} sampled requests equal the engine's"
+        "{sampled_matched}/{sampled} sampled requests equal their runs alone"
     );
 }
 
