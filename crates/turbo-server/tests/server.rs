@@ -106,6 +106,12 @@ async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
     (status, r.json().await.unwrap())
 }
 
+/// The body of `GET {url}{path}`.
+async fn get_text(url: &str, path: &str) -> String {
+    let r = client().get(format!("{url}{path}")).send().await.unwrap();
+    r.text().await.unwrap()
+}
+
 /// Streams a request; returns the parsed `data:` payloads before `[DONE]` (panics if none came).
 async fn stream(url: &str, path: &str, body: Value) -> Vec<Value> {
     let r = client()
@@ -422,14 +428,7 @@ fn models_and_metrics() {
         )
         .await;
         assert_eq!(s, 200);
-        let text = client()
-            .get(format!("{}/metrics", server.url))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = get_text(&server.url, "/metrics").await;
         for name in [
             "turbo_requests_running",
             "turbo_requests_waiting",
@@ -474,14 +473,7 @@ fn a_client_that_leaves_mid_stream_frees_its_kv() {
         drop(body); // the client goes away
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let text = client()
-                .get(format!("{}/metrics", server.url))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
+            let text = get_text(&server.url, "/metrics").await;
             if metric(&text, "turbo_kv_blocks_used") == 0.0
                 && metric(&text, "turbo_requests_running") == 0.0
             {
