@@ -416,7 +416,8 @@ impl Collector {
             .filter_map(|c| c.completion.as_ref())
             .map(|c| c.token_ids.len())
             .sum();
-        // Cached prompt tokens of the first choice of each prompt, as each prompt counts once.
+        // The prompt tokens any one choice found cached (choices of one prompt share its blocks;
+        // a completions batch of several prompts reports its best hit).
         let cached: usize = self
             .choices
             .iter()
