@@ -700,32 +700,39 @@ __device__ unsigned sample_gathered(sample_u64* s, int n, unsigned k, float top_
 }
 
 // out[r] = the token that params row r (SampleParams: temperature, top_k, top_p, min_p,
-// repetition_penalty, uniform, as 6 words) chooses from row r of logits ([rows, vocab], f32),
-// by turbo_core::sampling::sample_row. The penalty is applied to logits in place, to the tokens
-// penalty_tokens[penalty_offsets[r] .. penalty_offsets[r + 1]] (clamped to n_penalty_tokens;
-// ids >= vocab are ignored; a token listed twice in a row is a race, where the CPU penalizes it
-// twice). The row's argmax is written first and stays when nothing can be drawn.
+// repetition_penalty, uniform, frequency_penalty, presence_penalty, as 8 words) chooses from row r
+// of logits ([rows, vocab], f32), by turbo_core::sampling::sample_row. The penalties are applied
+// to logits in place, to the tokens penalty_tokens[penalty_offsets[r] .. penalty_offsets[r + 1]]
+// (clamped to n_penalty_tokens; ids >= vocab are ignored; a token listed twice in a row is a race,
+// where the CPU penalizes it twice), each generated penalty_counts[j] times. The row's argmax is
+// written first and stays when nothing can be drawn.
 // One block of SAMPLE_THREADS threads per row; vocab * 2^40 must fit in 64 bits.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_f32(float* logits, int rows, int vocab, const unsigned* params, const unsigned* penalty_offsets,
-           const unsigned* penalty_tokens, unsigned n_penalty_tokens, unsigned* out) {
+           const unsigned* penalty_tokens, const unsigned* penalty_counts, unsigned n_penalty_tokens,
+           unsigned* out) {
     __shared__ __align__(16) sample_u64 smem[SAMPLE_SMEM_WORDS];
     const int row = blockIdx.x;
     if (row >= rows) return;
     float* x = logits + (size_t)row * (size_t)vocab;
-    const unsigned* p = params + (size_t)row * 6;
+    const unsigned* p = params + (size_t)row * 8;
     const float temperature = __uint_as_float(p[0]);
     const unsigned top_k = p[1];
     const float top_p = __uint_as_float(p[2]), min_p = __uint_as_float(p[3]);
     const float penalty = __uint_as_float(p[4]), uniform = __uint_as_float(p[5]);
+    const float frequency = __uint_as_float(p[6]), presence = __uint_as_float(p[7]);
 
-    if (penalty != 1.f) {
+    if (penalty != 1.f || frequency != 0.f || presence != 0.f) {
         const unsigned end = min(penalty_offsets[row + 1], n_penalty_tokens);
         for (unsigned j = penalty_offsets[row] + threadIdx.x; j < end; j += SAMPLE_THREADS) {
             const unsigned t = penalty_tokens[j];
             if (t < (unsigned)vocab) {
-                const float l = x[t];
-                x[t] = l > 0.f ? l / penalty : l * penalty;
+                float l = x[t];
+                if (penalty != 1.f) l = l > 0.f ? l / penalty : l * penalty;
+                const unsigned c = penalty_counts[j];
+                // Rounded as the CPU rounds: a product, a sum, a difference (no fused multiply-add).
+                if (c > 0) l = __fsub_rn(l, __fadd_rn(__fmul_rn(frequency, (float)c), presence));
+                x[t] = l;
             }
         }
         __syncthreads();  // makes the writes visible to the whole block

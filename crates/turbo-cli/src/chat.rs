@@ -137,7 +137,7 @@ fn stream_reply(
                     .and_then(|_| out.flush())
                     .context("cannot write the reply")?;
             }
-            Event::Token(_) => {}
+            Event::Logprobs(_) | Event::Token(_) => {}
             Event::Finished(c) => return Ok(Ok(c)),
             Event::Failed(e) => return Ok(Err(e)),
         }

@@ -53,6 +53,12 @@ pub struct SamplingArgs {
     pub min_p: f32,
     #[arg(long, default_value_t = 1.0)]
     pub repetition_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated (OpenAI's), in [-2, 2].
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Subtracted from the logit of every token generated so far (OpenAI's), in [-2, 2].
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
@@ -65,6 +71,8 @@ impl SamplingArgs {
             top_p: self.top_p,
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
             seed: self.seed,
         }
     }

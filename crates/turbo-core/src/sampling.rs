@@ -7,8 +7,10 @@
 //! boundary between two tokens.
 //!
 //! The steps, in order:
-//! 1. **Repetition penalty** (HF's): each listed token's logit is divided by the penalty when
-//!    positive, multiplied by it otherwise.
+//! 1. **Penalties**, on the row's listed tokens only: the repetition penalty (HF's) divides a
+//!    listed token's logit by the penalty when positive and multiplies it otherwise; then a token
+//!    listed with a count `c > 0` (its occurrences in the generated text) loses
+//!    `frequency_penalty · c + presence_penalty` (OpenAI's definition).
 //! 2. **Greedy** when the temperature is 0: the lowest index of the largest logit (NaN counts as
 //!    -inf), as `torch.argmax`.
 //! 3. Otherwise tokens are ranked by logit, descending, the lower index first on ties, and weighted
@@ -37,6 +39,10 @@ pub struct SampleParams {
     pub repetition_penalty: f32,
     /// The row's random number, uniform in [0, 1).
     pub uniform: f32,
+    /// Subtracted once per generated occurrence of a token; 0 disables it.
+    pub frequency_penalty: f32,
+    /// Subtracted once from every token generated at least once; 0 disables it.
+    pub presence_penalty: f32,
 }
 
 impl SampleParams {
@@ -47,15 +53,47 @@ impl SampleParams {
         min_p: 0.0,
         repetition_penalty: 1.0,
         uniform: 0.0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
     };
+
+    /// Whether any penalty changes logits (so the row's listed tokens matter).
+    pub fn penalizes(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+    }
 }
 
 /// Rows' penalized tokens as one list with offsets (row `r`'s are `tokens[offsets[r]..offsets[r +
-/// 1]]`), the form a GPU receives them in.
+/// 1]]`), each with its count of generated occurrences in `counts` (same length as `tokens`), the
+/// form a GPU receives them in.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PenaltyLists {
     pub offsets: Vec<u32>,
     pub tokens: Vec<u32>,
+    pub counts: Vec<u32>,
+}
+
+/// One row of [`PenaltyLists`]: distinct tokens and, for each, how often it was generated.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PenaltyRow<'a> {
+    pub tokens: &'a [u32],
+    pub counts: &'a [u32],
+}
+
+impl<'a> PenaltyRow<'a> {
+    /// Tokens only the repetition penalty applies to (counted as never generated).
+    pub fn repeated(tokens: &'a [u32]) -> Self {
+        PenaltyRow {
+            tokens,
+            counts: &[],
+        }
+    }
+
+    fn count(&self, i: usize) -> u32 {
+        self.counts.get(i).copied().unwrap_or(0)
+    }
 }
 
 impl PenaltyLists {
@@ -64,29 +102,28 @@ impl PenaltyLists {
         PenaltyLists {
             offsets: vec![0; rows + 1],
             tokens: Vec::new(),
+            counts: Vec::new(),
         }
     }
 
     /// From one list per row; each list should name a token once (a repeated token would be
     /// penalized twice).
-    pub fn from_rows<'a>(rows: impl IntoIterator<Item = &'a [u32]>) -> Self {
-        let mut lists = PenaltyLists {
-            offsets: vec![0],
-            tokens: Vec::new(),
-        };
+    pub fn from_rows<'a>(rows: impl IntoIterator<Item = PenaltyRow<'a>>) -> Self {
+        let mut lists = PenaltyLists::empty(0);
         for row in rows {
-            lists.tokens.extend_from_slice(row);
-            lists.offsets.push(lists.tokens.len() as u32);
+            lists.push_row(row);
         }
         lists
     }
 
-    /// Appends a row's list.
-    pub fn push_row(&mut self, tokens: &[u32]) {
+    /// Appends a row's list (a missing count is 0).
+    pub fn push_row(&mut self, row: PenaltyRow<'_>) {
         if self.offsets.is_empty() {
             self.offsets.push(0);
         }
-        self.tokens.extend_from_slice(tokens);
+        self.tokens.extend_from_slice(row.tokens);
+        self.counts
+            .extend((0..row.tokens.len()).map(|i| row.count(i)));
         self.offsets.push(self.tokens.len() as u32);
     }
 
@@ -94,8 +131,12 @@ impl PenaltyLists {
         self.offsets.len().saturating_sub(1)
     }
 
-    pub fn row(&self, r: usize) -> &[u32] {
-        &self.tokens[self.offsets[r] as usize..self.offsets[r + 1] as usize]
+    pub fn row(&self, r: usize) -> PenaltyRow<'_> {
+        let range = self.offsets[r] as usize..self.offsets[r + 1] as usize;
+        PenaltyRow {
+            tokens: &self.tokens[range.clone()],
+            counts: &self.counts[range],
+        }
     }
 }
 
@@ -112,21 +153,32 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best.map_or(0, |(i, _)| i as u32)
 }
 
-/// Applies the repetition penalty to `logits` in place (step 1 of the module's definition).
-pub fn apply_penalty(logits: &mut [f32], penalty: f32, tokens: &[u32]) {
-    if penalty == 1.0 {
+/// Applies the penalties to `logits` in place (step 1 of the module's definition).
+pub fn apply_penalties(logits: &mut [f32], params: &SampleParams, row: PenaltyRow<'_>) {
+    if !params.penalizes() {
         return;
     }
-    for &t in tokens {
+    let (rep, freq, presence) = (
+        params.repetition_penalty,
+        params.frequency_penalty,
+        params.presence_penalty,
+    );
+    for (i, &t) in row.tokens.iter().enumerate() {
         if let Some(l) = logits.get_mut(t as usize) {
-            *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+            if rep != 1.0 {
+                *l = if *l > 0.0 { *l / rep } else { *l * rep };
+            }
+            let c = row.count(i);
+            if c > 0 {
+                *l -= freq * c as f32 + presence;
+            }
         }
     }
 }
 
 /// The token `params` choose from `logits` (penalized in place), by the module's definition.
-pub fn sample_row(logits: &mut [f32], params: &SampleParams, penalized: &[u32]) -> u32 {
-    apply_penalty(logits, params.repetition_penalty, penalized);
+pub fn sample_row(logits: &mut [f32], params: &SampleParams, penalized: PenaltyRow<'_>) -> u32 {
+    apply_penalties(logits, params, penalized);
     if params.temperature == 0.0 {
         return argmax(logits);
     }
@@ -205,9 +257,20 @@ mod tests {
 
     #[test]
     fn greedy_takes_the_first_maximum_and_skips_nan() {
-        assert_eq!(sample_row(&mut [0.1, 3.0, 3.0, -1.0], &params(0.0), &[]), 1);
         assert_eq!(
-            sample_row(&mut [f32::NAN, -5.0, -1.0], &params(0.0), &[]),
+            sample_row(
+                &mut [0.1, 3.0, 3.0, -1.0],
+                &params(0.0),
+                PenaltyRow::default()
+            ),
+            1
+        );
+        assert_eq!(
+            sample_row(
+                &mut [f32::NAN, -5.0, -1.0],
+                &params(0.0),
+                PenaltyRow::default()
+            ),
             2
         );
         assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
@@ -220,8 +283,36 @@ mod tests {
             repetition_penalty: 2.0,
             ..SampleParams::GREEDY
         };
-        assert_eq!(sample_row(&mut logits, &p, &[0, 2]), 1);
+        assert_eq!(
+            sample_row(&mut logits, &p, PenaltyRow::repeated(&[0, 2])),
+            1
+        );
         assert_eq!(logits, [2.0, 3.0, -2.0]);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_follow_openai() {
+        // Token 0 generated 3 times, token 2 once, token 1 only in the prompt (count 0).
+        let mut logits = [4.0, 3.0, -1.0, 0.5];
+        let p = SampleParams {
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..SampleParams::GREEDY
+        };
+        let row = PenaltyRow {
+            tokens: &[0, 1, 2],
+            counts: &[3, 0, 1],
+        };
+        assert_eq!(sample_row(&mut logits, &p, row), 1);
+        assert_eq!(logits, [4.0 - 1.75, 3.0, -1.75, 0.5]);
+        // With a repetition penalty too, it applies first, to every listed token.
+        let mut logits = [4.0, 3.0, -1.0, 0.5];
+        let p = SampleParams {
+            repetition_penalty: 2.0,
+            ..p
+        };
+        sample_row(&mut logits, &p, row);
+        assert_eq!(logits, [2.0 - 1.75, 1.5, -2.0 - 0.75, 0.5]);
     }
 
     /// The draw walks the kept tokens in index order: uniform numbers in each token's share of
@@ -235,7 +326,11 @@ mod tests {
                 uniform: u,
                 ..params(1.0)
             };
-            assert_eq!(sample_row(&mut logits.clone(), &p, &[]), want, "u = {u}");
+            assert_eq!(
+                sample_row(&mut logits.clone(), &p, PenaltyRow::default()),
+                want,
+                "u = {u}"
+            );
         }
     }
 
@@ -278,7 +373,7 @@ mod tests {
                     uniform: i as f32 / 1000.0,
                     ..p
                 };
-                seen.insert(sample_row(&mut logits.clone(), &p, &[]));
+                seen.insert(sample_row(&mut logits.clone(), &p, PenaltyRow::default()));
             }
             assert_eq!(seen.into_iter().collect::<Vec<_>>(), allowed, "{p:?}");
         }
@@ -291,20 +386,39 @@ mod tests {
             ..params(0.7)
         };
         assert_eq!(
-            sample_row(&mut [f32::NEG_INFINITY, 1.0, f32::NAN], &p, &[]),
+            sample_row(
+                &mut [f32::NEG_INFINITY, 1.0, f32::NAN],
+                &p,
+                PenaltyRow::default()
+            ),
             1
         );
-        assert_eq!(sample_row(&mut [1.0, f32::INFINITY, 2.0], &p, &[]), 1);
-        assert_eq!(sample_row(&mut [f32::NEG_INFINITY; 3], &p, &[]), 0);
+        assert_eq!(
+            sample_row(&mut [1.0, f32::INFINITY, 2.0], &p, PenaltyRow::default()),
+            1
+        );
+        assert_eq!(
+            sample_row(&mut [f32::NEG_INFINITY; 3], &p, PenaltyRow::default()),
+            0
+        );
     }
 
     #[test]
     fn penalty_lists_round_trip() {
-        let l = PenaltyLists::from_rows([&[1u32, 2][..], &[], &[7]]);
+        let l = PenaltyLists::from_rows([
+            PenaltyRow {
+                tokens: &[1, 2],
+                counts: &[0, 4],
+            },
+            PenaltyRow::default(),
+            PenaltyRow::repeated(&[7]),
+        ]);
         assert_eq!(l.rows(), 3);
-        assert_eq!(l.row(0), &[1, 2]);
-        assert!(l.row(1).is_empty());
-        assert_eq!(l.row(2), &[7]);
+        assert_eq!(l.row(0).tokens, &[1, 2]);
+        assert_eq!(l.row(0).counts, &[0, 4]);
+        assert!(l.row(1).tokens.is_empty());
+        assert_eq!(l.row(2).tokens, &[7]);
+        assert_eq!(l.row(2).counts, &[0]);
         assert_eq!(PenaltyLists::empty(2).rows(), 2);
     }
 }

@@ -364,7 +364,7 @@ impl RequestStream {
             match event {
                 Event::Finished(c) => return Ok(c),
                 Event::Failed(e) => return Err(e),
-                Event::Token(_) | Event::Text(_) => {}
+                Event::Logprobs(_) | Event::Token(_) | Event::Text(_) => {}
             }
         }
         Err(RequestError::Disconnected)

@@ -23,5 +23,6 @@ pub use kv_size::{KvSize, DEFAULT_GPU_KV_FRACTION};
 pub use load::{LoadedModelInfo, ModelOptions, ModelTask};
 pub use turbo_scheduler::{
     BatchStats, Completion, Event, FinishReason, Request, RequestError, SamplingParams, Timings,
+    TokenLogprobs, MAX_TOP_LOGPROBS,
 };
 pub use turbo_tokenizer::ChatMessage;

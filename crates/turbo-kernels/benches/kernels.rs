@@ -650,6 +650,7 @@ fn bench_sampling(c: &mut Criterion) {
                                 &params.as_view(),
                                 &offsets.as_view(),
                                 &tokens.as_view(),
+                                &tokens.as_view(),
                                 &mut out.as_view_mut(),
                             )
                             .unwrap()

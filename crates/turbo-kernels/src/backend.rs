@@ -70,8 +70,8 @@ struct StepGraph(CudaGraph);
 unsafe impl Send for StepGraph {}
 
 /// Sections of a step's one upload (u32 words): token ids, positions, KV slots, output rows, the
-/// output rows' sampling parameters and penalty-list offsets, then the penalized tokens (last,
-/// as the only section whose length does not follow from the row counts).
+/// output rows' sampling parameters and penalty-list offsets, then the penalized tokens and their
+/// counts (last, as the only sections whose length does not follow from the row counts).
 #[derive(Clone, Debug, Default)]
 struct Sections {
     ids: Range<usize>,
@@ -81,6 +81,7 @@ struct Sections {
     params: Range<usize>,
     penalty_offsets: Range<usize>,
     penalty_tokens: Range<usize>,
+    penalty_counts: Range<usize>,
 }
 
 /// A batch on the device, refilled every step: one upload of its tables, the attention plan, the
@@ -440,7 +441,7 @@ impl Backend for CudaBackend {
         let positions = push(&mut host, layout.positions, tokens, &|_| 0);
         let slots = push(&mut host, layout.slots, tokens, &|_| u32::MAX);
         let outputs_sec = push(&mut host, layout.outputs, outputs, &|r| r as u32);
-        let (params, penalty_offsets, penalty_tokens) = match &layout.sampling {
+        let (params, penalty_offsets, penalty_tokens, penalty_counts) = match &layout.sampling {
             Some(s) => {
                 let words: &[u32] = bytemuck::cast_slice(s.params);
                 let greedy: &[u32] =
@@ -450,17 +451,14 @@ impl Backend for CudaBackend {
                 });
                 let last = s.penalties.offsets.last().copied().unwrap_or(0);
                 let offsets = push(&mut host, &s.penalties.offsets, outputs + 1, &|_| last);
-                let toks = push(
-                    &mut host,
-                    &s.penalties.tokens,
-                    s.penalties.tokens.len().max(1),
-                    &|_| 0,
-                );
-                (params, offsets, toks)
+                let listed = s.penalties.tokens.len().max(1);
+                let toks = push(&mut host, &s.penalties.tokens, listed, &|_| 0);
+                let counts = push(&mut host, &s.penalties.counts, listed, &|_| 0);
+                (params, offsets, toks, counts)
             }
             None => {
                 let at = host.len();
-                (at..at, at..at, at..at)
+                (at..at, at..at, at..at, at..at)
             }
         };
         let mut moved = ensure_len(&self.dev, &mut batch.upload, host.len())?;
@@ -476,6 +474,7 @@ impl Backend for CudaBackend {
             params,
             penalty_offsets,
             penalty_tokens,
+            penalty_counts,
         };
         if batch.inv_freq != layout.inv_freq {
             moved = true;
@@ -819,6 +818,7 @@ impl Backend for CudaBackend {
             &batch.view(&sec.params),
             &batch.view(&sec.penalty_offsets),
             &batch.view(&sec.penalty_tokens),
+            &batch.view(&sec.penalty_counts),
             &mut sampled.slice_mut(..batch.outputs),
         )?)
     }

@@ -16,7 +16,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use turbo_core::sampling::{argmax, sample_row, PenaltyLists, SampleParams};
+use turbo_core::sampling::{argmax, sample_row, PenaltyLists, PenaltyRow, SampleParams};
 use turbo_kernels::ops::sampling;
 use turbo_kernels::CudaDevice;
 
@@ -141,12 +141,23 @@ fn acceptable(logits: &[f32], p: &SampleParams) -> Vec<u32> {
     out
 }
 
-/// One row: its logits (before the penalty), parameters and penalized tokens.
+/// One row: its logits (before the penalty), parameters and penalized tokens with their counts
+/// of generated occurrences (empty counts: all 0).
 #[derive(Clone)]
 struct Row {
     logits: Vec<f32>,
     params: SampleParams,
     penalized: Vec<u32>,
+    counts: Vec<u32>,
+}
+
+impl Row {
+    fn penalty_row(&self) -> PenaltyRow<'_> {
+        PenaltyRow {
+            tokens: &self.penalized,
+            counts: &self.counts,
+        }
+    }
 }
 
 /// How many rows ran, and how many of them were borderline (more than one acceptable token).
@@ -181,7 +192,7 @@ fn check_rows(dev: &CudaDevice, vocab: usize, rows: &[Row], what: &str) -> Tally
     let flat: Vec<f32> = rows.iter().flat_map(|r| r.logits.iter().copied()).collect();
     assert_eq!(flat.len(), rows.len() * vocab);
     let params: Vec<SampleParams> = rows.iter().map(|r| r.params).collect();
-    let penalties = PenaltyLists::from_rows(rows.iter().map(|r| &r.penalized[..]));
+    let penalties = PenaltyLists::from_rows(rows.iter().map(Row::penalty_row));
     let mut logits = dev.stream.clone_htod(&flat).unwrap();
     let got = sampling::sample_host(dev, &mut logits, rows.len(), vocab, &params, &penalties)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -189,7 +200,7 @@ fn check_rows(dev: &CudaDevice, vocab: usize, rows: &[Row], what: &str) -> Tally
     let mut tally = Tally::default();
     for (r, row) in rows.iter().enumerate() {
         let mut cpu = row.logits.clone();
-        let want = sample_row(&mut cpu, &row.params, &row.penalized);
+        let want = sample_row(&mut cpu, &row.params, row.penalty_row());
         let gpu_row = &after[r * vocab..(r + 1) * vocab];
         for (i, (g, c)) in gpu_row.iter().zip(&cpu).enumerate() {
             assert!(
@@ -274,8 +285,8 @@ fn params(temperature: f32, top_k: u32, top_p: f32, min_p: f32, uniform: f32) ->
         top_k,
         top_p,
         min_p,
-        repetition_penalty: 1.0,
         uniform,
+        ..SampleParams::GREEDY
     }
 }
 
@@ -342,6 +353,7 @@ fn greedy_takes_the_first_maximum() {
             logits,
             params: params(t, 0, 1.0, 0.0, uniform(rng)),
             penalized: Vec::new(),
+            counts: Vec::new(),
         }
     });
 }
@@ -358,6 +370,7 @@ fn temperature_alone_matches_cpu() {
             uniform(rng),
         ),
         penalized: Vec::new(),
+        counts: Vec::new(),
     });
 }
 
@@ -375,6 +388,7 @@ fn top_k_matches_cpu() {
             logits: random_logits(rng, vocab, i / 2),
             params: params([0.5, 1.0, 2.0][i % 3], top_k.max(1), 1.0, 0.0, uniform(rng)),
             penalized: Vec::new(),
+            counts: Vec::new(),
         }
     });
 }
@@ -396,6 +410,7 @@ fn top_k_ties_at_the_cut_keep_lower_indices() {
                     logits,
                     params: params(1.0, top_k, 1.0, 0.0, uniform(&mut rng)),
                     penalized: Vec::new(),
+                    counts: Vec::new(),
                 }
             })
             .collect();
@@ -423,6 +438,7 @@ fn top_p_matches_cpu() {
             uniform(rng),
         ),
         penalized: Vec::new(),
+        counts: Vec::new(),
     });
 }
 
@@ -439,6 +455,7 @@ fn min_p_matches_cpu() {
             uniform(rng),
         ),
         penalized: Vec::new(),
+        counts: Vec::new(),
     });
 }
 
@@ -468,6 +485,11 @@ fn random_row(rng: &mut ChaCha8Rng, vocab: usize, i: usize) -> Row {
         .collect();
     penalized.sort_unstable();
     penalized.dedup();
+    let counts = penalized.iter().map(|_| rng.random_range(0..4)).collect();
+    let (frequency_penalty, presence_penalty) = match rng.random_range(0..3) {
+        0 => (0.0, 0.0),
+        _ => (rng.random_range(-2.0..2.0), rng.random_range(-2.0..2.0)),
+    };
     Row {
         logits: random_logits(rng, vocab, i),
         params: SampleParams {
@@ -477,8 +499,11 @@ fn random_row(rng: &mut ChaCha8Rng, vocab: usize, i: usize) -> Row {
             min_p,
             repetition_penalty,
             uniform: uniform(rng),
+            frequency_penalty,
+            presence_penalty,
         },
         penalized,
+        counts,
     }
 }
 
@@ -500,6 +525,11 @@ fn penalties_apply_in_place_like_the_cpu() {
         penalized.extend([vocab as u32, vocab as u32 + 7, u32::MAX]);
         penalized.sort_unstable();
         penalized.dedup();
+        // Generated counts up to 100 (a long answer repeating a token), 0 for prompt tokens.
+        let counts = penalized
+            .iter()
+            .map(|_| [0, 1, 2, 100][rng.random_range(0..4)])
+            .collect();
         Row {
             logits,
             params: SampleParams {
@@ -509,8 +539,11 @@ fn penalties_apply_in_place_like_the_cpu() {
                 min_p: 0.0,
                 repetition_penalty: [1.3, 0.7, 2.5, 1.0][i % 4],
                 uniform: uniform(rng),
+                frequency_penalty: [0.0, 0.5, -0.3, 1.7, 0.1][i % 5],
+                presence_penalty: [0.0, 1.1, 0.2, -2.0][i / 2 % 4],
             },
             penalized,
+            counts,
         }
     });
 }
@@ -554,6 +587,7 @@ fn non_finite_rows_fall_back_to_argmax() {
                 uniform(rng),
             ),
             penalized: Vec::new(),
+            counts: Vec::new(),
         }
     });
 }
@@ -566,7 +600,7 @@ fn sampling_is_deterministic() {
         let rows: Vec<Row> = (0..48).map(|i| random_row(&mut rng, vocab, i)).collect();
         let flat: Vec<f32> = rows.iter().flat_map(|r| r.logits.iter().copied()).collect();
         let params: Vec<SampleParams> = rows.iter().map(|r| r.params).collect();
-        let penalties = PenaltyLists::from_rows(rows.iter().map(|r| &r.penalized[..]));
+        let penalties = PenaltyLists::from_rows(rows.iter().map(Row::penalty_row));
         let mut first: Option<(Vec<u32>, Vec<f32>)> = None;
         for _ in 0..3 {
             let mut logits: CudaSlice<f32> = dev.stream.clone_htod(&flat).unwrap();
@@ -597,9 +631,11 @@ fn bad_shapes_are_errors() {
     let s = &dev.stream;
     let (rows, vocab) = (2usize, 10usize);
     let mut logits = s.clone_htod(&vec![0.0f32; rows * vocab]).unwrap();
-    let params = s.clone_htod(&vec![0u32; rows * 6]).unwrap();
+    let words = sampling::SAMPLE_PARAM_WORDS;
+    let params = s.clone_htod(&vec![0u32; rows * words]).unwrap();
     let offsets = s.clone_htod(&vec![0u32; rows + 1]).unwrap();
     let tokens = s.clone_htod(&[0u32]).unwrap();
+    let counts = s.clone_htod(&[0u32]).unwrap();
     let mut out = s.alloc_zeros::<u32>(rows).unwrap();
     let mut call = |logits: &mut CudaSlice<f32>, rows, vocab, p: usize, o: usize, n: usize| {
         sampling::sample(
@@ -610,18 +646,29 @@ fn bad_shapes_are_errors() {
             &params.slice(..p),
             &offsets.slice(..o),
             &tokens.as_view(),
+            &counts.as_view(),
             &mut out.slice_mut(..n),
         )
     };
-    assert!(call(&mut logits, rows, vocab, 12, 3, 2).is_ok());
+    let all = rows * words;
+    assert!(call(&mut logits, rows, vocab, all, 3, 2).is_ok());
     assert!(
-        call(&mut logits, rows, vocab + 1, 12, 3, 2).is_err(),
+        call(&mut logits, rows, vocab + 1, all, 3, 2).is_err(),
         "logits"
     );
-    assert!(call(&mut logits, rows, 0, 12, 3, 2).is_err(), "empty vocab");
-    assert!(call(&mut logits, rows, vocab, 11, 3, 2).is_err(), "params");
-    assert!(call(&mut logits, rows, vocab, 12, 2, 2).is_err(), "offsets");
-    assert!(call(&mut logits, rows, vocab, 12, 3, 1).is_err(), "out");
+    assert!(
+        call(&mut logits, rows, 0, all, 3, 2).is_err(),
+        "empty vocab"
+    );
+    assert!(
+        call(&mut logits, rows, vocab, all - 1, 3, 2).is_err(),
+        "params"
+    );
+    assert!(
+        call(&mut logits, rows, vocab, all, 2, 2).is_err(),
+        "offsets"
+    );
+    assert!(call(&mut logits, rows, vocab, all, 3, 1).is_err(), "out");
     assert!(call(&mut logits, 0, vocab, 0, 1, 0).is_ok(), "no rows");
     let greedy = [SampleParams::GREEDY; 2];
     assert!(
@@ -639,6 +686,7 @@ fn bad_shapes_are_errors() {
     let bad = PenaltyLists {
         offsets: vec![0, 2, 1],
         tokens: vec![1, 2],
+        counts: vec![0, 0],
     };
     assert!(
         sampling::sample_host(&dev, &mut logits, rows, vocab, &greedy, &bad).is_err(),

@@ -110,6 +110,8 @@ impl<B: Backend> Workspace<B> {
 enum Output {
     Logits,
     Tokens,
+    /// The tokens, and the logits they were chosen from (after the penalties).
+    Both,
 }
 
 /// A LLaMA model resident on backend `B`.
@@ -210,6 +212,23 @@ impl<B: Backend> Llama<B> {
         Ok(out.1)
     }
 
+    /// [`forward_sample`](Self::forward_sample), also returning the logits each token was chosen
+    /// from (`[sequences, vocab]`, after the penalties), for callers that report log-probabilities.
+    /// The logits leave the device: slower, so only for steps that need them.
+    pub fn forward_sample_with_logits(
+        &self,
+        batch: &[SequenceChunk],
+        cache: &mut B::KvCache,
+        params: &[SampleParams],
+        penalties: &PenaltyLists,
+    ) -> Result<(Vec<u32>, Vec<f32>)> {
+        let sampling = Sampling { params, penalties };
+        let (logits, tokens) = self
+            .backend
+            .run(|| self.forward_inner(batch, cache, Logits::Last, Some(sampling), Output::Both))?;
+        Ok((tokens, logits))
+    }
+
     fn forward_inner(
         &self,
         batch: &[SequenceChunk],
@@ -287,7 +306,7 @@ impl<B: Backend> Llama<B> {
         let batch_layout = &*batch_layout;
         let eps = c.rms_norm_eps;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let sample = matches!(output, Output::Tokens);
+        let sample = matches!(output, Output::Tokens | Output::Both);
         b.run_step(batch_layout, &mut || {
             b.embed(&self.embed, batch_layout, x)?;
             for (i, layer) in self.layers.iter().enumerate() {
@@ -324,6 +343,7 @@ impl<B: Backend> Llama<B> {
         Ok(match output {
             Output::Logits => (b.read_logits(batch_layout)?, Vec::new()),
             Output::Tokens => (Vec::new(), b.read_tokens(batch_layout)?),
+            Output::Both => (b.read_logits(batch_layout)?, b.read_tokens(batch_layout)?),
         })
     }
 }

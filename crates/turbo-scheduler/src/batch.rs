@@ -27,6 +27,7 @@ mod request;
 pub use crate::completion::{Completion, Timings};
 pub use request::{
     Event, EventSink, Request, RequestError, RequestHandle, RequestId, RequestLimits,
+    TokenLogprobs, MAX_TOP_LOGPROBS,
 };
 
 use crate::completion::FinishReason;
@@ -36,7 +37,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc::channel;
 use std::time::Instant;
 use thiserror::Error;
-use turbo_core::sampling::{PenaltyLists, SampleParams};
+use turbo_core::sampling::{PenaltyLists, PenaltyRow, SampleParams};
 use turbo_core::Backend;
 use turbo_kv::{KvError, KvManager, SeqId, SeqState};
 use turbo_llama::{Llama, LlamaError, SequenceChunk};
@@ -170,6 +171,13 @@ struct Work {
     len: usize,
 }
 
+/// What a step's forward pass chose: a token per scheduled chunk, and the logits (`[chunks,
+/// vocab]`) when a request asked for log-probabilities.
+struct Sampled {
+    tokens: Vec<u32>,
+    logits: Option<Vec<f32>>,
+}
+
 /// A request from submission to its end: its sequence, its sampling and streaming state.
 struct Live {
     id: RequestId,
@@ -180,6 +188,8 @@ struct Live {
     /// `max_tokens`, capped by the context.
     max_tokens: usize,
     ignore_eos: bool,
+    /// Top alternatives to report with each token's log-probability; `None`: none reported.
+    logprobs: Option<usize>,
     sampler: Sampler,
     stream: TextStream,
     stops: StopStrings,
@@ -380,6 +390,7 @@ impl<B: Backend> PersistentBatch<B> {
             prompt: request.prompt,
             max_tokens,
             ignore_eos: request.ignore_eos,
+            logprobs: request.logprobs,
             sampler: Sampler::new(request.sampling),
             stream: TextStream::new(),
             stops: StopStrings::new(request.stop_strings),
@@ -465,14 +476,14 @@ impl<B: Backend> PersistentBatch<B> {
         if work.is_empty() {
             return Ok(report);
         }
-        let tokens = match self.run(&work) {
-            Ok(tokens) => tokens,
+        let sampled = match self.run(&work) {
+            Ok(sampled) => sampled,
             Err(e) => {
                 self.fail_all(&work, &e)?;
                 return Err(e);
             }
         };
-        self.postprocess(&work, &tokens, &mut report)?;
+        self.postprocess(&work, &sampled, &mut report)?;
         self.prefill_tokens_run += report.prefill_tokens as u64;
         Ok(report)
     }
@@ -717,11 +728,13 @@ impl<B: Backend> PersistentBatch<B> {
 
     /// One forward pass over the scheduled chunks; returns the token sampled for each (only the
     /// tokens of chunks that end their sequence's known tokens are used; the others are sampled
-    /// greedily, without drawing from their request's generator).
-    fn run(&mut self, work: &[Work]) -> Result<Vec<u32>, BatchError> {
+    /// greedily, without drawing from their request's generator), with the logits they were
+    /// chosen from when a request reports log-probabilities.
+    fn run(&mut self, work: &[Work]) -> Result<Sampled, BatchError> {
         let mut chunks = Vec::with_capacity(work.len());
         let mut params = Vec::with_capacity(work.len());
         let mut penalties = PenaltyLists::empty(0);
+        let mut logprobs = false;
         for w in work {
             let seq = self.live(w.slot).seq;
             let tokens = self.kv.tokens(seq)?;
@@ -733,16 +746,30 @@ impl<B: Backend> PersistentBatch<B> {
             });
             let live = self.slots[w.slot].as_mut().expect("scheduled slots run");
             if ends {
+                logprobs |= live.logprobs.is_some();
                 params.push(live.sampler.next_params());
-                penalties.push_row(live.sampler.penalized(tokens));
+                let prompt = tokens.len() - live.generated.len();
+                penalties.push_row(live.sampler.penalties(tokens, prompt));
             } else {
                 params.push(SampleParams::GREEDY);
-                penalties.push_row(&[]);
+                penalties.push_row(PenaltyRow::default());
             }
         }
-        Ok(self
-            .model
-            .forward_sample(&chunks, &mut self.cache, &params, &penalties)?)
+        let (tokens, logits) = if logprobs {
+            let (tokens, logits) = self.model.forward_sample_with_logits(
+                &chunks,
+                &mut self.cache,
+                &params,
+                &penalties,
+            )?;
+            (tokens, Some(logits))
+        } else {
+            let tokens =
+                self.model
+                    .forward_sample(&chunks, &mut self.cache, &params, &penalties)?;
+            (tokens, None)
+        };
+        Ok(Sampled { tokens, logits })
     }
 
     /// Commits the KV just written; streams the sampled token and checks the end of every
@@ -750,14 +777,18 @@ impl<B: Backend> PersistentBatch<B> {
     fn postprocess(
         &mut self,
         work: &[Work],
-        sampled: &[u32],
+        sampled: &Sampled,
         report: &mut StepReport,
     ) -> Result<(), BatchError> {
+        let vocab = sampled
+            .logits
+            .as_ref()
+            .map_or(0, |l| l.len() / work.len().max(1));
         self.steps += 1;
         report.sequences = work.len();
         report.tokens = work.iter().map(|w| w.len).sum();
         self.tokens_run += report.tokens as u64;
-        for (w, &token) in work.iter().zip(sampled) {
+        for (row, (w, &token)) in work.iter().zip(&sampled.tokens).enumerate() {
             let live = self.slots[w.slot].as_mut().expect("scheduled slots run");
             let seq = live.seq;
             if w.len == 1 && !live.generated.is_empty() {
@@ -771,6 +802,12 @@ impl<B: Backend> PersistentBatch<B> {
             }
             live.first_token.get_or_insert_with(Instant::now);
             self.kv.append_token(seq, token)?;
+            if let (Some(top), Some(logits)) = (live.logprobs, &sampled.logits) {
+                let logits = &logits[row * vocab..(row + 1) * vocab];
+                live.send(Event::Logprobs(TokenLogprobs::from_logits(
+                    logits, token, top,
+                )));
+            }
             match stream_token(live, &self.tokenizer, token) {
                 Ok(None) => continue,
                 Ok(Some(reason)) => self.end(w.slot, reason)?,

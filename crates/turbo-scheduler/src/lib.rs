@@ -8,7 +8,7 @@ pub mod stop;
 
 pub use batch::{
     BatchConfig, BatchError, BatchStats, Event, EventSink, PersistentBatch, Request, RequestError,
-    RequestHandle, RequestId, RequestLimits, StepReport,
+    RequestHandle, RequestId, RequestLimits, StepReport, TokenLogprobs, MAX_TOP_LOGPROBS,
 };
 pub use completion::{Completion, FinishReason, Timings};
 pub use sampling::{Sampler, SamplingParams};

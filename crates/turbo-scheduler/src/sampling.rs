@@ -3,9 +3,9 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use std::collections::HashSet;
+use std::collections::HashMap;
 pub use turbo_core::sampling::argmax;
-use turbo_core::sampling::{sample_row, SampleParams};
+use turbo_core::sampling::{sample_row, PenaltyRow, SampleParams};
 
 /// How the next token is chosen. A temperature of 0 is greedy decoding (the other fields, but the
 /// repetition penalty, are then ignored).
@@ -19,9 +19,13 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Drop tokens less likely than `min_p` times the most likely one; 0 keeps all.
     pub min_p: f32,
-    /// HF-style penalty on tokens already in the sequence: positive logits divided by it, negative
-    /// ones multiplied; 1 disables it.
+    /// HF-style penalty on tokens already in the sequence (prompt and generated): positive
+    /// logits divided by it, negative ones multiplied; 1 disables it.
     pub repetition_penalty: f32,
+    /// OpenAI's: subtracted from a token's logit once per time it was generated; 0 disables it.
+    pub frequency_penalty: f32,
+    /// OpenAI's: subtracted from the logit of every token generated at least once.
+    pub presence_penalty: f32,
     pub seed: u64,
 }
 
@@ -33,6 +37,8 @@ impl Default for SamplingParams {
             top_p: 1.0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
             seed: 0,
         }
     }
@@ -62,6 +68,14 @@ impl SamplingParams {
                 self.repetition_penalty
             ));
         }
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
         Ok(())
     }
 }
@@ -72,9 +86,11 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
-    /// Distinct tokens of the history, in first-seen order, for the repetition penalty.
-    penalized: Vec<u32>,
-    seen: HashSet<u32>,
+    /// Distinct penalized tokens of the history, in first-seen order, and how often each was
+    /// generated (prompt tokens count 0).
+    tokens: Vec<u32>,
+    counts: Vec<u32>,
+    index: HashMap<u32, usize>,
     /// History tokens already looked at.
     covered: usize,
 }
@@ -84,8 +100,9 @@ impl Sampler {
         Sampler {
             rng: ChaCha8Rng::seed_from_u64(params.seed),
             params,
-            penalized: Vec::new(),
-            seen: HashSet::new(),
+            tokens: Vec::new(),
+            counts: Vec::new(),
+            index: HashMap::new(),
             covered: 0,
         }
     }
@@ -105,33 +122,51 @@ impl Sampler {
             } else {
                 0.0
             },
+            frequency_penalty: p.frequency_penalty,
+            presence_penalty: p.presence_penalty,
         }
     }
 
-    /// The distinct tokens of `history` (the sequence so far, which only grows between calls)
-    /// that the repetition penalty applies to; empty without a penalty.
-    pub fn penalized(&mut self, history: &[u32]) -> &[u32] {
-        if self.params.repetition_penalty == 1.0 {
-            return &[];
+    /// The tokens of `history` (the sequence so far, which only grows between calls; its first
+    /// `prompt` tokens are the prompt) that the penalties apply to, each once, with its count of
+    /// generated occurrences. The repetition penalty lists every distinct token; the frequency
+    /// and presence penalties alone list only generated ones. Empty without a penalty.
+    pub fn penalties(&mut self, history: &[u32], prompt: usize) -> PenaltyRow<'_> {
+        let p = &self.params;
+        let repetition = p.repetition_penalty != 1.0;
+        if !repetition && p.frequency_penalty == 0.0 && p.presence_penalty == 0.0 {
+            return PenaltyRow::default();
         }
         if history.len() < self.covered {
-            self.penalized.clear();
-            self.seen.clear();
+            self.tokens.clear();
+            self.counts.clear();
+            self.index.clear();
             self.covered = 0;
         }
-        for &t in &history[self.covered..] {
-            if self.seen.insert(t) {
-                self.penalized.push(t);
+        for (i, &t) in history.iter().enumerate().skip(self.covered) {
+            let generated = i >= prompt;
+            if !generated && !repetition {
+                continue;
             }
+            let at = *self.index.entry(t).or_insert_with(|| {
+                self.tokens.push(t);
+                self.counts.push(0);
+                self.tokens.len() - 1
+            });
+            self.counts[at] += u32::from(generated);
         }
         self.covered = history.len();
-        &self.penalized
+        PenaltyRow {
+            tokens: &self.tokens,
+            counts: &self.counts,
+        }
     }
 
-    /// Picks the next token from `logits` (modified in place), given the sequence so far.
-    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+    /// Picks the next token from `logits` (modified in place), given the sequence so far, of
+    /// which the first `prompt` tokens are the prompt.
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32], prompt: usize) -> u32 {
         let params = self.next_params();
-        sample_row(logits, &params, self.penalized(history))
+        sample_row(logits, &params, self.penalties(history, prompt))
     }
 }
 
@@ -142,7 +177,7 @@ mod tests {
     #[test]
     fn greedy_takes_the_first_maximum() {
         let mut s = Sampler::new(SamplingParams::greedy());
-        assert_eq!(s.sample(&mut [0.1, 3.0, 3.0, -1.0], &[]), 1);
+        assert_eq!(s.sample(&mut [0.1, 3.0, 3.0, -1.0], &[], 0), 1);
     }
 
     #[test]
@@ -151,12 +186,42 @@ mod tests {
             repetition_penalty: 1.3,
             ..Default::default()
         });
-        assert_eq!(s.penalized(&[4, 2, 4]), &[4, 2]);
-        assert_eq!(s.penalized(&[4, 2, 4, 9, 2]), &[4, 2, 9]);
+        let row = |t: &[u32], c: &[u32]| (t.to_vec(), c.to_vec());
+        let got = |r: PenaltyRow<'_>| (r.tokens.to_vec(), r.counts.to_vec());
+        assert_eq!(got(s.penalties(&[4, 2, 4], 3)), row(&[4, 2], &[0, 0]));
+        assert_eq!(
+            got(s.penalties(&[4, 2, 4, 9, 2], 3)),
+            row(&[4, 2, 9], &[0, 1, 1])
+        );
         // A shorter history (a new conversation) starts over.
-        assert_eq!(s.penalized(&[7]), &[7]);
+        assert_eq!(got(s.penalties(&[7], 1)), row(&[7], &[0]));
         let mut off = Sampler::new(SamplingParams::default());
-        assert!(off.penalized(&[1, 2, 3]).is_empty());
+        assert!(off.penalties(&[1, 2, 3], 1).tokens.is_empty());
+        // Frequency and presence penalties alone list generated tokens only, with their counts.
+        let mut freq = Sampler::new(SamplingParams {
+            frequency_penalty: 0.5,
+            ..Default::default()
+        });
+        assert_eq!(
+            got(freq.penalties(&[1, 2, 3, 3, 5, 3], 3)),
+            row(&[3, 5], &[2, 1])
+        );
+        assert_eq!(
+            got(freq.penalties(&[1, 2, 3, 3, 5, 3, 1], 3)),
+            row(&[3, 5, 1], &[2, 1, 1])
+        );
+    }
+
+    #[test]
+    fn out_of_range_penalties_are_refused() {
+        for (f, p) in [(2.5, 0.0), (0.0, -3.0), (f32::NAN, 0.0)] {
+            let params = SamplingParams {
+                frequency_penalty: f,
+                presence_penalty: p,
+                ..Default::default()
+            };
+            assert!(params.validate().is_err(), "{f} {p}");
+        }
     }
 
     #[test]
@@ -178,7 +243,7 @@ mod tests {
             ..Default::default()
         });
         let mut logits = [4.0, 3.0, -1.0];
-        assert_eq!(s.sample(&mut logits, &[0, 0, 2]), 1);
+        assert_eq!(s.sample(&mut logits, &[0, 0, 2], 3), 1);
         assert_eq!(logits, [2.0, 3.0, -2.0]);
     }
 
@@ -214,7 +279,7 @@ mod tests {
             let mut s = Sampler::new(SamplingParams { seed: 9, ..params });
             let mut seen = std::collections::BTreeSet::new();
             for _ in 0..300 {
-                seen.insert(s.sample(&mut logits.clone(), &[]));
+                seen.insert(s.sample(&mut logits.clone(), &[], 0));
             }
             assert_eq!(seen.into_iter().collect::<Vec<_>>(), allowed);
         }
@@ -231,7 +296,7 @@ mod tests {
         let draw = |params: &SamplingParams| {
             let mut s = Sampler::new(params.clone());
             (0..4000)
-                .map(|_| s.sample(&mut logits.clone(), &[]))
+                .map(|_| s.sample(&mut logits.clone(), &[], 0))
                 .collect::<Vec<_>>()
         };
         let a = draw(&params);

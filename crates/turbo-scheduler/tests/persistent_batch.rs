@@ -50,8 +50,23 @@ fn check_events(what: &str, events: &[Event]) -> Completion {
         "{what}: events after the end"
     );
     let (mut tokens, mut text) = (Vec::new(), String::new());
+    let mut logprobs: Option<u32> = None;
     for e in events {
+        if let Some(want) = logprobs.take() {
+            assert!(
+                matches!(e, Event::Token(t) if *t == want),
+                "{what}: log-probabilities of {want} followed by {e:?}"
+            );
+        }
         match e {
+            Event::Logprobs(lp) => {
+                assert!(lp.logprob <= 0.0, "{what}: {lp:?}");
+                assert!(
+                    lp.top.windows(2).all(|w| w[0].1 >= w[1].1),
+                    "{what}: {lp:?}"
+                );
+                logprobs = Some(lp.token);
+            }
             Event::Token(t) => tokens.push(*t),
             Event::Text(t) => text.push_str(t),
             Event::Finished(c) => {
@@ -486,6 +501,8 @@ fn stress_random_requests_on_a_tiny_model() {
                     rng.random_range(0.0..0.2)
                 },
                 repetition_penalty: if rng.random_bool(0.7) { 1.0 } else { 1.1 },
+                frequency_penalty: if rng.random_bool(0.8) { 0.0 } else { 0.5 },
+                presence_penalty: if rng.random_bool(0.8) { 0.0 } else { -0.3 },
                 seed: rng.random(),
             };
             let request = Request {
@@ -503,6 +520,7 @@ fn stress_random_requests_on_a_tiny_model() {
                 },
                 ignore_eos: rng.random_bool(0.5),
                 session: session.clone(),
+                logprobs: rng.random_bool(0.2).then(|| rng.random_range(0..=5)),
             };
             demand += (prompt.len() + request.max_tokens).min(spec.context);
             if let Some(s) = session {

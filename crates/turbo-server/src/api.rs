@@ -6,7 +6,7 @@
 use crate::error::ApiError;
 use serde::Deserialize;
 use serde_json::Value;
-use turbo_engine::{ChatMessage, SamplingParams};
+use turbo_engine::{ChatMessage, SamplingParams, MAX_TOP_LOGPROBS};
 
 /// `stop`: one string or a list.
 #[derive(Debug, Deserialize)]
@@ -117,6 +117,8 @@ pub struct Generation {
     pub session: Option<String>,
     /// Whether `seed` was given: without one each choice draws a fresh seed.
     pub seeded: bool,
+    /// Report log-probabilities, with this many alternatives per token.
+    pub logprobs: Option<usize>,
 }
 
 /// Most choices one request may ask for.
@@ -132,6 +134,17 @@ fn positive(value: Option<i64>, name: &'static str) -> Result<Option<usize>, Api
             Err(ApiError::invalid(format!("{name} must be at least 1, got {v}")).param(name))
         }
     }
+}
+
+/// A count of alternatives per token, 0 to [`MAX_TOP_LOGPROBS`].
+fn top_logprobs(n: i64, name: &'static str) -> Result<usize, ApiError> {
+    usize::try_from(n)
+        .ok()
+        .filter(|&n| n <= MAX_TOP_LOGPROBS)
+        .ok_or_else(|| {
+            ApiError::invalid(format!("{name} must be in 0..={MAX_TOP_LOGPROBS}, got {n}"))
+                .param(name)
+        })
 }
 
 fn unsupported(name: &'static str, what: &str) -> ApiError {
@@ -166,14 +179,6 @@ impl Common {
                 .param("top_k"))
             }
         };
-        for (name, value) in [
-            ("frequency_penalty", self.frequency_penalty),
-            ("presence_penalty", self.presence_penalty),
-        ] {
-            if value.is_some_and(|v| v != 0.0) {
-                return Err(unsupported(name, "use repetition_penalty"));
-            }
-        }
         if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
             return Err(unsupported("logit_bias", "no per-token biases"));
         }
@@ -196,6 +201,8 @@ impl Common {
             top_p: self.top_p.unwrap_or(1.0),
             min_p: self.min_p.unwrap_or(0.0),
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
             // Seeds are 64-bit; a negative one is taken as its two's complement.
             seed: self.seed.unwrap_or(0) as u64,
         };
@@ -221,6 +228,7 @@ impl Common {
                 .is_some_and(|o| o.include_usage),
             session: self.session.clone(),
             seeded: self.seed.is_some(),
+            logprobs: None,
         })
     }
 }
@@ -237,11 +245,20 @@ impl CompletionRequest {
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(unsupported("suffix", "no fill-in-the-middle"));
         }
-        if self.logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(unsupported("logprobs", "not yet"));
-        }
+        let logprobs = match &self.logprobs {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(
+                v.as_i64()
+                    .ok_or_else(|| {
+                        ApiError::invalid(format!("logprobs must be an integer, got {v}"))
+                            .param("logprobs")
+                    })
+                    .and_then(|n| top_logprobs(n, "logprobs"))?,
+            ),
+        };
         let mut g = self.common.generation(None)?;
         g.max_tokens = Some(g.max_tokens.unwrap_or(16));
+        g.logprobs = logprobs;
         Ok(g)
     }
 }
@@ -249,9 +266,14 @@ impl CompletionRequest {
 impl ChatRequest {
     /// The checked parameters; a chat completion runs to the end of the context by default.
     pub fn generation(&self) -> Result<Generation, ApiError> {
-        if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|n| n > 0) {
-            return Err(unsupported("logprobs", "not yet"));
-        }
+        let logprobs = match (self.logprobs, self.top_logprobs) {
+            (Some(true), top) => Some(top_logprobs(top.unwrap_or(0), "top_logprobs")?),
+            (_, Some(n)) if n != 0 => {
+                return Err(ApiError::invalid("top_logprobs needs logprobs set to true")
+                    .param("top_logprobs"))
+            }
+            _ => None,
+        };
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(unsupported("tools", "no tool calls"));
         }
@@ -263,7 +285,9 @@ impl ChatRequest {
         if self.messages.is_empty() {
             return Err(ApiError::invalid("messages must not be empty").param("messages"));
         }
-        self.common.generation(self.max_completion_tokens)
+        let mut g = self.common.generation(self.max_completion_tokens)?;
+        g.logprobs = logprobs;
+        Ok(g)
     }
 
     /// The conversation as the chat template takes it.

@@ -107,6 +107,7 @@ impl From<RequestError> for ApiError {
                 ApiError::invalid(e.to_string()).param("prompt")
             }
             RequestError::Sampling(_) => ApiError::invalid(e.to_string()),
+            RequestError::TooManyLogprobs(_) => ApiError::invalid(e.to_string()).param("logprobs"),
             RequestError::Model(_) | RequestError::Detokenize(_) | RequestError::Disconnected => {
                 ApiError::internal(e.to_string())
             }

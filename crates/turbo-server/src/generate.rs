@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
-use turbo_engine::{Completion, Event, FinishReason, Request, RequestStream};
+use turbo_engine::{Completion, Event, FinishReason, Request, RequestStream, TokenLogprobs};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -30,6 +30,8 @@ struct Meta {
     created: u64,
     model: String,
     include_usage: bool,
+    /// Alternatives per token when the request reports log-probabilities.
+    logprobs: Option<usize>,
     /// Prompt tokens, counted once per prompt.
     prompt_tokens: usize,
     arrived: Instant,
@@ -138,6 +140,7 @@ async fn run(
                 stop_strings: g.stop.clone(),
                 ignore_eos: g.ignore_eos,
                 session: g.session.clone(),
+                logprobs: g.logprobs,
                 ..Request::new(prompt.clone())
             };
             // An error drops the streams submitted so far, which cancels them.
@@ -159,6 +162,7 @@ async fn run(
         created: unix_time(),
         model: state.model_name.clone(),
         include_usage: g.include_usage,
+        logprobs: g.logprobs,
         prompt_tokens: prompts.iter().map(Vec::len).sum(),
         arrived,
     };
@@ -181,6 +185,9 @@ struct ChoiceState {
     text: String,
     last_token: Option<Instant>,
     completion: Option<Completion>,
+    /// Every token's log-probabilities, when asked for; the first `streamed` were sent.
+    logprobs: Vec<TokenLogprobs>,
+    streamed: usize,
 }
 
 /// Merges the events of a request's choices and turns them into a response.
@@ -215,7 +222,7 @@ impl Collector {
         };
         if c.meta.kind == Kind::Chat {
             for i in 0..n {
-                let chunk = c.chunk(i, json!({"role": "assistant", "content": ""}), None);
+                let chunk = c.chunk(i, json!({"role": "assistant", "content": ""}), None, None);
                 c.queue.push_back(chunk);
             }
         }
@@ -228,6 +235,10 @@ impl Collector {
         let metrics = &self.state.metrics;
         let choice = &mut self.choices[i];
         match event {
+            Event::Logprobs(lp) => {
+                choice.logprobs.push(lp);
+                None
+            }
             Event::Token(_) => {
                 match choice.last_token {
                     None => metrics.ttft.observe(secs(self.meta.arrived, now)),
@@ -290,17 +301,18 @@ impl Collector {
                 );
             };
             let reason = finish_reason(completion.finish_reason);
+            let logprobs = self.render_logprobs(&c.logprobs, 0);
             choices.push(match self.meta.kind {
                 Kind::Chat => json!({
                     "index": i,
                     "message": {"role": "assistant", "content": c.text},
-                    "logprobs": null,
+                    "logprobs": logprobs,
                     "finish_reason": reason,
                 }),
                 Kind::Text => json!({
                     "index": i,
                     "text": c.text,
-                    "logprobs": null,
+                    "logprobs": logprobs,
                     "finish_reason": reason,
                 }),
             });
@@ -333,9 +345,11 @@ impl Collector {
                 Some((i, event)) => {
                     let finished = matches!(event, Event::Finished(_));
                     if let Some(text) = self.record(i, event) {
+                        let before = self.choices[i].text.len() - text.len();
+                        let logprobs = self.unsent_logprobs(i, before);
                         let chunk = match self.meta.kind {
-                            Kind::Chat => self.chunk(i, json!({"content": text}), None),
-                            Kind::Text => self.chunk(i, Value::String(text), None),
+                            Kind::Chat => self.chunk(i, json!({"content": text}), None, logprobs),
+                            Kind::Text => self.chunk(i, Value::String(text), None, logprobs),
                         };
                         self.queue.push_back(chunk);
                     }
@@ -348,7 +362,8 @@ impl Collector {
                             Kind::Chat => json!({}),
                             Kind::Text => Value::String(String::new()),
                         };
-                        let chunk = self.chunk(i, empty, reason);
+                        let logprobs = self.unsent_logprobs(i, self.choices[i].text.len());
+                        let chunk = self.chunk(i, empty, reason, logprobs);
                         self.queue.push_back(chunk);
                     }
                     if let Some(e) = self.failed.take() {
@@ -391,14 +406,22 @@ impl Collector {
         })
     }
 
-    /// A chunk of choice `i`: a chat `delta` object, or a completion's text.
-    fn chunk(&self, i: usize, content: Value, finish: Option<&str>) -> SseEvent {
+    /// A chunk of choice `i`: a chat `delta` object, or a completion's text, with the
+    /// log-probabilities of the tokens it completes.
+    fn chunk(
+        &self,
+        i: usize,
+        content: Value,
+        finish: Option<&str>,
+        logprobs: Option<Value>,
+    ) -> SseEvent {
+        let logprobs = logprobs.unwrap_or(Value::Null);
         let choice = match self.meta.kind {
             Kind::Chat => json!({
-                "index": i, "delta": content, "logprobs": null, "finish_reason": finish,
+                "index": i, "delta": content, "logprobs": logprobs, "finish_reason": finish,
             }),
             Kind::Text => json!({
-                "index": i, "text": content, "logprobs": null, "finish_reason": finish,
+                "index": i, "text": content, "logprobs": logprobs, "finish_reason": finish,
             }),
         };
         let mut chunk = self.envelope();
@@ -407,6 +430,76 @@ impl Collector {
             chunk["usage"] = Value::Null;
         }
         SseEvent::default().data(chunk.to_string())
+    }
+
+    /// The log-probabilities of choice `i` not streamed yet (`None` when it reports none), for a
+    /// chunk whose text starts at byte `offset` of the choice's text.
+    fn unsent_logprobs(&mut self, i: usize, offset: usize) -> Option<Value> {
+        let choice = &self.choices[i];
+        if self.meta.logprobs.is_none() || choice.streamed == choice.logprobs.len() {
+            return None;
+        }
+        let entries = &choice.logprobs[choice.streamed..];
+        let value = self.render_logprobs(entries, offset);
+        self.choices[i].streamed = self.choices[i].logprobs.len();
+        value
+    }
+
+    /// Log-probabilities in the endpoint's format (`None` when the request asked for none):
+    /// chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`, or the completions API's
+    /// parallel lists, whose `text_offset`s (byte offsets in the choice's text) start at
+    /// `offset`.
+    fn render_logprobs(&self, entries: &[TokenLogprobs], offset: usize) -> Option<Value> {
+        self.meta.logprobs?;
+        let tokenizer = self.state.engine.tokenizer();
+        let bytes = |id: u32| tokenizer.token_bytes(id).unwrap_or_default();
+        let text = |id: u32| String::from_utf8_lossy(&bytes(id)).into_owned();
+        Some(match self.meta.kind {
+            Kind::Chat => {
+                let content: Vec<Value> = entries
+                    .iter()
+                    .map(|e| {
+                        let top: Vec<Value> = e
+                            .top
+                            .iter()
+                            .map(|&(t, lp)| {
+                                json!({"token": text(t), "logprob": finite(lp), "bytes": bytes(t)})
+                            })
+                            .collect();
+                        json!({
+                            "token": text(e.token),
+                            "logprob": finite(e.logprob),
+                            "bytes": bytes(e.token),
+                            "top_logprobs": top,
+                        })
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+            Kind::Text => {
+                let mut at = offset;
+                let (mut tokens, mut lps, mut tops, mut offsets) =
+                    (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                for e in entries {
+                    offsets.push(at);
+                    at += bytes(e.token).len();
+                    tokens.push(text(e.token));
+                    lps.push(finite(e.logprob));
+                    // The sampled token is always listed, as OpenAI's legacy API does.
+                    let mut top = serde_json::Map::new();
+                    for &(id, lp) in e.top.iter().chain([(e.token, e.logprob)].iter()) {
+                        top.insert(text(id), finite(lp).into());
+                    }
+                    tops.push(Value::Object(top));
+                }
+                json!({
+                    "tokens": tokens,
+                    "token_logprobs": lps,
+                    "top_logprobs": tops,
+                    "text_offset": offsets,
+                })
+            }
+        })
     }
 
     fn usage(&self) -> Value {
@@ -431,6 +524,16 @@ impl Collector {
             "total_tokens": self.meta.prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached},
         })
+    }
+}
+
+/// A log-probability JSON can carry: -inf (a token the penalties or the model ruled out) as
+/// -9999, as OpenAI reports it.
+fn finite(lp: f32) -> f32 {
+    if lp.is_finite() {
+        lp
+    } else {
+        -9999.0
     }
 }
 

@@ -332,6 +332,116 @@ fn n_choices_seeds_and_stop_strings() {
     });
 }
 
+/// Log-probabilities: greedy tokens are the most likely, alternatives are sorted and a
+/// distribution's share, the streamed ones equal the whole ones, the token bytes spell the text.
+#[test]
+fn logprobs_whole_and_streamed() {
+    let server = shared();
+    rt().block_on(async {
+        let body = json!({
+            "messages": [{"role": "user", "content": "Count from one to five."}],
+            "max_tokens": 10,
+            "temperature": 0,
+            "logprobs": true,
+            "top_logprobs": 3,
+        });
+        let (status, r) = post(&server.url, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(status, 200, "{r}");
+        let choice = &r["choices"][0];
+        let content = choice["logprobs"]["content"].as_array().unwrap();
+        assert_eq!(content.len(), r["usage"]["completion_tokens"].as_u64().unwrap() as usize);
+        let mut bytes = Vec::new();
+        for entry in content {
+            let lp = entry["logprob"].as_f64().unwrap();
+            let top = entry["top_logprobs"].as_array().unwrap();
+            assert_eq!(top.len(), 3, "{entry}");
+            // Greedy: the chosen token is the most likely one.
+            assert_eq!(top[0]["token"], entry["token"], "{entry}");
+            assert!((top[0]["logprob"].as_f64().unwrap() - lp).abs() < 1e-6);
+            let lps: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+            assert!(lps.windows(2).all(|w| w[0] >= w[1]), "{lps:?}");
+            let mass: f64 = lps.iter().map(|l| l.exp()).sum();
+            assert!(lp <= 0.0 && mass <= 1.0 + 1e-5, "{entry}");
+            bytes.extend(entry["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8));
+        }
+        // The last token is the end of the turn, whose text the reply does not show.
+        let text = choice["message"]["content"].as_str().unwrap();
+        assert!(String::from_utf8_lossy(&bytes).starts_with(text), "{bytes:?} vs {text:?}");
+
+        let mut streamed = body;
+        streamed["stream"] = json!(true);
+        let chunks = stream(&server.url, "/v1/chat/completions", streamed).await;
+        let streamed: Vec<Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"].get(0)?["logprobs"]["content"].as_array().cloned())
+            .flatten()
+            .collect();
+        assert_eq!(&streamed, content, "streamed log-probabilities equal the whole ones");
+
+        // The completions API's lists, the sampled token always among the alternatives.
+        let (status, r) = post(
+            &server.url,
+            "/v1/completions",
+            json!({"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0.8, "seed": 3, "logprobs": 2}),
+        )
+        .await;
+        assert_eq!(status, 200, "{r}");
+        let lp = &r["choices"][0]["logprobs"];
+        let tokens = lp["tokens"].as_array().unwrap();
+        assert_eq!(tokens.len(), 6);
+        assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 6);
+        let offsets: Vec<u64> = lp["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect();
+        assert_eq!(offsets[0], 0);
+        assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
+        for (t, top) in tokens.iter().zip(lp["top_logprobs"].as_array().unwrap()) {
+            let top = top.as_object().unwrap();
+            assert!((2..=3).contains(&top.len()), "{top:?}");
+            assert!(top.contains_key(t.as_str().unwrap()), "{t} in {top:?}");
+        }
+    });
+}
+
+/// Frequency and presence penalties change what greedy decoding repeats, and a strong one stops
+/// a token from coming back.
+#[test]
+fn frequency_and_presence_penalties_reduce_repetition() {
+    let server = shared();
+    rt().block_on(async {
+        let run = |extra: Value| {
+            let url = server.url.clone();
+            async move {
+                let mut body = json!({
+                    "prompt": "List: apple, apple, apple, apple, apple,",
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "ignore_eos": true,
+                });
+                for (k, v) in extra.as_object().unwrap() {
+                    body[k] = v.clone();
+                }
+                let (status, r) = post(&url, "/v1/completions", body).await;
+                assert_eq!(status, 200, "{r}");
+                r["choices"][0]["text"].as_str().unwrap().to_string()
+            }
+        };
+        let plain = run(json!({})).await;
+        let freq = run(json!({"frequency_penalty": 2.0})).await;
+        let presence = run(json!({"presence_penalty": 2.0})).await;
+        assert_ne!(plain, freq, "a frequency penalty changes greedy output");
+        assert_ne!(plain, presence, "a presence penalty changes greedy output");
+        let ids = |text: &str| server.engine.tokenizer().encode(text).unwrap();
+        let repeats = |text: &str| {
+            let ids = ids(text);
+            let distinct: std::collections::HashSet<_> = ids.iter().collect();
+            ids.len() - distinct.len()
+        };
+        assert!(
+            repeats(&freq) < repeats(&plain),
+            "penalized {freq:?} repeats less than {plain:?}"
+        );
+    });
+}
+
 #[test]
 fn bad_requests_get_openai_errors() {
     let server = shared();
@@ -369,15 +479,24 @@ fn bad_requests_get_openai_errors() {
             json!({"prompt": "x", "stop": [""]}),
             json!({"prompt": [999999]}),
             json!({"prompt": ""}),
-            json!({"prompt": "x", "presence_penalty": 0.5}),
+            json!({"prompt": "x", "presence_penalty": 2.5}),
+            json!({"prompt": "x", "frequency_penalty": -3}),
+            json!({"prompt": "x", "logprobs": 21}),
+            json!({"prompt": "x", "logprobs": "yes"}),
         ] {
             let (s, b) = post(url, "/v1/completions", bad.clone()).await;
             assert_eq!(s, 400, "{bad}: {b}");
             error_of(&b);
         }
-        let (s, b) = post(url, "/v1/chat/completions", json!({"messages": []})).await;
-        assert_eq!(s, 400);
-        error_of(&b);
+        for bad in [
+            json!({"messages": []}),
+            json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+            json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 30}),
+        ] {
+            let (s, b) = post(url, "/v1/chat/completions", bad.clone()).await;
+            assert_eq!(s, 400, "{bad}: {b}");
+            error_of(&b);
+        }
         let (s, b) = post(
             url,
             "/v1/chat/completions",

@@ -460,6 +460,33 @@ impl TextTokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes a token stands for (what OpenAI's `logprobs` call `bytes`): an added token's
+    /// text, or a byte-level BPE piece mapped back to its bytes, which may be part of a UTF-8
+    /// character.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
+        let out_of_range = || TokenizerError::IdOutOfRange {
+            id,
+            vocab_size: self.vocab_size(),
+        };
+        if let Some(added) = self.inner.get_added_vocabulary().simple_id_to_token(id) {
+            return Ok(added.into_bytes());
+        }
+        let piece = self.inner.id_to_token(id).ok_or_else(out_of_range)?;
+        let mut bytes = Vec::with_capacity(piece.len());
+        for c in piece.chars() {
+            match byte_of_char(c) {
+                Some(b) => bytes.push(b),
+                None => bytes.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// A token's text for display: its bytes, with an incomplete UTF-8 character shown as U+FFFD.
+    pub fn token_text(&self, id: u32) -> Result<String> {
+        Ok(String::from_utf8_lossy(&self.token_bytes(id)?).into_owned())
+    }
+
     /// Writes the tokenizer as a HF `tokenizer.json`.
     pub fn save(&self, path: &Path) -> Result<()> {
         self.inner
@@ -566,6 +593,21 @@ impl TextStream {
         *self = Self::default();
         Ok(rest)
     }
+}
+
+/// The byte that GPT-2's byte-level alphabet writes as `c`: printable Latin-1 bytes stand for
+/// themselves, the other 68 bytes were shifted to U+0100 onwards in byte order.
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable = |b: u32| matches!(b, 0x21..=0x7e | 0xa1..=0xac | 0xae..=0xff);
+    let code = c as u32;
+    if printable(code) {
+        return Some(code as u8);
+    }
+    let shifted = code.checked_sub(0x100)?;
+    (0u32..=255)
+        .filter(|&b| !printable(b))
+        .nth(shifted as usize)
+        .map(|b| b as u8)
 }
 
 /// The part of `text` after its longest common prefix with `prefix` (on a char boundary).
@@ -897,6 +939,37 @@ mod tests {
         // The pizza emoji is split over byte tokens: the stream holds back until complete.
         let ids = tok.encode(" 🍕").unwrap();
         assert!(ids.len() > 1, "{ids:?}");
+        // Token bytes concatenate to the text, special tokens and split characters included.
+        for s in [
+            " 🍕 and\n\ttabs",
+            "<|im_start|>user\nWhat is 2+2?<|im_end|>",
+        ] {
+            let ids = tok.encode(s).unwrap();
+            let bytes: Vec<u8> = ids
+                .iter()
+                .flat_map(|&id| tok.token_bytes(id).unwrap())
+                .collect();
+            assert_eq!(bytes, s.as_bytes(), "{s:?}");
+        }
+        assert!(tok.token_bytes(49152).is_err());
+    }
+
+    #[test]
+    fn byte_level_alphabet_maps_back_to_every_byte() {
+        assert_eq!(byte_of_char('Ġ'), Some(b' '));
+        assert_eq!(byte_of_char('Ċ'), Some(b'\n'));
+        assert_eq!(byte_of_char('ĉ'), Some(b'\t'));
+        assert_eq!(byte_of_char('Ā'), Some(0));
+        assert_eq!(byte_of_char('a'), Some(b'a'));
+        assert_eq!(byte_of_char('\u{ad}'), None, "0xAD is shifted, not itself");
+        let mut seen = std::collections::HashSet::new();
+        for c in ('\u{21}'..='\u{ff}').chain('\u{100}'..='\u{143}') {
+            if let Some(b) = byte_of_char(c) {
+                assert!(seen.insert(b), "byte {b} twice");
+            }
+        }
+        assert_eq!(seen.len(), 256);
+        assert_eq!(byte_of_char('\u{144}'), None);
     }
 
     #[test]

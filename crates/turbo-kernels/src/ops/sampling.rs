@@ -1,5 +1,5 @@
 //! Sampling: the argmax of each row of logits, and the full sampler of
-//! [`turbo_core::sampling`] (penalty, temperature, top-k, top-p, min-p, the draw).
+//! [`turbo_core::sampling`] (penalties, temperature, top-k, top-p, min-p, the draw).
 
 use super::check;
 use crate::device::CudaDevice;
@@ -76,7 +76,7 @@ pub fn argmax_f32(
 const SAMPLE_THREADS: u32 = 1024;
 
 /// `u32` words of one row's [`SampleParams`], as `sample` reads them.
-pub const SAMPLE_PARAM_WORDS: usize = 6;
+pub const SAMPLE_PARAM_WORDS: usize = 8;
 
 /// The largest vocabulary [`sample`] takes: the kernel sums weights as `w · 2^40` in 64 bits.
 pub const MAX_SAMPLE_VOCAB: usize = 1 << 24;
@@ -85,13 +85,14 @@ pub const MAX_SAMPLE_VOCAB: usize = 1 << 24;
 const _: () = assert!(std::mem::size_of::<SampleParams>() == SAMPLE_PARAM_WORDS * 4);
 
 /// Chooses one token per row of `logits` (`[rows, vocab]`, f32) by
-/// [`turbo_core::sampling::sample_row`], into `out[..rows]`, applying the repetition penalty to
-/// `logits` in place.
+/// [`turbo_core::sampling::sample_row`], into `out[..rows]`, applying the penalties to `logits`
+/// in place.
 ///
 /// `params` holds `rows` [`SampleParams`] as `u32` words ([`param_words`]); row `r` penalizes
-/// `penalty_tokens[penalty_offsets[r]..penalty_offsets[r + 1]]` (ids past the vocabulary are
-/// ignored; a token listed twice in a row is a race). With no penalized tokens, pass offsets all 0
-/// and any tokens view (one word, say): none is read. Only launches: no allocation, copy or
+/// `penalty_tokens[penalty_offsets[r]..penalty_offsets[r + 1]]`, each generated as often as the
+/// same entry of `penalty_counts` says (ids past the vocabulary are ignored; a token listed twice
+/// in a row is a race). With no penalized tokens, pass offsets all 0 and any tokens and counts
+/// views (one word, say): none is read. Only launches: no allocation, copy or
 /// synchronization, so it can be captured in a CUDA graph.
 #[allow(clippy::too_many_arguments)]
 pub fn sample(
@@ -102,6 +103,7 @@ pub fn sample(
     params: &CudaView<'_, u32>,
     penalty_offsets: &CudaView<'_, u32>,
     penalty_tokens: &CudaView<'_, u32>,
+    penalty_counts: &CudaView<'_, u32>,
     out: &mut CudaViewMut<'_, u32>,
 ) -> Result<()> {
     check(
@@ -111,15 +113,17 @@ pub fn sample(
             && params.len() >= rows * SAMPLE_PARAM_WORDS
             && penalty_offsets.len() > rows
             && penalty_tokens.len() <= u32::MAX as usize
+            && penalty_counts.len() >= penalty_tokens.len()
             && out.len() >= rows,
         || {
             format!(
-                "sample: logits {} / params {} / penalty offsets {} / penalty tokens {} / out {} \
-                 elements for rows={rows} vocab={vocab} (vocab at most {MAX_SAMPLE_VOCAB})",
+                "sample: logits {} / params {} / penalty offsets {} / penalty tokens {} / counts {} \
+                 / out {} elements for rows={rows} vocab={vocab} (vocab at most {MAX_SAMPLE_VOCAB})",
                 logits.len(),
                 params.len(),
                 penalty_offsets.len(),
                 penalty_tokens.len(),
+                penalty_counts.len(),
                 out.len()
             )
         },
@@ -137,6 +141,7 @@ pub fn sample(
     b.arg(params);
     b.arg(penalty_offsets);
     b.arg(penalty_tokens);
+    b.arg(penalty_counts);
     b.arg(&n_tokens);
     b.arg(out);
     let cfg = LaunchConfig {
@@ -162,6 +167,8 @@ pub fn param_words(params: &[SampleParams]) -> Vec<u32> {
                 p.min_p.to_bits(),
                 p.repetition_penalty.to_bits(),
                 p.uniform.to_bits(),
+                p.frequency_penalty.to_bits(),
+                p.presence_penalty.to_bits(),
             ]
         })
         .collect()
@@ -179,7 +186,8 @@ pub fn sample_host(
 ) -> Result<Vec<u32>> {
     let offsets_ok = penalties.offsets.len() == rows + 1
         && penalties.offsets.windows(2).all(|w| w[0] <= w[1])
-        && penalties.offsets[rows] as usize <= penalties.tokens.len();
+        && penalties.offsets[rows] as usize <= penalties.tokens.len()
+        && penalties.counts.len() == penalties.tokens.len();
     check(params.len() == rows && offsets_ok, || {
         format!(
             "sample_host: {} params and {} penalty offsets (over {} tokens) for rows={rows}",
@@ -195,11 +203,15 @@ pub fn sample_host(
     let params_d = dev.stream.clone_htod(&words)?;
     let offsets_d = dev.stream.clone_htod(&penalties.offsets)?;
     // The kernel takes a view of at least one word even when no token is listed.
-    let tokens_d = if penalties.tokens.is_empty() {
-        dev.stream.clone_htod(&[0u32])?
-    } else {
-        dev.stream.clone_htod(&penalties.tokens)?
+    let at_least_one = |v: &[u32]| {
+        if v.is_empty() {
+            dev.stream.clone_htod(&[0u32])
+        } else {
+            dev.stream.clone_htod(v)
+        }
     };
+    let tokens_d = at_least_one(&penalties.tokens)?;
+    let counts_d = at_least_one(&penalties.counts)?;
     let mut out = dev.stream.alloc_zeros::<u32>(rows)?;
     sample(
         dev,
@@ -209,6 +221,7 @@ pub fn sample_host(
         &params_d.as_view(),
         &offsets_d.as_view(),
         &tokens_d.as_view(),
+        &counts_d.as_view(),
         &mut out.as_view_mut(),
     )?;
     Ok(dev.stream.clone_dtoh(&out)?)

@@ -35,7 +35,13 @@ pub struct Request {
     /// recently used first), so that the next turn prefills only its new tokens. Requests of one
     /// session run one at a time, in submission order.
     pub session: Option<String>,
+    /// Report each generated token's log-probability and this many most likely alternatives
+    /// (at most [`MAX_TOP_LOGPROBS`]) in an [`Event::Logprobs`] before its [`Event::Token`].
+    pub logprobs: Option<usize>,
 }
+
+/// Most alternatives a request may ask log-probabilities of (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl Request {
     /// A greedy request for up to 256 tokens after `prompt`.
@@ -47,6 +53,7 @@ impl Request {
             stop_strings: Vec::new(),
             ignore_eos: false,
             session: None,
+            logprobs: None,
         }
     }
 }
@@ -71,6 +78,9 @@ impl Request {
             num_blocks,
         } = *limits;
         self.sampling.validate().map_err(RequestError::Sampling)?;
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(RequestError::TooManyLogprobs(n));
+        }
         let prompt = &self.prompt;
         if prompt.is_empty() {
             return Err(RequestError::EmptyPrompt);
@@ -110,6 +120,8 @@ pub enum RequestError {
     BadToken { id: u32, vocab: usize },
     #[error("invalid sampling parameters: {0}")]
     Sampling(String),
+    #[error("at most {MAX_TOP_LOGPROBS} top log-probabilities per token, asked for {0}")]
+    TooManyLogprobs(usize),
     #[error(
         "the request needs {needed} KV blocks ({tokens} tokens), but the whole cache has {total}: \
          it cannot run even alone"
@@ -127,16 +139,69 @@ pub enum RequestError {
     Disconnected,
 }
 
-/// What a request streams, in order: per generated token a [`Event::Token`] and, when the token
-/// completes text that cannot be part of a stop string, a [`Event::Text`] delta; then exactly one
-/// terminal event, [`Event::Finished`] or [`Event::Failed`]. Concatenating the deltas gives
+/// What a request streams, in order: per generated token (when asked for) its
+/// [`Event::Logprobs`], then an [`Event::Token`] and, when the token completes text that cannot
+/// be part of a stop string, a [`Event::Text`] delta; then exactly one terminal event,
+/// [`Event::Finished`] or [`Event::Failed`]. Concatenating the deltas gives
 /// [`Completion::text`]. A preempted request resumes where it was: nothing is streamed twice.
 #[derive(Clone, Debug)]
 pub enum Event {
+    Logprobs(TokenLogprobs),
     Token(u32),
     Text(String),
     Finished(Completion),
     Failed(RequestError),
+}
+
+/// A generated token's natural-log probability and the most likely alternatives at its step,
+/// from the log-softmax of the logits it was chosen from after the penalties (before temperature
+/// and truncation: the model's distribution, as the penalties shaped it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    /// Most likely first (lower id first on ties); may include `token` itself.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// From one row of logits (NaN counts as -inf); `top` alternatives.
+    pub fn from_logits(logits: &[f32], token: u32, top: usize) -> Self {
+        let value = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l };
+        let max = logits
+            .iter()
+            .map(|&l| value(l))
+            .fold(f32::NEG_INFINITY, f32::max);
+        let lse = if max.is_finite() {
+            let sum: f64 = logits
+                .iter()
+                .map(|&l| ((value(l) - max) as f64).exp())
+                .sum();
+            max as f64 + sum.ln()
+        } else {
+            max as f64
+        };
+        let logprob = |l: f32| (value(l) as f64 - lse) as f32;
+        let mut ranked: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, value(l)))
+            .collect();
+        let by_rank = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let top = top.min(ranked.len());
+        if top > 0 && top < ranked.len() {
+            ranked.select_nth_unstable_by(top - 1, by_rank);
+        }
+        ranked.truncate(top);
+        ranked.sort_unstable_by(by_rank);
+        TokenLogprobs {
+            token,
+            logprob: logits
+                .get(token as usize)
+                .map_or(f32::NEG_INFINITY, |&l| logprob(l)),
+            top: ranked.into_iter().map(|(t, l)| (t, logprob(l))).collect(),
+        }
+    }
 }
 
 impl Event {
@@ -214,7 +279,7 @@ impl RequestHandle {
             match event {
                 Event::Finished(c) => return Ok(c),
                 Event::Failed(e) => return Err(e),
-                Event::Token(_) | Event::Text(_) => {}
+                Event::Logprobs(_) | Event::Token(_) | Event::Text(_) => {}
             }
         }
         Err(RequestError::Disconnected)
