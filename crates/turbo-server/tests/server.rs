@@ -711,3 +711,55 @@ fn shutdown_finishes_the_running_request_then_stops() {
     assert_eq!(body["usage"]["completion_tokens"], 40, "it ran to its end");
     assert!(!server.engine.stats().alive, "the engine thread has ended");
 }
+
+/// The official `openai` Python client against the server (`openai_client.py`). `.ci/run`
+/// installs the client into `target/pydeps` and sets `TURBO_REQUIRE_OPENAI`; without the client
+/// (and without that variable) the test says so and skips.
+#[test]
+fn the_official_openai_client_works() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let pydeps = root.join("target/pydeps");
+    let mut path = std::env::var_os("PYTHONPATH").unwrap_or_default();
+    if pydeps.is_dir() {
+        let mut joined = pydeps.into_os_string();
+        if !path.is_empty() {
+            joined.push(":");
+            joined.push(&path);
+        }
+        path = joined;
+    }
+    let python = || {
+        let mut c = std::process::Command::new("python3");
+        c.env("PYTHONPATH", &path);
+        c
+    };
+    let importable = python()
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !importable {
+        assert!(
+            std::env::var_os("TURBO_REQUIRE_OPENAI").is_none(),
+            "TURBO_REQUIRE_OPENAI is set but python3 cannot import openai"
+        );
+        eprintln!(
+            "skipping: python3 cannot import openai (`.ci/run` installs it into target/pydeps)"
+        );
+        return;
+    }
+    let server = shared();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
+    let out = python()
+        .arg(script)
+        .arg(&server.url)
+        .output()
+        .expect("python3 runs");
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{log}");
+    assert!(out.status.success(), "the openai client's checks failed:\n{log}");
+    assert!(log.contains("checks passed"), "{log}");
+}
