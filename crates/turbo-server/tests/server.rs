@@ -760,6 +760,9 @@ fn the_official_openai_client_works() {
         String::from_utf8_lossy(&out.stderr)
     );
     println!("{log}");
-    assert!(out.status.success(), "the openai client's checks failed:\n{log}");
+    assert!(
+        out.status.success(),
+        "the openai client's checks failed:\n{log}"
+    );
     assert!(log.contains("checks passed"), "{log}");
 }
