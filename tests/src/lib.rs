@@ -24,6 +24,8 @@ pub mod vocab;
 
 pub use engine::{cpu_model, engine_logits, load_and_run};
 pub use files::{gguf_metadata, gguf_tensors, gguf_writer, write_gguf, write_hf, GgufTensor};
-pub use reference::{max_rel_diff, max_rel_err, reference_logits, RopeStyle};
+pub use reference::{
+    max_rel_diff, max_rel_err, reference_logits, reference_logits_masked, RopeStyle,
+};
 pub use tiny::{random_tokens, RefWeights, TinySpec, TinyWeights, Weights};
 pub use turbo_core::DType;

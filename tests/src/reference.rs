@@ -62,6 +62,19 @@ pub fn reference_logits(
     tokens: &[u32],
     style: RopeStyle,
 ) -> Vec<Vec<f64>> {
+    reference_logits_masked(spec, w, tokens, style, &|_, _, _, _| true)
+}
+
+/// [`reference_logits`] where query `t` of layer `l` attends through KV head `h` only to the keys
+/// `j <= t` with `visible(l, h, t, j)`: KV eviction's reference (each token's keys and values are
+/// those it computed when it ran, over what it could see then).
+pub fn reference_logits_masked(
+    spec: &TinySpec,
+    w: &RefWeights,
+    tokens: &[u32],
+    style: RopeStyle,
+    visible: &dyn Fn(usize, usize, usize, usize) -> bool,
+) -> Vec<Vec<f64>> {
     let (d, hd) = (spec.hidden, spec.head_dim());
     let group = spec.heads / spec.kv_heads;
     let eps = spec.eps as f64;
@@ -69,7 +82,7 @@ pub fn reference_logits(
         .iter()
         .map(|&t| w.embed[t as usize * d..(t as usize + 1) * d].to_vec())
         .collect();
-    for layer in &w.layers {
+    for (l, layer) in w.layers.iter().enumerate() {
         let mut keys = Vec::with_capacity(tokens.len());
         let mut values = Vec::with_capacity(tokens.len());
         let mut queries = Vec::with_capacity(tokens.len());
@@ -90,6 +103,9 @@ pub fn reference_logits(
                 let q = &queries[t][head * hd..(head + 1) * hd];
                 let scores: Vec<f64> = (0..=t)
                     .map(|j| {
+                        if !visible(l, kvh, t, j) {
+                            return f64::NEG_INFINITY;
+                        }
                         let k = &keys[j][kvh * hd..(kvh + 1) * hd];
                         q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
                     })

@@ -397,6 +397,7 @@ fn teacher_forced_logits_match_golden() {
         let chunk = SequenceChunk {
             tokens: tokens.clone(),
             start: 0,
+            position: 0,
             block_table: (0..blocks as u32).collect(),
         };
         let started = Instant::now();

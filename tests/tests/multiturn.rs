@@ -103,6 +103,7 @@ fn top2_gap(loaded: &LoadedModel, tokens: &[u32]) -> (u32, u32, f32) {
     let chunk = SequenceChunk {
         tokens: tokens.to_vec(),
         start: 0,
+        position: 0,
         block_table: (0..blocks as u32).collect(),
     };
     let logits = model.forward(&[chunk], &mut cache, Logits::Last).unwrap();

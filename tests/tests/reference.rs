@@ -189,6 +189,7 @@ fn split_prefill_and_decode_over_scattered_blocks() {
             let chunk = SequenceChunk {
                 tokens: tokens[start..end].to_vec(),
                 start,
+                position: start,
                 // Only the blocks the sequence needs so far.
                 block_table: table[..end.div_ceil(block_size)].to_vec(),
             };
@@ -227,6 +228,7 @@ fn split_prefill_and_decode_over_scattered_blocks() {
         let chunk = SequenceChunk {
             tokens: tokens[..10].to_vec(),
             start: 0,
+            position: 0,
             block_table: table[..3].to_vec(),
         };
         let last = model.forward(&[chunk], &mut cache, Logits::Last).unwrap();
@@ -264,6 +266,7 @@ fn batched_sequences_attend_only_to_themselves() {
             &[SequenceChunk {
                 tokens: a[..6].to_vec(),
                 start: 0,
+                position: 0,
                 block_table: table_a.clone(),
             }],
             &mut cache,
@@ -276,11 +279,13 @@ fn batched_sequences_attend_only_to_themselves() {
                 SequenceChunk {
                     tokens: a[6..].to_vec(),
                     start: 6,
+                    position: 6,
                     block_table: table_a,
                 },
                 SequenceChunk {
                     tokens: b.clone(),
                     start: 0,
+                    position: 0,
                     block_table: table_b,
                 },
             ],
@@ -321,4 +326,48 @@ fn longer_sequence_matches_reference() {
 
 fn wq_dtype(loaded: &LoadedModel) -> DType {
     loaded.weights.layers[0].wq.dtype
+}
+
+/// KV eviction: after a prefill each (layer, KV head) keeps its own random subset of the keys (the
+/// same count everywhere), compacted into the leading key indices of scattered blocks; the tokens
+/// after it run at their true positions (a chunk, then decode steps) over the kept keys. Their
+/// logits match the f64 reference whose queries see exactly the kept keys and the later ones.
+#[test]
+fn compacted_kv_matches_the_masked_reference() {
+    use turbo_tests::engine::Compaction;
+    use turbo_tests::reference_logits_masked;
+    for (heads, kv_heads, dtype, seed) in [(4, 2, DType::F32, 5), (8, 2, DType::Q8_0, 6)] {
+        let spec = TinySpec {
+            heads,
+            kv_heads,
+            seed,
+            ..Default::default()
+        };
+        let (_dir, loaded, stored) = gguf(&spec, dtype);
+        let model = cpu_model(&loaded);
+        let (prefill, k, total, block_size) = (24, 10, 40, 4);
+        let tokens = random_tokens(&spec, total, seed + 1);
+        let scenario = Compaction {
+            prefill,
+            kept: Compaction::random(spec.layers, kv_heads, prefill, k, seed + 2),
+            k,
+            block_size,
+            block_table: shuffled_blocks(
+                64,
+                prefill.max(k + total - prefill).div_ceil(block_size),
+                seed + 3,
+            ),
+            chunk: 6,
+        };
+        let got = scenario.run(&model, &tokens);
+        let visible = |l, h, t, j| scenario.visible(kv_heads, l, h, t, j);
+        let want =
+            reference_logits_masked(&spec, &stored, &tokens, RopeStyle::Interleaved, &visible);
+        let err = max_rel_err(&got, &want[prefill..]);
+        eprintln!("{dtype} {heads}/{kv_heads} heads: compacted error {err:.2e}");
+        assert!(err < TOL, "{dtype}: error {err:e} (tolerance {TOL:e})");
+        // Eviction changes the logits: the comparison can tell kept keys from all keys.
+        let full = reference_logits(&spec, &stored, &tokens, RopeStyle::Interleaved);
+        assert!(max_rel_err(&got, &full[prefill..]) > 100.0 * TOL);
+    }
 }

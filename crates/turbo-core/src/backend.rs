@@ -99,6 +99,60 @@ impl BatchLayout<'_> {
     }
 }
 
+/// One sequence's KV compaction (KV eviction): in every (layer, KV head) row, the keys and values
+/// at key indices `kept[row]` move, in order, to key indices `0..kept_per_row` of the sequence's
+/// block table. Every row keeps the same number of keys, so one block table still serves all
+/// layers and heads, each holding its own choice of tokens; keys are stored rotated, so a moved
+/// key keeps its position.
+#[derive(Clone, Copy, Debug)]
+pub struct KvCompaction<'a> {
+    pub block_table: &'a [u32],
+    /// `[n_layers][n_kv_heads][kept_per_row]` key indices, strictly increasing in each row.
+    pub kept: &'a [u32],
+    pub kept_per_row: usize,
+}
+
+impl KvCompaction<'_> {
+    /// Checks the plan against `spec` (row count, order, block table coverage), so that a backend
+    /// can move data without further checks. Strictly increasing rows make the in-order move safe
+    /// in place: a key is never overwritten before it moves.
+    pub fn check(&self, spec: &KvCacheSpec) -> Result<()> {
+        let rows = spec.n_layers * spec.n_kv_heads;
+        let k = self.kept_per_row;
+        let covered = self.block_table.len() * spec.block_size;
+        let bad = |why: String| Err(BackendError::Unsupported(format!("KV compaction: {why}")));
+        if self.kept.len() != rows * k {
+            return bad(format!(
+                "{} kept keys for {rows} rows of {k}",
+                self.kept.len()
+            ));
+        }
+        if self
+            .block_table
+            .iter()
+            .any(|&b| b as usize >= spec.max_blocks)
+        {
+            return bad("a block past the cache".into());
+        }
+        for row in self.kept.chunks(k.max(1)) {
+            if row.windows(2).any(|w| w[0] >= w[1]) {
+                return bad("kept keys not strictly increasing".into());
+            }
+            if row.last().is_some_and(|&last| last as usize >= covered) {
+                return bad(format!(
+                    "a kept key past the {covered} slots of the block table"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The cache slot of key index `key` in the sequence's blocks.
+    pub fn slot(&self, key: usize, block_size: usize) -> usize {
+        self.block_table[key / block_size] as usize * block_size + key % block_size
+    }
+}
+
 /// Per output row, its sampling parameters and penalized tokens (see [`crate::sampling`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Sampling<'a> {
@@ -281,6 +335,8 @@ pub trait Backend: Send + Sync {
     fn read_logits(&self, batch: &Self::Batch) -> Result<Vec<f32>>;
     /// The output rows' sampled tokens.
     fn read_tokens(&self, batch: &Self::Batch) -> Result<Vec<u32>>;
+    /// Moves a sequence's kept keys and values to its leading key indices ([`KvCompaction`]).
+    fn compact_kv(&self, cache: &mut Self::KvCache, compaction: &KvCompaction) -> Result<()>;
     /// Stores keys and values of the batch's tokens at their slots of `layer`.
     fn write_kv(
         &self,

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use turbo_core::backend::{Backend, BatchLayout, BatchRows, Result};
+use turbo_core::backend::{Backend, BatchLayout, BatchRows, KvCompaction, Result};
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::SampleParams;
 use turbo_core::{BackendError, WeightMatrix};
@@ -842,6 +842,33 @@ impl Backend for CudaBackend {
             .memcpy_dtoh(&sampled.slice(..batch.real_outputs), &mut host)
             .map_err(CudaError::from)?;
         Ok(host)
+    }
+
+    fn compact_kv(&self, cache: &mut CudaKvCache, compaction: &KvCompaction) -> Result<()> {
+        let spec = *cache.spec();
+        compaction.check(&spec)?;
+        if compaction.kept_per_row == 0 {
+            return Ok(());
+        }
+        let upload = |v: &[u32]| self.dev.stream.clone_htod(v).map_err(CudaError::from);
+        let table = upload(compaction.block_table)?;
+        let kept = upload(compaction.kept)?;
+        let per_layer = spec.n_kv_heads * compaction.kept_per_row;
+        for layer in 0..spec.n_layers {
+            let (keys, values) = cache.layer_mut(layer);
+            ops::elementwise::compact_kv(
+                &self.dev,
+                keys,
+                values,
+                &table.as_view(),
+                &kept.slice(layer * per_layer..(layer + 1) * per_layer),
+                compaction.kept_per_row,
+                spec.block_size,
+                spec.n_kv_heads,
+                spec.head_dim,
+            )?;
+        }
+        Ok(())
     }
 
     fn write_kv(

@@ -16,10 +16,26 @@ use turbo_core::{Backend, BackendError};
 pub struct SequenceChunk {
     /// Tokens to run, continuing the sequence.
     pub tokens: Vec<u32>,
-    /// Tokens of the sequence whose KV is already cached (the position of `tokens[0]`).
+    /// Keys of the sequence already cached: the key index `tokens[0]`'s KV goes to. The queries
+    /// attend to these keys and, causally, to the chunk's own.
     pub start: usize,
-    /// Blocks holding the sequence's KV, covering `start + tokens.len()` tokens.
+    /// The position of `tokens[0]` in the sequence (for RoPE): `start`, unless KV eviction
+    /// dropped keys, when it is `start` plus the number of keys dropped.
+    pub position: usize,
+    /// Blocks holding the sequence's KV, covering `start + tokens.len()` keys.
     pub block_table: Vec<u32>,
+}
+
+impl SequenceChunk {
+    /// A chunk of a sequence whose keys were never evicted (its key index is its position).
+    pub fn new(tokens: Vec<u32>, start: usize, block_table: Vec<u32>) -> Self {
+        SequenceChunk {
+            tokens,
+            start,
+            position: start,
+            block_table,
+        }
+    }
 }
 
 /// Which logits a forward pass returns.
@@ -366,9 +382,11 @@ fn flatten(batch: &[SequenceChunk], block_size: usize) -> Result<Flat> {
             .into());
         }
         ids.extend_from_slice(&s.tokens);
-        for p in s.start..end {
-            positions.push(p as u32);
-            slots.push(s.block_table[p / block_size] * block_size as u32 + (p % block_size) as u32);
+        for (i, key) in (s.start..end).enumerate() {
+            positions.push((s.position + i) as u32);
+            slots.push(
+                s.block_table[key / block_size] * block_size as u32 + (key % block_size) as u32,
+            );
         }
         spans.push((q_start, s.tokens.len(), end));
     }

@@ -742,6 +742,7 @@ impl<B: Backend> PersistentBatch<B> {
             chunks.push(SequenceChunk {
                 tokens: tokens[w.start..w.start + w.len].to_vec(),
                 start: w.start,
+                position: w.start,
                 block_table: self.kv.block_table(seq)?.to_vec(),
             });
             let live = self.slots[w.slot].as_mut().expect("scheduled slots run");

@@ -98,6 +98,7 @@ fn top2_gaps<B: Backend>(model: &Llama<B>, prompt: &[u32], tokens: &[u32]) -> Ve
     let chunk = SequenceChunk {
         tokens: all.clone(),
         start: 0,
+        position: 0,
         block_table: (0..blocks as u32).collect(),
     };
     let logits = model.forward(&[chunk], &mut cache, Logits::All).unwrap();

@@ -7,7 +7,9 @@ pub mod ops;
 
 pub use kv::{CpuKvCache, KvCacheSpec};
 
-use crate::backend::{Backend, BackendError, BatchLayout, BatchRows, OwnedSpans, Result};
+use crate::backend::{
+    Backend, BackendError, BatchLayout, BatchRows, KvCompaction, OwnedSpans, Result,
+};
 use crate::sampling::{sample_row, PenaltyLists, SampleParams};
 use crate::WeightMatrix;
 use rayon::prelude::*;
@@ -297,6 +299,10 @@ impl Backend for CpuBackend {
 
     fn read_tokens(&self, batch: &CpuBatch) -> Result<Vec<u32>> {
         Ok(batch.tokens.lock().map_err(poisoned)?.clone())
+    }
+
+    fn compact_kv(&self, cache: &mut CpuKvCache, compaction: &KvCompaction) -> Result<()> {
+        cache.compact(compaction)
     }
 
     fn write_kv(

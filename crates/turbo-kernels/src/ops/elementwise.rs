@@ -304,6 +304,68 @@ pub fn write_kv(
     Ok(())
 }
 
+/// Moves one layer's kept keys and values of a sequence to its leading key indices (KV eviction):
+/// in KV head `h`, key index `kept[h * k + j]` moves to key index `j`, key index `i` living at
+/// slot `block_table[i / block_size] * block_size + i % block_size`. Each row of `kept` must be
+/// strictly increasing and within the block table ([`turbo_core::KvCompaction::check`]): the
+/// kernel trusts it.
+#[allow(clippy::too_many_arguments)]
+pub fn compact_kv(
+    dev: &CudaDevice,
+    k_cache: &mut CudaSlice<bf16>,
+    v_cache: &mut CudaSlice<bf16>,
+    block_table: &CudaView<'_, u32>,
+    kept: &CudaView<'_, u32>,
+    k: usize,
+    block_size: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+) -> Result<()> {
+    check(
+        (1..=1024).contains(&head_dim)
+            && block_size > 0
+            && fits_i32(k)
+            && fits_i32(block_size)
+            && fits_i32(n_kv_heads)
+            && kept.len() >= n_kv_heads * k
+            && k_cache.len().min(v_cache.len())
+                >= block_table.len() * block_size * n_kv_heads * head_dim,
+        || {
+            format!(
+                "compact_kv: kept {} / table {} / caches {} {} for k={k} block_size={block_size} \
+                 heads={n_kv_heads} head_dim={head_dim}",
+                kept.len(),
+                block_table.len(),
+                k_cache.len(),
+                v_cache.len()
+            )
+        },
+    )?;
+    if k == 0 || n_kv_heads == 0 {
+        return Ok(());
+    }
+    let args = [k, block_size, n_kv_heads, head_dim].map(|v| v as i32);
+    let f = dev.function("elementwise", "compact_kv_bf16")?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(k_cache);
+    b.arg(v_cache);
+    b.arg(block_table);
+    b.arg(kept);
+    for a in &args {
+        b.arg(a);
+    }
+    let rows = (1024 / head_dim).max(1) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (n_kv_heads as u32, 2, 1),
+        block_dim: (head_dim as u32, rows, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; the caller checked the plan against the
+    // cache (rows strictly increasing, every key inside the block table, blocks inside the cache).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
 /// SwiGLU of a fused product: `gate_up` is `[rows, 2 · cols]`, each row `[gate | up]`;
 /// `out[r, c] = silu(gate[r, c]) · up[r, c]`.
 pub fn swiglu(
