@@ -452,26 +452,23 @@ impl Collector {
     fn render_logprobs(&self, entries: &[TokenLogprobs], offset: usize) -> Option<Value> {
         self.meta.logprobs?;
         let tokenizer = self.state.engine.tokenizer();
-        let bytes = |id: u32| tokenizer.token_bytes(id).unwrap_or_default();
-        let text = |id: u32| String::from_utf8_lossy(&bytes(id)).into_owned();
+        // A token's bytes, and its text (an incomplete UTF-8 character as U+FFFD).
+        let token = |id: u32| {
+            let bytes = tokenizer.token_bytes(id).unwrap_or_default();
+            (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+        };
         Some(match self.meta.kind {
             Kind::Chat => {
+                let entry = |id: u32, lp: f32| {
+                    let (text, bytes) = token(id);
+                    json!({"token": text, "logprob": finite(lp), "bytes": bytes})
+                };
                 let content: Vec<Value> = entries
                     .iter()
                     .map(|e| {
-                        let top: Vec<Value> = e
-                            .top
-                            .iter()
-                            .map(|&(t, lp)| {
-                                json!({"token": text(t), "logprob": finite(lp), "bytes": bytes(t)})
-                            })
-                            .collect();
-                        json!({
-                            "token": text(e.token),
-                            "logprob": finite(e.logprob),
-                            "bytes": bytes(e.token),
-                            "top_logprobs": top,
-                        })
+                        let mut value = entry(e.token, e.logprob);
+                        value["top_logprobs"] = e.top.iter().map(|&(t, lp)| entry(t, lp)).collect();
+                        value
                     })
                     .collect();
                 json!({"content": content, "refusal": null})
@@ -481,15 +478,17 @@ impl Collector {
                 let (mut tokens, mut lps, mut tops, mut offsets) =
                     (Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 for e in entries {
+                    let (text, bytes) = token(e.token);
                     offsets.push(at);
-                    at += bytes(e.token).len();
-                    tokens.push(text(e.token));
+                    at += bytes.len();
                     lps.push(finite(e.logprob));
                     // The sampled token is always listed, as OpenAI's legacy API does.
                     let mut top = serde_json::Map::new();
-                    for &(id, lp) in e.top.iter().chain([(e.token, e.logprob)].iter()) {
-                        top.insert(text(id), finite(lp).into());
+                    for &(id, lp) in &e.top {
+                        top.insert(token(id).0, finite(lp).into());
                     }
+                    top.insert(text.clone(), finite(e.logprob).into());
+                    tokens.push(text);
                     tops.push(Value::Object(top));
                 }
                 json!({

@@ -596,18 +596,18 @@ impl TextStream {
 }
 
 /// The byte that GPT-2's byte-level alphabet writes as `c`: printable Latin-1 bytes stand for
-/// themselves, the other 68 bytes were shifted to U+0100 onwards in byte order.
+/// themselves; the other 68 (0x00-0x20, 0x7F-0xA0, 0xAD) were shifted, in byte order, to U+0100
+/// onwards.
 fn byte_of_char(c: char) -> Option<u8> {
-    let printable = |b: u32| matches!(b, 0x21..=0x7e | 0xa1..=0xac | 0xae..=0xff);
     let code = c as u32;
-    if printable(code) {
-        return Some(code as u8);
-    }
-    let shifted = code.checked_sub(0x100)?;
-    (0u32..=255)
-        .filter(|&b| !printable(b))
-        .nth(shifted as usize)
-        .map(|b| b as u8)
+    let byte = match code {
+        0x21..=0x7e | 0xa1..=0xac | 0xae..=0xff => code,
+        0x100..=0x120 => code - 0x100,
+        0x121..=0x142 => 0x7f + (code - 0x121),
+        0x143 => 0xad,
+        _ => return None,
+    };
+    Some(byte as u8)
 }
 
 /// The part of `text` after its longest common prefix with `prefix` (on a char boundary).
