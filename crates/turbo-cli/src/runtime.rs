@@ -177,3 +177,10 @@ impl KvArgs {
         Ok(size.num_blocks(model, info)?)
     }
 }
+
+/// A flag's seconds as a duration: a clear error for a negative, non-finite or absurdly large
+/// value instead of a panic.
+pub fn seconds(flag: &str, value: f64) -> anyhow::Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(value)
+        .map_err(|_| anyhow::anyhow!("{flag} must be a number of seconds >= 0, not {value}"))
+}

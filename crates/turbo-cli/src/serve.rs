@@ -1,10 +1,9 @@
 //! `turbo serve`: the model behind an OpenAI-compatible HTTP API, until SIGINT or SIGTERM.
 
-use crate::runtime::{KvArgs, ModelArgs};
+use crate::runtime::{seconds, KvArgs, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use std::sync::Arc;
-use std::time::Duration;
 use turbo_engine::{Engine, EngineConfig};
 use turbo_server::ServerConfig;
 
@@ -32,6 +31,10 @@ pub struct ServeArgs {
     /// Requests running or queued at once; past it, new ones get 429.
     #[arg(long, default_value_t = 512)]
     max_pending: usize,
+    /// Seconds a request may wait for a batch slot before it is refused with 503 (0: no
+    /// limit). Bounds how long clients wait under overload.
+    #[arg(long, default_value_t = 0.0)]
+    max_queue_wait: f64,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 8 << 20)]
     max_body_bytes: usize,
@@ -46,10 +49,8 @@ pub struct ServeArgs {
 pub fn run(args: ServeArgs) -> Result<()> {
     anyhow::ensure!(args.max_batch > 0, "--max-batch must be positive");
     anyhow::ensure!(args.max_pending > 0, "--max-pending must be positive");
-    anyhow::ensure!(
-        args.shutdown_timeout.is_finite() && args.shutdown_timeout >= 0.0,
-        "--shutdown-timeout must be a number of seconds >= 0"
-    );
+    let shutdown_timeout = seconds("--shutdown-timeout", args.shutdown_timeout)?;
+    let max_queue_wait = seconds("--max-queue-wait", args.max_queue_wait)?;
     let engine = Arc::new(Engine::start(EngineConfig {
         kv: args.kv.size(args.max_batch, 4096)?,
         max_batch: args.max_batch,
@@ -65,7 +66,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         api_key: args.api_key.filter(|k| !k.is_empty()),
         served_model_name: args.served_model_name,
         max_body_bytes: args.max_body_bytes,
-        shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
+        shutdown_timeout,
+        max_queue_wait: (!max_queue_wait.is_zero()).then_some(max_queue_wait),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

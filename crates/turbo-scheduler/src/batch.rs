@@ -204,6 +204,8 @@ struct Live {
     stamp: u64,
     preemptions: usize,
     submitted: Instant,
+    /// When a request never admitted gives up waiting ([`Request::max_queue_wait`]).
+    queue_deadline: Option<Instant>,
     admitted: Option<Instant>,
     first_token: Option<Instant>,
 }
@@ -383,6 +385,7 @@ impl<B: Backend> PersistentBatch<B> {
             },
             None => self.new_seq(),
         };
+        let submitted = Instant::now();
         let mut live = Live {
             id,
             seq,
@@ -401,7 +404,8 @@ impl<B: Backend> PersistentBatch<B> {
             cached_prompt: None,
             stamp: 0,
             preemptions: 0,
-            submitted: Instant::now(),
+            submitted,
+            queue_deadline: request.max_queue_wait.map(|wait| submitted + wait),
             admitted: None,
             first_token: None,
         };
@@ -520,7 +524,7 @@ impl<B: Backend> PersistentBatch<B> {
         Ok(work)
     }
 
-    /// Cancels the requests whose client went away.
+    /// Cancels the requests whose client went away, and refuses those that waited too long.
     fn drop_disconnected(&mut self, report: &mut StepReport) -> Result<(), KvError> {
         for live in self
             .slots
@@ -539,6 +543,17 @@ impl<B: Backend> PersistentBatch<B> {
         while let Some(i) = self.waiting.iter().position(|l| !l.connected) {
             let live = self.waiting.remove(i).expect("found above");
             self.release(&live, false)?;
+            report.ended += 1;
+        }
+        // Requests that waited too long for their first admission (a preempted one has started
+        // streaming and is not refused).
+        let now = Instant::now();
+        let expired = |l: &Live| l.admitted.is_none() && l.queue_deadline.is_some_and(|d| d <= now);
+        while let Some(i) = self.waiting.iter().position(expired) {
+            let mut live = self.waiting.remove(i).expect("found above");
+            self.release(&live, false)?;
+            let waited_ms = now.duration_since(live.submitted).as_millis() as u64;
+            live.send(Event::Failed(RequestError::QueueTimeout { waited_ms }));
             report.ended += 1;
         }
         Ok(())

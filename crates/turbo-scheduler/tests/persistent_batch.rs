@@ -522,6 +522,7 @@ fn stress_random_requests_on_a_tiny_model() {
                 ignore_eos: rng.random_bool(0.5),
                 session: session.clone(),
                 logprobs: rng.random_bool(0.2).then(|| rng.random_range(0..=5)),
+                max_queue_wait: None,
             };
             demand += (prompt.len() + request.max_tokens).min(spec.context);
             if let Some(s) = session {

@@ -108,6 +108,13 @@ impl From<RequestError> for ApiError {
             }
             RequestError::Sampling(_) => ApiError::invalid(e.to_string()),
             RequestError::TooManyLogprobs(_) => ApiError::invalid(e.to_string()).param("logprobs"),
+            RequestError::QueueTimeout { .. } => ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                message: e.to_string(),
+                kind: "server_error",
+                param: None,
+                code: Some("overloaded"),
+            },
             RequestError::Model(_) | RequestError::Detokenize(_) | RequestError::Disconnected => {
                 ApiError::internal(e.to_string())
             }

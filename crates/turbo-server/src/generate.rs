@@ -141,6 +141,7 @@ async fn run(
                 ignore_eos: g.ignore_eos,
                 session: g.session.clone(),
                 logprobs: g.logprobs,
+                max_queue_wait: state.config.max_queue_wait,
                 ..Request::new(prompt.clone())
             };
             // An error drops the streams submitted so far, which cancels them.
@@ -166,8 +167,12 @@ async fn run(
         prompt_tokens: prompts.iter().map(Vec::len).sum(),
         arrived,
     };
-    let collector = Collector::new(state.clone(), meta, streams);
+    let mut collector = Collector::new(state.clone(), meta, streams);
     if g.stream {
+        if state.config.max_queue_wait.is_some() {
+            // A request refused in the queue gets its status code, not a stream of one error.
+            collector.first_event().await?;
+        }
         let sse = stream::unfold(collector, |mut c| async move {
             c.next_sse().await.map(|e| (Ok::<_, Infallible>(e), c))
         });
@@ -276,7 +281,8 @@ impl Collector {
                 None
             }
             Event::Failed(e) => {
-                metrics.outcome("error");
+                let overloaded = matches!(e, turbo_engine::RequestError::QueueTimeout { .. });
+                metrics.outcome(if overloaded { "overloaded" } else { "error" });
                 tracing::warn!(id = %self.meta.id, choice = i, "request failed: {e}");
                 self.failed = Some(e.into());
                 None
@@ -341,48 +347,66 @@ impl Collector {
             if self.done {
                 return None;
             }
-            match self.events.next().await {
-                Some((i, event)) => {
-                    let finished = matches!(event, Event::Finished(_));
-                    if let Some(text) = self.record(i, event) {
-                        let before = self.choices[i].text.len() - text.len();
-                        let logprobs = self.unsent_logprobs(i, before);
-                        let chunk = match self.meta.kind {
-                            Kind::Chat => self.chunk(i, json!({"content": text}), None, logprobs),
-                            Kind::Text => self.chunk(i, Value::String(text), None, logprobs),
-                        };
-                        self.queue.push_back(chunk);
-                    }
-                    if finished {
-                        let reason = self.choices[i]
-                            .completion
-                            .as_ref()
-                            .map(|c| finish_reason(c.finish_reason));
-                        let empty = match self.meta.kind {
-                            Kind::Chat => json!({}),
-                            Kind::Text => Value::String(String::new()),
-                        };
-                        let logprobs = self.unsent_logprobs(i, self.choices[i].text.len());
-                        let chunk = self.chunk(i, empty, reason, logprobs);
-                        self.queue.push_back(chunk);
-                    }
-                    if let Some(e) = self.failed.take() {
-                        // The other choices are cancelled when the collector is dropped.
-                        let json = serde_json::to_string(&e.body()).unwrap_or_default();
-                        self.queue.push_back(SseEvent::default().data(json));
-                        self.end();
-                    }
+            let next = self.events.next().await;
+            self.absorb(next);
+        }
+    }
+
+    /// Waits for the first engine event; a failure before it is returned as the response's
+    /// error instead of being streamed.
+    async fn first_event(&mut self) -> Result<(), ApiError> {
+        let next = self.events.next().await;
+        if let Some((i, event @ Event::Failed(_))) = next {
+            self.record(i, event);
+            return Err(self.failed.take().expect("recorded above"));
+        }
+        self.absorb(next);
+        Ok(())
+    }
+
+    /// Turns the next engine event (`None`: all choices ended) into server-sent events.
+    fn absorb(&mut self, next: Option<(usize, Event)>) {
+        match next {
+            Some((i, event)) => {
+                let finished = matches!(event, Event::Finished(_));
+                if let Some(text) = self.record(i, event) {
+                    let before = self.choices[i].text.len() - text.len();
+                    let logprobs = self.unsent_logprobs(i, before);
+                    let chunk = match self.meta.kind {
+                        Kind::Chat => self.chunk(i, json!({"content": text}), None, logprobs),
+                        Kind::Text => self.chunk(i, Value::String(text), None, logprobs),
+                    };
+                    self.queue.push_back(chunk);
                 }
-                None => {
-                    if self.meta.include_usage {
-                        let mut chunk = self.envelope();
-                        chunk["choices"] = json!([]);
-                        chunk["usage"] = self.usage();
-                        self.queue
-                            .push_back(SseEvent::default().data(chunk.to_string()));
-                    }
+                if finished {
+                    let reason = self.choices[i]
+                        .completion
+                        .as_ref()
+                        .map(|c| finish_reason(c.finish_reason));
+                    let empty = match self.meta.kind {
+                        Kind::Chat => json!({}),
+                        Kind::Text => Value::String(String::new()),
+                    };
+                    let logprobs = self.unsent_logprobs(i, self.choices[i].text.len());
+                    let chunk = self.chunk(i, empty, reason, logprobs);
+                    self.queue.push_back(chunk);
+                }
+                if let Some(e) = self.failed.take() {
+                    // The other choices are cancelled when the collector is dropped.
+                    let json = serde_json::to_string(&e.body()).unwrap_or_default();
+                    self.queue.push_back(SseEvent::default().data(json));
                     self.end();
                 }
+            }
+            None => {
+                if self.meta.include_usage {
+                    let mut chunk = self.envelope();
+                    chunk["choices"] = json!([]);
+                    chunk["usage"] = self.usage();
+                    self.queue
+                        .push_back(SseEvent::default().data(chunk.to_string()));
+                }
+                self.end();
             }
         }
     }

@@ -7,7 +7,7 @@
 //! cache's prefix sharing finds them (`usage.prompt_tokens_details.cached_tokens` shows it).
 //!
 //! Failure is per request: bad input gets an OpenAI-style error (400, 404, 413, 401), a full
-//! queue 429, a stopping server 503; a client that goes away cancels its request, whose KV is
+//! queue 429, a request that waited past `--max-queue-wait` or a stopping server 503; a client that goes away cancels its request, whose KV is
 //! freed at the engine's next step.
 
 mod api;
@@ -44,6 +44,10 @@ pub struct ServerConfig {
     /// After a shutdown signal, how long running requests may take to finish before they are
     /// cancelled.
     pub shutdown_timeout: Duration,
+    /// Longest a request waits for a batch slot before it is refused with 503, so that under
+    /// overload every client gets an answer in bounded time. A streamed response then starts
+    /// (its headers are sent) when its first token or refusal is known. `None`: no limit.
+    pub max_queue_wait: Option<Duration>,
 }
 
 impl Default for ServerConfig {
@@ -53,6 +57,7 @@ impl Default for ServerConfig {
             served_model_name: None,
             max_body_bytes: 8 << 20,
             shutdown_timeout: Duration::from_secs(30),
+            max_queue_wait: None,
         }
     }
 }

@@ -647,6 +647,62 @@ fn a_full_queue_refuses_with_429_and_recovers() {
 }
 
 #[test]
+fn a_request_that_waits_past_the_queue_limit_gets_503() {
+    let config = ServerConfig {
+        max_queue_wait: Some(Duration::from_millis(300)),
+        ..ServerConfig::default()
+    };
+    let server = Server::start(engine(1, 8), config);
+    rt().block_on(async {
+        let url = server.url.clone();
+        // Holds the only slot for well over the limit.
+        let long = {
+            let url = url.clone();
+            tokio::spawn(async move {
+                post(
+                    &url,
+                    "/v1/completions",
+                    json!({"prompt": "Count:", "max_tokens": 200, "ignore_eos": true}),
+                )
+                .await
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while metric(&get_text(&url, "/metrics").await, "turbo_requests_running") < 1.0 {
+            assert!(Instant::now() < deadline, "the long request never started");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let started = Instant::now();
+        let (status, body) = post(&url, "/v1/completions", json!({"prompt": "Hi", "max_tokens": 2})).await;
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(error_of(&body)["code"], "overloaded");
+        // Streamed: refused with the status, not a 200 stream carrying an error.
+        let r = client()
+            .post(format!("{url}/v1/chat/completions"))
+            .json(&json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 503);
+        assert_eq!(error_of(&r.json().await.unwrap())["code"], "overloaded");
+        assert!(started.elapsed() < Duration::from_secs(10), "refused promptly");
+        let (status, body) = long.await.unwrap();
+        assert_eq!(status, 200, "the running request is untouched: {body}");
+        assert_eq!(body["usage"]["completion_tokens"], 200);
+        // Streaming still works when the request is admitted in time.
+        let chunks = stream(
+            &url,
+            "/v1/completions",
+            json!({"prompt": "Hi", "max_tokens": 3, "stream": true}),
+        )
+        .await;
+        assert!(chunks.iter().any(|c| c["choices"][0]["finish_reason"] == "length"));
+        let metrics = get_text(&url, "/metrics").await;
+        assert_eq!(metric(&metrics, "turbo_requests_waiting"), 0.0);
+    });
+}
+
+#[test]
 fn the_api_key_guards_v1_routes() {
     let config = ServerConfig {
         api_key: Some("sesame".into()),

@@ -5,7 +5,6 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
-use std::time::Duration;
 use turbo_loadgen::{LoadgenConfig, Rate, Synthetic, Workload};
 
 #[derive(Args)]
@@ -82,7 +81,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
     config.rate = rate;
     config.max_concurrency = args.max_concurrency;
     config.seed = args.seed;
-    config.timeout = Some(Duration::from_secs_f64(args.timeout));
+    config.timeout = Some(crate::runtime::seconds("--timeout", args.timeout)?);
     config.ignore_eos = !args.honor_eos;
     let report = turbo_loadgen::run_blocking(&config)?;
     print!("{}", report.table());

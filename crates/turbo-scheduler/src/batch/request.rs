@@ -6,6 +6,7 @@ use crate::sampling::SamplingParams;
 use serde::Serialize;
 use std::fmt;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::time::Duration;
 use thiserror::Error;
 
 /// Names a request for its whole life in the batch (waiting, running, preempted).
@@ -38,6 +39,10 @@ pub struct Request {
     /// Report each generated token's log-probability and this many most likely alternatives
     /// (at most [`MAX_TOP_LOGPROBS`]) in an [`Event::Logprobs`] before its [`Event::Token`].
     pub logprobs: Option<usize>,
+    /// Longest a request may wait for its first admission; past it, it ends with
+    /// [`RequestError::QueueTimeout`] so that an overloaded server answers instead of
+    /// letting clients hang. `None`: it waits as long as it takes.
+    pub max_queue_wait: Option<Duration>,
 }
 
 /// Most alternatives a request may ask log-probabilities of (OpenAI's limit).
@@ -54,6 +59,7 @@ impl Request {
             ignore_eos: false,
             session: None,
             logprobs: None,
+            max_queue_wait: None,
         }
     }
 }
@@ -137,6 +143,10 @@ pub enum RequestError {
     Detokenize(String),
     #[error("the batch was dropped before the request ended")]
     Disconnected,
+    #[error(
+        "the server is overloaded: the request waited {waited_ms} ms for a slot; try again later"
+    )]
+    QueueTimeout { waited_ms: u64 },
 }
 
 /// What a request streams, in order: per generated token (when asked for) its
