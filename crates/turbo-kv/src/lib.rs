@@ -40,6 +40,17 @@ pub enum KvError {
         limit: usize,
         what: &'static str,
     },
+    #[error(
+        "sequence {seq}: cannot compact to {kept} keys (frozen prefix {frozen}, {keys} keys held, \
+         evicting: {evicting})"
+    )]
+    BadCompaction {
+        seq: SeqId,
+        kept: usize,
+        frozen: usize,
+        keys: usize,
+        evicting: bool,
+    },
     #[error("sequence {seq}: commit up to {upto} is before its {computed} computed tokens")]
     CommitBackwards {
         seq: SeqId,

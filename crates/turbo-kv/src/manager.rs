@@ -16,6 +16,15 @@
 //! [`KvManager::append_token`] per generated token, reserving and committing as it goes →
 //! [`KvManager::finish`] (idle, resident) or [`KvManager::free`] (gone).
 //!
+//! KV eviction: a sequence admitted with [`KvManager::admit_evicting`] may hold fewer keys than
+//! it has computed tokens. [`KvManager::compact`] records that the backend moved its kept keys to
+//! its leading key indices and gives its tail blocks back. Such a sequence never rewrites shared
+//! blocks: the full blocks it found by hash at admission stay as they are (its *frozen* prefix,
+//! which every selection keeps), and it publishes none of its own, since compaction would change
+//! their content under their hash. Its next token's position stays its true position
+//! (`computed`); only its key count (`computed - evicted`) shrinks. Preempted or evicted, it
+//! keeps its token ids and is recomputed (and compacted again) from them.
+//!
 //! [`KvManager::without_reuse`] turns all reuse off (no sharing, nothing resident after a
 //! request): the baseline that benchmarks of the cache compare against.
 
@@ -58,6 +67,14 @@ struct Sequence {
     state: SeqState,
     /// The sequence's key in [`KvManager::idle`] while idle.
     idle_since: Option<u64>,
+    /// Whether its KV may be compacted (see the module docs); it then publishes no blocks.
+    evicting: bool,
+    /// Leading keys in the shared, hashed blocks it found at admission: never rewritten (0
+    /// unless evicting).
+    frozen: usize,
+    /// Computed tokens whose KV was dropped by compaction: the sequence holds
+    /// `computed - evicted` keys, and token `p >= computed` goes to key index `p - evicted`.
+    evicted: usize,
 }
 
 impl Sequence {
@@ -68,7 +85,29 @@ impl Sequence {
             computed: 0,
             state: SeqState::Evicted,
             idle_since: None,
+            evicting: false,
+            frozen: 0,
+            evicted: 0,
         }
+    }
+
+    /// Keys held: computed tokens not evicted.
+    fn keys(&self) -> usize {
+        self.computed - self.evicted
+    }
+
+    /// Drops everything but the frozen prefix (the only part of an evicting sequence's KV whose
+    /// content is what its tokens say), and turns eviction off until the next admission.
+    fn forget_evictions(&mut self, cache: &mut BlockCache, block_size: usize) {
+        let keep = (self.frozen / block_size).min(self.blocks.len());
+        while self.blocks.len() > keep {
+            cache.release(self.blocks.pop().expect("len > keep"));
+        }
+        self.computed = keep * block_size;
+        self.tokens.truncate(self.computed);
+        self.evicting = false;
+        self.frozen = 0;
+        self.evicted = 0;
     }
 }
 
@@ -168,25 +207,61 @@ impl KvManager {
         Ok(&self.get(seq)?.tokens)
     }
 
-    /// Leading tokens of `seq` whose KV is written: the next forward pass starts here.
+    /// Leading tokens of `seq` whose KV was computed: the next forward pass starts here, and
+    /// this is the position of its first token.
     pub fn computed(&self, seq: SeqId) -> Result<usize, KvError> {
         Ok(self.get(seq)?.computed)
     }
 
-    /// The blocks of `seq` in token order: position `p` lives in block `table[p / block_size]`,
-    /// slot `p % block_size`.
+    /// Keys `seq` holds: its computed tokens less those evicted; the key index of its next token.
+    pub fn keys(&self, seq: SeqId) -> Result<usize, KvError> {
+        Ok(self.get(seq)?.keys())
+    }
+
+    /// Computed tokens of `seq` whose KV compaction dropped.
+    pub fn evicted(&self, seq: SeqId) -> Result<usize, KvError> {
+        Ok(self.get(seq)?.evicted)
+    }
+
+    /// Leading keys of an evicting `seq` in shared blocks, which compaction must keep in place
+    /// (0 for a sequence that does not evict).
+    pub fn frozen(&self, seq: SeqId) -> Result<usize, KvError> {
+        Ok(self.get(seq)?.frozen)
+    }
+
+    /// Whether `seq` was admitted to evict (and so publishes no blocks for sharing).
+    pub fn is_evicting(&self, seq: SeqId) -> Result<bool, KvError> {
+        Ok(self.get(seq)?.evicting)
+    }
+
+    /// The blocks of `seq` in key order: key index `i` lives in block `table[i / block_size]`,
+    /// slot `i % block_size` (the key index of position `p` is `p` until compaction).
     pub fn block_table(&self, seq: SeqId) -> Result<&[u32], KvError> {
         Ok(&self.get(seq)?.blocks)
     }
 
     /// The KV slot (`block * block_size + offset`) of each position in `positions`, which must
-    /// lie within the reserved blocks.
+    /// not be evicted and must lie within the reserved blocks.
     pub fn slots(&self, seq: SeqId, positions: Range<usize>) -> Result<Vec<u32>, KvError> {
         let s = self.get(seq)?;
         let bs = self.block_size;
-        check_len(seq, positions.end, s.blocks.len() * bs, "reserved slots")?;
+        check_len(
+            seq,
+            positions.end - s.evicted,
+            s.blocks.len() * bs,
+            "reserved slots",
+        )?;
+        if positions.start < s.computed.min(positions.end) && s.evicted > 0 {
+            return Err(KvError::OutOfRange {
+                seq,
+                len: positions.start,
+                limit: s.computed,
+                what: "computed tokens of a compacted sequence",
+            });
+        }
         Ok(positions
-            .map(|p| s.blocks[p / bs] * bs as u32 + (p % bs) as u32)
+            .map(|p| p - s.evicted)
+            .map(|k| s.blocks[k / bs] * bs as u32 + (k % bs) as u32)
             .collect())
     }
 
@@ -202,16 +277,43 @@ impl KvManager {
     ///
     /// Without reuse, every block of the sequence is released and nothing is cached.
     pub fn admit(&mut self, seq: SeqId, tokens: &[u32]) -> Admission {
+        self.admit_as(seq, tokens, false)
+    }
+
+    /// [`KvManager::admit`] for a sequence whose KV will be compacted ([`KvManager::compact`]):
+    /// it reuses shared blocks found by hash (its frozen prefix) but publishes none of its own.
+    /// A sequence that evicted before continues on its compacted KV when `tokens` extends all of
+    /// its computed tokens (a session's next turn); otherwise it keeps only its frozen prefix.
+    pub fn admit_evicting(&mut self, seq: SeqId, tokens: &[u32]) -> Admission {
+        self.admit_as(seq, tokens, true)
+    }
+
+    fn admit_as(&mut self, seq: SeqId, tokens: &[u32], evicting: bool) -> Admission {
         let bs = self.block_size;
         let mut s = self.seqs.remove(&seq).unwrap_or_else(Sequence::empty);
         if let Some(at) = s.idle_since.take() {
             self.idle.remove(&at);
+        }
+        if s.evicting {
+            let continues = evicting
+                && s.state != SeqState::Evicted
+                && s.computed < tokens.len()
+                && tokens.starts_with(&s.tokens[..s.computed]);
+            if continues {
+                s.tokens = tokens.to_vec();
+                s.state = SeqState::Active;
+                let cached = s.computed;
+                self.seqs.insert(seq, s);
+                return Admission { cached };
+            }
+            s.forget_evictions(&mut self.cache, bs);
         }
         if !self.reuse {
             self.release_from(&mut s.blocks, 0);
             s.tokens = tokens.to_vec();
             s.computed = 0;
             s.state = SeqState::Active;
+            s.evicting = evicting;
             self.seqs.insert(seq, s);
             return Admission { cached: 0 };
         }
@@ -271,6 +373,8 @@ impl KvManager {
         s.tokens = tokens.to_vec();
         s.computed = cached;
         s.state = SeqState::Active;
+        s.evicting = evicting;
+        s.frozen = if evicting { cached / bs * bs } else { 0 };
         self.seqs.insert(seq, s);
         Admission { cached }
     }
@@ -298,18 +402,24 @@ impl KvManager {
         blocks * bs
     }
 
-    /// Re-admits `seq` with its own tokens, e.g. after [`KvManager::preempt`].
+    /// Re-admits `seq` with its own tokens, e.g. after [`KvManager::preempt`], evicting as it
+    /// was admitted.
     pub fn resume(&mut self, seq: SeqId) -> Result<Admission, KvError> {
-        let tokens = self.get(seq)?.tokens.clone();
-        Ok(self.admit(seq, &tokens))
+        let s = self.get(seq)?;
+        let (tokens, evicting) = (s.tokens.clone(), s.evicting);
+        Ok(self.admit_as(seq, &tokens, evicting))
     }
 
     /// Makes the table of the active `seq` cover `upto` tokens. Takes free blocks first, then
     /// evictable ones (least recently released first), then evicts idle sequences (least recently
     /// finished first). All or nothing: on `OutOfBlocks` nothing changed, nothing was evicted.
     pub fn reserve(&mut self, seq: SeqId, upto: usize) -> Result<(), KvError> {
-        let have = self.active(seq)?.blocks.len();
-        let needed = upto.div_ceil(self.block_size).saturating_sub(have);
+        let s = self.active(seq)?;
+        let have = s.blocks.len();
+        let needed = upto
+            .saturating_sub(s.evicted)
+            .div_ceil(self.block_size)
+            .saturating_sub(have);
         if needed == 0 {
             return Ok(());
         }
@@ -326,6 +436,7 @@ impl KvManager {
     pub fn can_reserve(&self, seq: SeqId, upto: usize) -> bool {
         self.active(seq).is_ok_and(|s| {
             let needed = upto
+                .saturating_sub(s.evicted)
                 .div_ceil(self.block_size)
                 .saturating_sub(s.blocks.len());
             needed <= self.num_free() + self.num_evictable() + self.reclaimable_from_idle()
@@ -338,7 +449,12 @@ impl KvManager {
         let bs = self.block_size;
         let s = self.active(seq)?;
         check_len(seq, computed_upto, s.tokens.len(), "tokens")?;
-        check_len(seq, computed_upto, s.blocks.len() * bs, "reserved slots")?;
+        check_len(
+            seq,
+            computed_upto.saturating_sub(s.evicted),
+            s.blocks.len() * bs,
+            "reserved slots",
+        )?;
         if computed_upto < s.computed {
             return Err(KvError::CommitBackwards {
                 seq,
@@ -347,8 +463,13 @@ impl KvManager {
             });
         }
         let s = self.seqs.get_mut(&seq).expect("checked active above");
-        // Without reuse no block is ever hashed, so none can be found or shared.
-        let hash_upto = if self.reuse { computed_upto / bs } else { 0 };
+        // Without reuse no block is ever hashed, so none can be found or shared; an evicting
+        // sequence publishes none of its own.
+        let hash_upto = if self.reuse && !s.evicting {
+            computed_upto / bs
+        } else {
+            0
+        };
         for i in s.computed / bs..hash_upto {
             let parent = match i {
                 0 => None,
@@ -385,7 +506,8 @@ impl KvManager {
         }
         self.active(seq)?;
         let mut s = self.seqs.remove(&seq).expect("checked active above");
-        self.release_from(&mut s.blocks, s.computed.div_ceil(self.block_size));
+        let keep = s.keys().div_ceil(self.block_size);
+        self.release_from(&mut s.blocks, keep);
         self.clock += 1;
         s.idle_since = Some(self.clock);
         s.state = SeqState::Idle;
@@ -415,7 +537,31 @@ impl KvManager {
         let mut s = self.seqs.remove(&seq).expect("checked active above");
         self.release_from(&mut s.blocks, 0);
         s.computed = 0;
+        s.evicted = 0;
         s.state = SeqState::Evicted;
+        self.seqs.insert(seq, s);
+        Ok(())
+    }
+
+    /// Records a compaction of the active, evicting `seq`: the backend moved the `kept` keys each
+    /// (layer, KV head) keeps to key indices `0..kept`, so the sequence now holds `kept` keys and
+    /// the blocks past them go back to the pool. `kept` must lie between the frozen prefix and
+    /// the keys held.
+    pub fn compact(&mut self, seq: SeqId, kept: usize) -> Result<(), KvError> {
+        let s = self.active(seq)?;
+        if !s.evicting || kept < s.frozen || kept > s.keys() {
+            return Err(KvError::BadCompaction {
+                seq,
+                kept,
+                frozen: s.frozen,
+                keys: s.keys(),
+                evicting: s.evicting,
+            });
+        }
+        let mut s = self.seqs.remove(&seq).expect("checked active above");
+        s.evicted += s.keys() - kept;
+        let keep = kept.div_ceil(self.block_size);
+        self.release_from(&mut s.blocks, keep);
         self.seqs.insert(seq, s);
         Ok(())
     }
@@ -431,9 +577,11 @@ impl KvManager {
         }
         let p = self.get(parent)?;
         let bs = self.block_size;
-        let shared = match self.reuse {
-            true => p.computed.min(p.tokens.len().saturating_sub(1)) / bs,
-            false => 0,
+        let shared = match (self.reuse, p.evicting) {
+            (true, false) => p.computed.min(p.tokens.len().saturating_sub(1)) / bs,
+            // Only the frozen prefix of an evicting parent holds what its tokens say.
+            (true, true) => (p.frozen / bs).min(p.blocks.len()),
+            (false, _) => 0,
         };
         let blocks = p.blocks[..shared].to_vec();
         let tokens = p.tokens.clone();
@@ -449,6 +597,9 @@ impl KvManager {
                 computed: cached,
                 state: SeqState::Active,
                 idle_since: None,
+                evicting: false,
+                frozen: 0,
+                evicted: 0,
             },
         );
         Ok(Admission { cached })
@@ -472,7 +623,16 @@ impl KvManager {
             if sorted.len() != s.blocks.len() {
                 return err("a block appears twice in its table".into());
             }
-            if s.computed > s.tokens.len() || s.computed > s.blocks.len() * bs {
+            if !s.evicting && (s.evicted > 0 || s.frozen > 0) {
+                return err("evicted or frozen keys without eviction".into());
+            }
+            if s.evicted > s.computed || s.frozen > s.keys() && s.state != SeqState::Evicted {
+                return err(format!(
+                    "{} evicted and {} frozen of {} computed",
+                    s.evicted, s.frozen, s.computed
+                ));
+            }
+            if s.computed > s.tokens.len() || s.keys() > s.blocks.len() * bs {
                 return err(format!(
                     "computed {} past its {} tokens or {} blocks",
                     s.computed,
@@ -485,12 +645,18 @@ impl KvManager {
                 SeqState::Idle
                     if self.reuse
                         && s.idle_since.and_then(|at| self.idle.get(&at)) == Some(&id)
-                        && s.blocks.len() == s.computed.div_ceil(bs) => {}
+                        && s.blocks.len() == s.keys().div_ceil(bs) => {}
                 SeqState::Evicted
                     if s.idle_since.is_none() && s.blocks.is_empty() && s.computed == 0 => {}
                 state => return err(format!("inconsistent {state:?} state")),
             }
-            let full = s.computed / bs;
+            // Hashed, shareable blocks: the full computed ones, or an evicting sequence's frozen
+            // prefix (which it never rewrites).
+            let full = if s.evicting {
+                s.frozen / bs
+            } else {
+                s.computed / bs
+            };
             let mut parent = None;
             for (i, &b) in s.blocks.iter().enumerate() {
                 let hash = self.cache.hash(b);
@@ -580,6 +746,7 @@ impl KvManager {
                 .expect("idle entries are sequences");
             self.release_from(&mut s.blocks, 0);
             s.computed = 0;
+            s.evicted = 0;
             s.idle_since = None;
             s.state = SeqState::Evicted;
             self.seqs.insert(victim, s);

@@ -18,16 +18,18 @@ impl Written {
     fn commit(&mut self, m: &mut KvManager, seq: SeqId, upto: usize) -> Result<(), String> {
         let bs = m.block_size();
         let from = m.computed(seq).map_err(|e| e.to_string())?;
+        let evicted = m.evicted(seq).map_err(|e| e.to_string())?;
         let table = m.block_table(seq).map_err(|e| e.to_string())?.to_vec();
         let tokens = m.tokens(seq).map_err(|e| e.to_string())?.to_vec();
         for p in from..upto.min(tokens.len()) {
-            let block = table[p / bs];
+            let key = p - evicted;
+            let block = table[key / bs];
             if m.ref_count(block) != 1 {
                 return Err(format!(
                     "seq {seq} writes position {p} into shared block {block}"
                 ));
             }
-            self.0.entry(block).or_insert_with(|| vec![None; bs])[p % bs] =
+            self.0.entry(block).or_insert_with(|| vec![None; bs])[key % bs] =
                 Some(tokens[..=p].to_vec());
         }
         m.commit(seq, upto).map_err(|e| e.to_string())
@@ -41,7 +43,31 @@ impl Written {
         Ok(())
     }
 
-    /// Every sequence's computed positions hold its tokens.
+    /// Moves the KV of `kept` key indices of `seq` to its leading ones, in order, as a backend's
+    /// compaction does, then records it in the manager.
+    fn compact(&mut self, m: &mut KvManager, seq: SeqId, kept: &[usize]) -> Result<(), String> {
+        let bs = m.block_size();
+        let table = m.block_table(seq).map_err(|e| e.to_string())?.to_vec();
+        let allowed = m.state(seq) == Some(SeqState::Active) && m.is_evicting(seq).unwrap();
+        for (to, &from) in kept.iter().enumerate().filter(|_| allowed) {
+            if to == from {
+                continue;
+            }
+            let block = table[to / bs];
+            if m.ref_count(block) != 1 {
+                return Err(format!("seq {seq} compacts into shared block {block}"));
+            }
+            let held = self
+                .0
+                .get(&table[from / bs])
+                .and_then(|b| b[from % bs].clone());
+            self.0.entry(block).or_insert_with(|| vec![None; bs])[to % bs] = held;
+        }
+        m.compact(seq, kept.len()).map_err(|e| e.to_string())
+    }
+
+    /// Every sequence's computed positions hold its tokens; a compacted sequence's keys hold the
+    /// KV of some of its positions, in order, its frozen prefix all of its first ones.
     fn verify(&self, m: &KvManager, seqs: impl IntoIterator<Item = SeqId>) -> Result<(), String> {
         let bs = m.block_size();
         for seq in seqs {
@@ -50,6 +76,25 @@ impl Written {
             else {
                 continue;
             };
+            if m.evicted(seq).unwrap() > 0 {
+                let (keys, frozen) = (m.keys(seq).unwrap(), m.frozen(seq).unwrap());
+                let mut last = 0;
+                for i in 0..keys {
+                    let held = self
+                        .0
+                        .get(&table[i / bs])
+                        .and_then(|b| b[i % bs].as_deref());
+                    let len = match held {
+                        Some(h) if tokens.starts_with(h) && h.len() > last => h.len(),
+                        _ => return Err(format!("seq {seq} key {i} holds {held:?}")),
+                    };
+                    if i < frozen && len != i + 1 {
+                        return Err(format!("seq {seq} frozen key {i} moved"));
+                    }
+                    last = len;
+                }
+                continue;
+            }
             for p in 0..computed {
                 let block = table[p / bs];
                 let held = self
@@ -369,6 +414,11 @@ enum Op {
     Preempt(SeqId),
     Resume(SeqId),
     Fork(SeqId, SeqId),
+    /// Admit to evict, with one of the shared prefixes and a random tail, or (`None`) with the
+    /// sequence's own tokens and the tail.
+    AdmitEvicting(SeqId, Option<usize>, Vec<u32>),
+    /// Compact, keeping the frozen prefix and every `stride`-th of the other keys plus the last.
+    Compact(SeqId, usize),
 }
 
 const SEQS: SeqId = 6;
@@ -397,6 +447,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => seq().prop_map(Op::Preempt),
         1 => seq().prop_map(Op::Resume),
         1 => (seq(), seq()).prop_map(|(p, c)| Op::Fork(p, c)),
+        2 => (seq(), prop::option::of(0..4usize), tail())
+            .prop_map(|(s, p, t)| Op::AdmitEvicting(s, p, t)),
+        2 => (seq(), 1usize..4).prop_map(|(s, k)| Op::Compact(s, k)),
     ]
 }
 
@@ -421,9 +474,12 @@ fn apply(m: &mut KvManager, w: &mut Written, op: Op) -> Result<(), TestCaseError
         // that would claim the last token, the block holding it may be shared and read-only:
         // then only whole blocks are reused.
         let limit = tokens.len().saturating_sub(1);
+        // An evicting sequence's own blocks past its frozen prefix are not reused by a plain
+        // admission: they were never published.
+        let evicting = m.is_evicting(seq).unwrap_or(false);
         let own_hit = match (m.state(seq), m.tokens(seq), m.computed(seq)) {
             (Some(SeqState::Active | SeqState::Idle), Ok(old), Ok(c))
-                if tokens.starts_with(&old[..c]) =>
+                if tokens.starts_with(&old[..c]) && !evicting =>
             {
                 if c <= limit {
                     c
@@ -470,7 +526,8 @@ fn apply(m: &mut KvManager, w: &mut Written, op: Op) -> Result<(), TestCaseError
             match m.reserve(seq, upto) {
                 Ok(()) => {
                     prop_assert!(could);
-                    prop_assert!(m.block_table(seq).unwrap().len() * m.block_size() >= upto);
+                    let keys = upto.saturating_sub(m.evicted(seq).unwrap());
+                    prop_assert!(m.block_table(seq).unwrap().len() * m.block_size() >= keys);
                 }
                 Err(KvError::OutOfBlocks { .. }) => {
                     prop_assert!(!could);
@@ -482,7 +539,8 @@ fn apply(m: &mut KvManager, w: &mut Written, op: Op) -> Result<(), TestCaseError
         Op::Commit(seq, f) => {
             if m.state(seq) == Some(SeqState::Active) {
                 let from = m.computed(seq).unwrap();
-                let reserved = m.block_table(seq).unwrap().len() * m.block_size();
+                let reserved =
+                    m.block_table(seq).unwrap().len() * m.block_size() + m.evicted(seq).unwrap();
                 let to = reserved.min(m.tokens(seq).unwrap().len());
                 let upto = from + (to - from) * f / 4;
                 w.commit(m, seq, upto).map_err(TestCaseError::fail)?;
@@ -511,6 +569,54 @@ fn apply(m: &mut KvManager, w: &mut Written, op: Op) -> Result<(), TestCaseError
         }
         Op::Resume(seq) => {
             let _ = m.resume(seq);
+        }
+        Op::AdmitEvicting(seq, p, tail) => {
+            let old = m.tokens(seq).map(<[u32]>::to_vec).unwrap_or_default();
+            let mut tokens = match p {
+                Some(p) => prefixes[p].clone(),
+                None => old.clone(),
+            };
+            tokens.extend(tail);
+            let (was, computed) = (m.state(seq), m.computed(seq).unwrap_or(0));
+            let continues = m.is_evicting(seq).unwrap_or(false)
+                && matches!(was, Some(SeqState::Active | SeqState::Idle))
+                && computed < tokens.len()
+                && tokens.starts_with(&old[..computed]);
+            let resident = m.resident_prefix(&tokens);
+            let a = m.admit_evicting(seq, &tokens);
+            prop_assert!(a.cached < tokens.len() || a.cached == 0);
+            if continues {
+                prop_assert_eq!(a.cached, computed, "a compacted sequence continues");
+            } else {
+                prop_assert!(a.cached >= resident || m.evicted(seq).unwrap() > 0);
+                prop_assert_eq!(
+                    m.frozen(seq).unwrap(),
+                    a.cached / m.block_size() * m.block_size()
+                );
+            }
+            prop_assert!(m.is_evicting(seq).unwrap());
+            prop_assert_eq!(m.state(seq), Some(SeqState::Active));
+        }
+        Op::Compact(seq, stride) => {
+            let (Ok(keys), Ok(frozen)) = (m.keys(seq), m.frozen(seq)) else {
+                return Ok(());
+            };
+            let kept: Vec<usize> = (0..keys)
+                .filter(|&i| i < frozen || (i - frozen) % stride == 0 || i + 1 == keys)
+                .collect();
+            let active = m.state(seq) == Some(SeqState::Active);
+            let evicting = m.is_evicting(seq).unwrap();
+            let used = m.num_used();
+            let result = w.compact(m, seq, &kept);
+            prop_assert_eq!(result.is_ok(), active && evicting, "{:?}", result);
+            if result.is_ok() {
+                prop_assert_eq!(m.keys(seq).unwrap(), kept.len());
+                prop_assert!(m.num_used() <= used, "compaction frees blocks");
+                prop_assert_eq!(
+                    m.block_table(seq).unwrap().len(),
+                    kept.len().div_ceil(m.block_size())
+                );
+            }
         }
         Op::Fork(parent, child) => {
             if let Ok(a) = m.fork(parent, child) {
