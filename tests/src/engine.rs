@@ -29,6 +29,7 @@ pub fn engine_logits<B: Backend>(model: &Llama<B>, tokens: &[u32]) -> Vec<Vec<f3
         start: 0,
         position: 0,
         block_table: (0..blocks as u32).collect(),
+        scoring: None,
     };
     let out = model
         .forward(&[chunk], &mut cache, Logits::All)
@@ -115,6 +116,7 @@ impl Compaction {
                 start: self.k + (at - self.prefill),
                 position: at,
                 block_table: table.clone(),
+                scoring: None,
             };
             logits.extend(run(&mut cache, chunk, Logits::All));
             at = end;

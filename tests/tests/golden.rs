@@ -399,6 +399,7 @@ fn teacher_forced_logits_match_golden() {
             start: 0,
             position: 0,
             block_table: (0..blocks as u32).collect(),
+            scoring: None,
         };
         let started = Instant::now();
         let logits = model.forward(&[chunk], &mut cache, Logits::All).unwrap();

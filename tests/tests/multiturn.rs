@@ -105,6 +105,7 @@ fn top2_gap(loaded: &LoadedModel, tokens: &[u32]) -> (u32, u32, f32) {
         start: 0,
         position: 0,
         block_table: (0..blocks as u32).collect(),
+        scoring: None,
     };
     let logits = model.forward(&[chunk], &mut cache, Logits::Last).unwrap();
     let mut order: Vec<usize> = (0..logits.len()).collect();

@@ -192,6 +192,7 @@ fn split_prefill_and_decode_over_scattered_blocks() {
                 position: start,
                 // Only the blocks the sequence needs so far.
                 block_table: table[..end.div_ceil(block_size)].to_vec(),
+                scoring: None,
             };
             let out = model.forward(&[chunk], &mut cache, which).unwrap();
             rows(&out, spec.vocab)
@@ -230,6 +231,7 @@ fn split_prefill_and_decode_over_scattered_blocks() {
             start: 0,
             position: 0,
             block_table: table[..3].to_vec(),
+            scoring: None,
         };
         let last = model.forward(&[chunk], &mut cache, Logits::Last).unwrap();
         assert!(max_rel_diff(&[last], &single[9..10]) < SPLIT_TOL);
@@ -268,6 +270,7 @@ fn batched_sequences_attend_only_to_themselves() {
                 start: 0,
                 position: 0,
                 block_table: table_a.clone(),
+                scoring: None,
             }],
             &mut cache,
             Logits::All,
@@ -281,12 +284,14 @@ fn batched_sequences_attend_only_to_themselves() {
                     start: 6,
                     position: 6,
                     block_table: table_a,
+                    scoring: None,
                 },
                 SequenceChunk {
                     tokens: b.clone(),
                     start: 0,
                     position: 0,
                     block_table: table_b,
+                    scoring: None,
                 },
             ],
             &mut cache,

@@ -5,6 +5,7 @@ use crate::sampling::{PenaltyLists, SampleParams};
 use crate::WeightMatrix;
 use thiserror::Error;
 use turbo_attention::QuerySpan;
+use turbo_keyformer::ScoreFunction;
 
 #[derive(Debug, Error)]
 pub enum BackendError {
@@ -67,6 +68,24 @@ pub struct BatchLayout<'a> {
     pub vocab: usize,
     /// How to choose a token from each output row's logits, when the step samples.
     pub sampling: Option<Sampling<'a>>,
+    /// Per span, how its queries feed its KV eviction scores (`None`: not scored); empty when
+    /// no span of the step is scored.
+    pub scoring: &'a [Option<KvScoring>],
+}
+
+/// How one sequence's queries feed the eviction scores of its keys (see
+/// [`Backend::accumulate_kv_scores`]): every query row of the span adds, per query head, the
+/// policy's score function of its attention logits into the scores of the keys it sees.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvScoring {
+    pub function: ScoreFunction,
+    /// The sequence's noise seed (Keyformer's Gumbel noise).
+    pub seed: u64,
+    /// Decoding iteration driving Keyformer's temperature: 0 for prompt chunks, `t` for the
+    /// `t`-th generated token.
+    pub iteration: u32,
+    /// Iterations planned (the request's maximum new tokens).
+    pub total_iterations: u32,
 }
 
 impl BatchLayout<'_> {
@@ -83,6 +102,13 @@ impl BatchLayout<'_> {
                 self.positions.len(),
                 self.slots.len(),
                 self.outputs
+            )));
+        }
+        if !self.scoring.is_empty() && self.scoring.len() != self.spans.len() {
+            return Err(BackendError::Unsupported(format!(
+                "{} spans with {} scoring entries",
+                self.spans.len(),
+                self.scoring.len()
             )));
         }
         if let Some(s) = &self.sampling {
@@ -335,8 +361,42 @@ pub trait Backend: Send + Sync {
     fn read_logits(&self, batch: &Self::Batch) -> Result<Vec<f32>>;
     /// The output rows' sampled tokens.
     fn read_tokens(&self, batch: &Self::Batch) -> Result<Vec<u32>>;
-    /// Moves a sequence's kept keys and values to its leading key indices ([`KvCompaction`]).
+    /// Moves a sequence's kept keys and values to its leading key indices ([`KvCompaction`]),
+    /// with their eviction scores.
     fn compact_kv(&self, cache: &mut Self::KvCache, compaction: &KvCompaction) -> Result<()>;
+    /// Adds the eviction scores of `layer` for the batch's scored spans ([`KvScoring`]), from
+    /// the rotated queries `q` (`[tokens, n_heads * head_dim]`) and the keys in `cache`, after
+    /// the step's keys are written. A key's score sums over the query heads of its KV head; a
+    /// key is scored from the step it is written in (scores of newly written keys start at 0).
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate_kv_scores(
+        &self,
+        q: &Self::Tensor,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        n_heads: usize,
+        batch: &Self::Batch,
+        scale: f32,
+    ) -> Result<()> {
+        let _ = (q, cache, layer, n_heads, batch, scale);
+        Err(BackendError::Unsupported(format!(
+            "KV eviction scores are not implemented on {}",
+            self.name()
+        )))
+    }
+    /// The accumulated eviction scores of a sequence's first `keys` keys, `[layers][kv_heads][keys]`.
+    fn read_kv_scores(
+        &self,
+        cache: &Self::KvCache,
+        block_table: &[u32],
+        keys: usize,
+    ) -> Result<Vec<f32>> {
+        let _ = (cache, block_table, keys);
+        Err(BackendError::Unsupported(format!(
+            "KV eviction scores are not implemented on {}",
+            self.name()
+        )))
+    }
     /// Stores keys and values of the batch's tokens at their slots of `layer`.
     fn write_kv(
         &self,

@@ -48,6 +48,7 @@ fn layout<'a>(
         n_heads: N_HEADS,
         vocab: 0,
         sampling: None,
+        scoring: &[],
     }
 }
 

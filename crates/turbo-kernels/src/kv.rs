@@ -550,6 +550,7 @@ mod tests {
             n_heads: 1,
             vocab: 1,
             sampling: None,
+            scoring: &[],
         }
     }
 

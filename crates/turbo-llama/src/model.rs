@@ -8,7 +8,7 @@ use turbo_attention::QuerySpan;
 use turbo_core::backend::{BatchLayout, Sampling};
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::{PenaltyLists, SampleParams};
-use turbo_core::{Backend, BackendError};
+use turbo_core::{Backend, BackendError, KvScoring};
 
 /// One sequence's part of a batch: its newest tokens, which continue a history already in the KV
 /// cache.
@@ -24,6 +24,8 @@ pub struct SequenceChunk {
     pub position: usize,
     /// Blocks holding the sequence's KV, covering `start + tokens.len()` keys.
     pub block_table: Vec<u32>,
+    /// Whether (and how) the chunk's queries add to its keys' eviction scores.
+    pub scoring: Option<KvScoring>,
 }
 
 impl SequenceChunk {
@@ -34,6 +36,7 @@ impl SequenceChunk {
             start,
             position: start,
             block_table,
+            scoring: None,
         }
     }
 }
@@ -271,6 +274,10 @@ impl<B: Backend> Llama<B> {
                 block_table: &s.block_table,
             })
             .collect();
+        let scoring: Vec<Option<KvScoring>> = match batch.iter().any(|s| s.scoring.is_some()) {
+            true => batch.iter().map(|s| s.scoring).collect(),
+            false => Vec::new(),
+        };
         let outputs: Vec<u32> = match which {
             Logits::All => (0..n as u32).collect(),
             Logits::Last => spans
@@ -298,6 +305,7 @@ impl<B: Backend> Llama<B> {
                 n_heads: c.n_heads,
                 vocab: c.vocab_size,
                 sampling,
+                scoring: &scoring,
             },
             cache,
         )?;
@@ -343,6 +351,9 @@ impl<B: Backend> Llama<B> {
                     batch_layout,
                 )?;
                 b.attention(q, cache, i, c.n_heads, batch_layout, scale, attn)?;
+                if !scoring.is_empty() {
+                    b.accumulate_kv_scores(q, cache, i, c.n_heads, batch_layout, scale)?;
+                }
                 b.linear_residual(attn, &layer.wo, o, x)?;
                 // Feed-forward block (SwiGLU).
                 b.norm_linear_swiglu(x, &layer.ffn_norm, eps, h, &layer.w_gate_up, gate_up, act)?;

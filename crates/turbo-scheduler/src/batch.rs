@@ -759,6 +759,7 @@ impl<B: Backend> PersistentBatch<B> {
                 start: w.start,
                 position: w.start,
                 block_table: self.kv.block_table(seq)?.to_vec(),
+                scoring: None,
             });
             let live = self.slots[w.slot].as_mut().expect("scheduled slots run");
             if ends {

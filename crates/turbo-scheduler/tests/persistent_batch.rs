@@ -100,6 +100,7 @@ fn top2_gaps<B: Backend>(model: &Llama<B>, prompt: &[u32], tokens: &[u32]) -> Ve
         start: 0,
         position: 0,
         block_table: (0..blocks as u32).collect(),
+        scoring: None,
     };
     let logits = model.forward(&[chunk], &mut cache, Logits::All).unwrap();
     let vocab = model.config.vocab_size;

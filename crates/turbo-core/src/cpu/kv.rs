@@ -21,12 +21,14 @@ impl KvCacheSpec {
     }
 }
 
-/// f32 KV for every layer in `[block][slot][kv head][head_dim]` order. Storage grows to the
-/// highest block written, so a large `max_blocks` costs nothing until it is used.
+/// f32 KV for every layer in `[block][slot][kv head][head_dim]` order, and each key's eviction
+/// score in `[block][slot][kv head]`. Storage grows to the highest block written, so a large
+/// `max_blocks` costs nothing until it is used.
 pub struct CpuKvCache {
     spec: KvCacheSpec,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
+    scores: Vec<Vec<f32>>,
 }
 
 impl CpuKvCache {
@@ -35,6 +37,7 @@ impl CpuKvCache {
             spec,
             keys: vec![Vec::new(); spec.n_layers],
             values: vec![Vec::new(); spec.n_layers],
+            scores: vec![Vec::new(); spec.n_layers],
         }
     }
 
@@ -63,11 +66,58 @@ impl CpuKvCache {
                 store.resize(needed, 0.0);
             }
         }
+        let heads = self.spec.n_kv_heads;
+        let scores = &mut self.scores[layer];
+        if scores.len() < needed / self.spec.head_dim {
+            scores.resize(needed / self.spec.head_dim, 0.0);
+        }
         for (i, &s) in slots.iter().enumerate() {
             let at = s as usize * n;
             self.keys[layer][at..at + n].copy_from_slice(&k[i * n..(i + 1) * n]);
             self.values[layer][at..at + n].copy_from_slice(&v[i * n..(i + 1) * n]);
+            // A new key starts unscored.
+            scores[s as usize * heads..(s as usize + 1) * heads].fill(0.0);
         }
+    }
+
+    /// `layer`'s keys (read) and eviction scores (written), for accumulating scores.
+    pub fn layer_with_scores(&mut self, layer: usize) -> (PagedKv<'_>, &mut [f32]) {
+        let kv = PagedKv {
+            keys: &self.keys[layer],
+            values: &self.values[layer],
+            block_size: self.spec.block_size,
+            n_kv_heads: self.spec.n_kv_heads,
+            head_dim: self.spec.head_dim,
+        };
+        (kv, &mut self.scores[layer])
+    }
+
+    /// The scores of the first `keys` key indices of `block_table`, `[layers][kv_heads][keys]`.
+    pub fn read_scores(
+        &self,
+        block_table: &[u32],
+        keys: usize,
+    ) -> crate::backend::Result<Vec<f32>> {
+        let (heads, bs) = (self.spec.n_kv_heads, self.spec.block_size);
+        if keys > block_table.len() * bs {
+            return Err(BackendError::Unsupported(format!(
+                "scores of {keys} keys from a block table of {} blocks",
+                block_table.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(self.spec.n_layers * heads * keys);
+        for layer in 0..self.spec.n_layers {
+            let scores = &self.scores[layer];
+            for head in 0..heads {
+                for key in 0..keys {
+                    let slot = block_table[key / bs] as usize * bs + key % bs;
+                    out.push(scores.get(slot * heads + head).copied().ok_or_else(|| {
+                        BackendError::Unsupported("scores of a key never written".into())
+                    })?);
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Moves every row's kept keys and values to its leading key indices (see [`KvCompaction`]).
@@ -100,6 +150,17 @@ impl CpuKvCache {
                     }
                 }
             }
+            let scores = &mut self.scores[layer];
+            for head in 0..heads {
+                let row = &compaction.kept[(layer * heads + head) * k..][..k];
+                for (to, &from) in row.iter().enumerate() {
+                    let src = compaction.slot(from as usize, bs) * heads + head;
+                    let dst = compaction.slot(to, bs) * heads + head;
+                    if let (Some(&score), true) = (scores.get(src), dst < scores.len()) {
+                        scores[dst] = score;
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -119,6 +180,7 @@ impl CpuKvCache {
         self.keys
             .iter()
             .chain(&self.values)
+            .chain(&self.scores)
             .map(|v| v.len() * 4)
             .sum()
     }

@@ -4,11 +4,12 @@ mod kv;
 pub mod linear;
 mod meminfo;
 pub mod ops;
+mod scores;
 
 pub use kv::{CpuKvCache, KvCacheSpec};
 
 use crate::backend::{
-    Backend, BackendError, BatchLayout, BatchRows, KvCompaction, OwnedSpans, Result,
+    Backend, BackendError, BatchLayout, BatchRows, KvCompaction, KvScoring, OwnedSpans, Result,
 };
 use crate::sampling::{sample_row, PenaltyLists, SampleParams};
 use crate::WeightMatrix;
@@ -46,6 +47,8 @@ pub struct CpuBatch {
     vocab: usize,
     /// Per output row, when the step samples.
     sampling: Option<(Vec<SampleParams>, PenaltyLists)>,
+    /// Per span, its eviction scoring (empty: none scored).
+    scoring: Vec<Option<KvScoring>>,
     /// The spans' cascade groups for a block size, found at the first attention of the step.
     cascade: OnceLock<(usize, Vec<CascadeGroup>)>,
     logits: Mutex<Vec<f32>>,
@@ -183,6 +186,7 @@ impl Backend for CpuBackend {
             sampling: layout
                 .sampling
                 .map(|s| (s.params.to_vec(), s.penalties.clone())),
+            scoring: layout.scoring.to_vec(),
             cascade: OnceLock::new(),
             logits: Mutex::new(logits),
             tokens: Mutex::new(Vec::new()),
@@ -303,6 +307,42 @@ impl Backend for CpuBackend {
 
     fn compact_kv(&self, cache: &mut CpuKvCache, compaction: &KvCompaction) -> Result<()> {
         cache.compact(compaction)
+    }
+
+    fn accumulate_kv_scores(
+        &self,
+        q: &HostTensor,
+        cache: &mut CpuKvCache,
+        layer: usize,
+        n_heads: usize,
+        batch: &CpuBatch,
+        scale: f32,
+    ) -> Result<()> {
+        if batch.scoring.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        let spans = batch.spans.spans();
+        let (kv, scores) = cache.layer_with_scores(layer);
+        let config = scores::ScoreLayer {
+            q: &q.data,
+            n_heads,
+            kv: &kv,
+            layer,
+            scale,
+            positions: &batch.positions,
+        };
+        let increments = scores::increments(&config, &spans, &batch.scoring)?;
+        scores::add(&kv, scores, &spans, &increments);
+        Ok(())
+    }
+
+    fn read_kv_scores(
+        &self,
+        cache: &CpuKvCache,
+        block_table: &[u32],
+        keys: usize,
+    ) -> Result<Vec<f32>> {
+        cache.read_scores(block_table, keys)
     }
 
     fn write_kv(
