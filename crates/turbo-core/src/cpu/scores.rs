@@ -33,7 +33,10 @@ pub fn increments(
     scoring: &[Option<KvScoring>],
 ) -> Result<Vec<Increment>> {
     let (kv_heads, hd) = (c.kv.n_kv_heads, c.kv.head_dim);
-    if kv_heads == 0 || c.n_heads % kv_heads != 0 || c.q.len() % (c.n_heads * hd).max(1) != 0 {
+    if kv_heads == 0
+        || !c.n_heads.is_multiple_of(kv_heads)
+        || !c.q.len().is_multiple_of((c.n_heads * hd).max(1))
+    {
         return Err(BackendError::Unsupported(format!(
             "scoring {} query heads over {kv_heads} KV heads of {hd}",
             c.n_heads
