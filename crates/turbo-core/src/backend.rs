@@ -364,6 +364,11 @@ pub trait Backend: Send + Sync {
     /// Moves a sequence's kept keys and values to its leading key indices ([`KvCompaction`]),
     /// with their eviction scores.
     fn compact_kv(&self, cache: &mut Self::KvCache, compaction: &KvCompaction) -> Result<()>;
+    /// Whether [`Backend::accumulate_kv_scores`] is implemented (else eviction policies that
+    /// need scores are refused up front).
+    fn supports_kv_scores(&self) -> bool {
+        false
+    }
     /// Adds the eviction scores of `layer` for the batch's scored spans ([`KvScoring`]), from
     /// the rotated queries `q` (`[tokens, n_heads * head_dim]`) and the keys in `cache`, after
     /// the step's keys are written. A key's score sums over the query heads of its KV head; a

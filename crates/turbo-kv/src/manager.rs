@@ -72,6 +72,8 @@ struct Sequence {
     /// Leading keys in the shared, hashed blocks it found at admission: never rewritten (0
     /// unless evicting).
     frozen: usize,
+    /// The bound on `frozen` it was admitted with (its budget's room for a shared prefix).
+    max_frozen: usize,
     /// Computed tokens whose KV was dropped by compaction: the sequence holds
     /// `computed - evicted` keys, and token `p >= computed` goes to key index `p - evicted`.
     evicted: usize,
@@ -87,6 +89,7 @@ impl Sequence {
             idle_since: None,
             evicting: false,
             frozen: 0,
+            max_frozen: 0,
             evicted: 0,
         }
     }
@@ -277,19 +280,23 @@ impl KvManager {
     ///
     /// Without reuse, every block of the sequence is released and nothing is cached.
     pub fn admit(&mut self, seq: SeqId, tokens: &[u32]) -> Admission {
-        self.admit_as(seq, tokens, false)
+        self.admit_as(seq, tokens, None)
     }
 
     /// [`KvManager::admit`] for a sequence whose KV will be compacted ([`KvManager::compact`]):
-    /// it reuses shared blocks found by hash (its frozen prefix) but publishes none of its own.
-    /// A sequence that evicted before continues on its compacted KV when `tokens` extends all of
-    /// its computed tokens (a session's next turn); otherwise it keeps only its frozen prefix.
-    pub fn admit_evicting(&mut self, seq: SeqId, tokens: &[u32]) -> Admission {
-        self.admit_as(seq, tokens, true)
+    /// it reuses at most `max_frozen` tokens of shared blocks found by hash (its frozen prefix,
+    /// which compaction keeps, so a budget bounds it) and publishes none of its own. A sequence
+    /// that evicted before continues on its compacted KV when `tokens` extends all of its
+    /// computed tokens (a session's next turn); otherwise it keeps only its frozen prefix.
+    pub fn admit_evicting(&mut self, seq: SeqId, tokens: &[u32], max_frozen: usize) -> Admission {
+        self.admit_as(seq, tokens, Some(max_frozen))
     }
 
-    fn admit_as(&mut self, seq: SeqId, tokens: &[u32], evicting: bool) -> Admission {
+    /// Admits `seq`; `evicting` is the frozen-prefix bound of an evicting sequence.
+    fn admit_as(&mut self, seq: SeqId, tokens: &[u32], evicting: Option<usize>) -> Admission {
         let bs = self.block_size;
+        let max_frozen = evicting.unwrap_or(usize::MAX);
+        let evicting = evicting.is_some();
         let mut s = self.seqs.remove(&seq).unwrap_or_else(Sequence::empty);
         if let Some(at) = s.idle_since.take() {
             self.idle.remove(&at);
@@ -314,10 +321,11 @@ impl KvManager {
             s.computed = 0;
             s.state = SeqState::Active;
             s.evicting = evicting;
+            s.max_frozen = if evicting { max_frozen } else { 0 };
             self.seqs.insert(seq, s);
             return Admission { cached: 0 };
         }
-        let limit = tokens.len().saturating_sub(1);
+        let limit = tokens.len().saturating_sub(1).min(max_frozen / bs * bs);
         let common = s
             .tokens
             .iter()
@@ -327,7 +335,7 @@ impl KvManager {
             .min(s.computed)
             .min(limit);
         // A longer prefix that other sequences computed beats the sequence's own.
-        let common = match self.resident_prefix(tokens) > common {
+        let common = match self.resident_prefix(tokens).min(limit) > common {
             true => 0,
             false => common,
         };
@@ -374,6 +382,7 @@ impl KvManager {
         s.computed = cached;
         s.state = SeqState::Active;
         s.evicting = evicting;
+        s.max_frozen = if evicting { max_frozen } else { 0 };
         s.frozen = if evicting { cached / bs * bs } else { 0 };
         self.seqs.insert(seq, s);
         Admission { cached }
@@ -406,8 +415,8 @@ impl KvManager {
     /// was admitted.
     pub fn resume(&mut self, seq: SeqId) -> Result<Admission, KvError> {
         let s = self.get(seq)?;
-        let (tokens, evicting) = (s.tokens.clone(), s.evicting);
-        Ok(self.admit_as(seq, &tokens, evicting))
+        let (tokens, frozen) = (s.tokens.clone(), s.evicting.then_some(s.max_frozen));
+        Ok(self.admit_as(seq, &tokens, frozen))
     }
 
     /// Makes the table of the active `seq` cover `upto` tokens. Takes free blocks first, then
@@ -599,6 +608,7 @@ impl KvManager {
                 idle_since: None,
                 evicting: false,
                 frozen: 0,
+                max_frozen: 0,
                 evicted: 0,
             },
         );

@@ -416,7 +416,7 @@ enum Op {
     Fork(SeqId, SeqId),
     /// Admit to evict, with one of the shared prefixes and a random tail, or (`None`) with the
     /// sequence's own tokens and the tail.
-    AdmitEvicting(SeqId, Option<usize>, Vec<u32>),
+    AdmitEvicting(SeqId, Option<usize>, Vec<u32>, usize),
     /// Compact, keeping the frozen prefix and every `stride`-th of the other keys plus the last.
     Compact(SeqId, usize),
 }
@@ -447,8 +447,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => seq().prop_map(Op::Preempt),
         1 => seq().prop_map(Op::Resume),
         1 => (seq(), seq()).prop_map(|(p, c)| Op::Fork(p, c)),
-        2 => (seq(), prop::option::of(0..4usize), tail())
-            .prop_map(|(s, p, t)| Op::AdmitEvicting(s, p, t)),
+        2 => (seq(), prop::option::of(0..4usize), tail(), 0usize..16)
+            .prop_map(|(s, p, t, f)| Op::AdmitEvicting(s, p, t, f)),
         2 => (seq(), 1usize..4).prop_map(|(s, k)| Op::Compact(s, k)),
     ]
 }
@@ -570,7 +570,7 @@ fn apply(m: &mut KvManager, w: &mut Written, op: Op) -> Result<(), TestCaseError
         Op::Resume(seq) => {
             let _ = m.resume(seq);
         }
-        Op::AdmitEvicting(seq, p, tail) => {
+        Op::AdmitEvicting(seq, p, tail, max_frozen) => {
             let old = m.tokens(seq).map(<[u32]>::to_vec).unwrap_or_default();
             let mut tokens = match p {
                 Some(p) => prefixes[p].clone(),
@@ -583,16 +583,15 @@ fn apply(m: &mut KvManager, w: &mut Written, op: Op) -> Result<(), TestCaseError
                 && computed < tokens.len()
                 && tokens.starts_with(&old[..computed]);
             let resident = m.resident_prefix(&tokens);
-            let a = m.admit_evicting(seq, &tokens);
+            let a = m.admit_evicting(seq, &tokens, max_frozen);
+            let bs = m.block_size();
             prop_assert!(a.cached < tokens.len() || a.cached == 0);
             if continues {
                 prop_assert_eq!(a.cached, computed, "a compacted sequence continues");
             } else {
-                prop_assert!(a.cached >= resident || m.evicted(seq).unwrap() > 0);
-                prop_assert_eq!(
-                    m.frozen(seq).unwrap(),
-                    a.cached / m.block_size() * m.block_size()
-                );
+                prop_assert!(a.cached >= resident.min(max_frozen / bs * bs));
+                prop_assert!(m.frozen(seq).unwrap() <= max_frozen);
+                prop_assert_eq!(m.frozen(seq).unwrap(), a.cached / bs * bs);
             }
             prop_assert!(m.is_evicting(seq).unwrap());
             prop_assert_eq!(m.state(seq), Some(SeqState::Active));

@@ -22,7 +22,11 @@
 //! request is only ever preempted in favour of one admitted before it, so the oldest running
 //! request always advances and the batch never deadlocks.
 
+mod eviction;
 mod request;
+
+use eviction::EvictionState;
+pub use eviction::KvEviction;
 
 pub use crate::completion::{Completion, Timings};
 pub use request::{
@@ -203,6 +207,12 @@ struct Live {
     /// Admission order: a request is only preempted for one admitted before it.
     stamp: u64,
     preemptions: usize,
+    /// KV eviction, when the request's policy evicts.
+    eviction: Option<EvictionState>,
+    forced: Vec<u32>,
+    /// KV the sequence held, for the completion: keys and blocks at the last step, most blocks.
+    kv_held: (usize, usize),
+    kv_blocks_peak: usize,
     submitted: Instant,
     /// When a request never admitted gives up waiting ([`Request::max_queue_wait`]).
     queue_deadline: Option<Instant>,
@@ -229,6 +239,9 @@ impl Live {
             cached_prompt_tokens: cached,
             prefilled_tokens: self.prompt.len() - cached,
             preemptions: self.preemptions,
+            kv_tokens: self.kv_held.0,
+            kv_blocks: self.kv_held.1,
+            kv_blocks_peak: self.kv_blocks_peak,
             timings: Timings {
                 queue_ms: ms(self.submitted, self.admitted.unwrap_or(now)),
                 prefill_ms: ms(self.submitted, first),
@@ -374,6 +387,32 @@ impl<B: Backend> PersistentBatch<B> {
                 return id;
             }
         };
+        let eviction = match request
+            .kv_eviction
+            .as_ref()
+            .map(|e| EvictionState::new(e, request.prompt.len()))
+            .transpose()
+        {
+            Ok(e) => e.flatten(),
+            Err(e) => {
+                sink.send(Event::Failed(e));
+                return id;
+            }
+        };
+        if eviction.as_ref().is_some_and(EvictionState::needs_scores)
+            && !self.model.backend().supports_kv_scores()
+        {
+            sink.send(Event::Failed(RequestError::Eviction(format!(
+                "the {} policy needs attention scores, which {} does not compute yet; \
+                 window and sink run here",
+                request
+                    .kv_eviction
+                    .map(|e| e.policy.name())
+                    .unwrap_or_default(),
+                self.model.backend().name()
+            ))));
+            return id;
+        }
         let seq = match &request.session {
             Some(name) => match self.sessions.get(name) {
                 Some(&seq) => seq,
@@ -404,6 +443,10 @@ impl<B: Backend> PersistentBatch<B> {
             cached_prompt: None,
             stamp: 0,
             preemptions: 0,
+            eviction,
+            forced: request.forced_tokens,
+            kv_held: (0, 0),
+            kv_blocks_peak: 0,
             submitted,
             queue_deadline: request.max_queue_wait.map(|wait| submitted + wait),
             admitted: None,
@@ -669,11 +712,24 @@ impl<B: Backend> PersistentBatch<B> {
             }
             let mut live = self.waiting.remove(i).expect("index checked above");
             let first = live.cached_prompt.is_none();
-            let cached = if first {
-                self.kv.admit(live.seq, &live.prompt).cached
-            } else {
-                self.kv.resume(live.seq)?.cached
+            let cached = match (first, &live.eviction) {
+                (true, None) => self.kv.admit(live.seq, &live.prompt).cached,
+                (true, Some(e)) => {
+                    self.kv
+                        .admit_evicting(live.seq, &live.prompt, e.max_frozen())
+                        .cached
+                }
+                (false, _) => self.kv.resume(live.seq)?.cached,
             };
+            if let Some(e) = &live.eviction {
+                if let Err(error) = e.check_frozen(self.kv.frozen(live.seq)?) {
+                    self.unadmit(&live, first)?;
+                    self.release(&live, false)?;
+                    live.send(Event::Failed(error));
+                    report.ended += 1;
+                    continue;
+                }
+            }
             let total = self.kv.tokens(live.seq)?.len();
             let len = (total - cached).min(self.config.prefill_chunk).min(budget);
             // `promised` more blocks on top of the whole sequence, as `can_reserve` counts them.
@@ -718,6 +774,10 @@ impl<B: Backend> PersistentBatch<B> {
         let resident = self.kv.resident_prefix(prompt);
         let limit = prompt.len().saturating_sub(1);
         for live in self.slots.iter().flatten() {
+            // An evicting sequence publishes nothing to wait for.
+            if self.kv.is_evicting(live.seq)? {
+                continue;
+            }
             let tokens = self.kv.tokens(live.seq)?;
             let common = tokens
                 .iter()
@@ -754,12 +814,17 @@ impl<B: Backend> PersistentBatch<B> {
             let seq = self.live(w.slot).seq;
             let tokens = self.kv.tokens(seq)?;
             let ends = w.start + w.len >= tokens.len();
+            let live = self.slots[w.slot].as_ref().expect("scheduled slots run");
+            let scoring = live
+                .eviction
+                .as_ref()
+                .and_then(|e| e.scoring(live.generated.len(), live.max_tokens));
             chunks.push(SequenceChunk {
                 tokens: tokens[w.start..w.start + w.len].to_vec(),
-                start: w.start,
+                start: w.start - self.kv.evicted(seq)?,
                 position: w.start,
                 block_table: self.kv.block_table(seq)?.to_vec(),
-                scoring: None,
+                scoring,
             });
             let live = self.slots[w.slot].as_mut().expect("scheduled slots run");
             if ends {
@@ -814,10 +879,37 @@ impl<B: Backend> PersistentBatch<B> {
                 report.prefill_tokens += w.len;
             }
             self.kv.commit(seq, w.start + w.len)?;
+            let blocks = self.kv.block_table(seq)?.len();
+            live.kv_blocks_peak = live.kv_blocks_peak.max(blocks);
             if w.start + w.len < self.kv.tokens(seq)?.len() {
+                live.kv_held = (self.kv.keys(seq)?, blocks);
                 continue; // still prefilling
             }
+            if let Some(e) = &live.eviction {
+                let keys = self.kv.keys(seq)?;
+                let prompt_done_now = live.generated.is_empty();
+                if e.due(keys, prompt_done_now, self.config.block_size) {
+                    let shape = (self.model.config.n_layers, self.model.config.n_kv_heads);
+                    let backend = self.model.backend();
+                    if let Err(error) =
+                        e.compact(backend, &mut self.cache, &mut self.kv, seq, shape)
+                    {
+                        tracing::error!(request = live.id.0, "KV compaction failed: {error}");
+                        self.fail(w.slot, RequestError::Model(error.to_string()))?;
+                        report.ended += 1;
+                        continue;
+                    }
+                }
+            }
+            let live = self.slots[w.slot].as_mut().expect("scheduled slots run");
+            live.kv_held = (self.kv.keys(seq)?, self.kv.block_table(seq)?.len());
             live.first_token.get_or_insert_with(Instant::now);
+            // Teacher forcing: the forced token replaces the sampled one.
+            let token = live
+                .forced
+                .get(live.generated.len())
+                .copied()
+                .unwrap_or(token);
             self.kv.append_token(seq, token)?;
             if let (Some(top), Some(logits)) = (live.logprobs, &sampled.logits) {
                 let logits = &logits[row * vocab..(row + 1) * vocab];

@@ -38,5 +38,11 @@ pub struct Completion {
     pub prefilled_tokens: usize,
     /// Times the request was preempted (its KV dropped and later recomputed).
     pub preemptions: usize,
+    /// Keys the sequence held in the KV cache at the end (fewer than its tokens under KV
+    /// eviction).
+    pub kv_tokens: usize,
+    /// KV blocks the sequence held at the end, and the most it held at once.
+    pub kv_blocks: usize,
+    pub kv_blocks_peak: usize,
     pub timings: Timings,
 }

@@ -7,8 +7,9 @@ pub mod sampling;
 pub mod stop;
 
 pub use batch::{
-    BatchConfig, BatchError, BatchStats, Event, EventSink, PersistentBatch, Request, RequestError,
-    RequestHandle, RequestId, RequestLimits, StepReport, TokenLogprobs, MAX_TOP_LOGPROBS,
+    BatchConfig, BatchError, BatchStats, Event, EventSink, KvEviction, PersistentBatch, Request,
+    RequestError, RequestHandle, RequestId, RequestLimits, StepReport, TokenLogprobs,
+    MAX_TOP_LOGPROBS,
 };
 pub use completion::{Completion, FinishReason, Timings};
 pub use sampling::{Sampler, SamplingParams};

@@ -524,6 +524,8 @@ fn stress_random_requests_on_a_tiny_model() {
                 session: session.clone(),
                 logprobs: rng.random_bool(0.2).then(|| rng.random_range(0..=5)),
                 max_queue_wait: None,
+                kv_eviction: None,
+                forced_tokens: Vec::new(),
             };
             demand += (prompt.len() + request.max_tokens).min(spec.context);
             if let Some(s) = session {

@@ -106,7 +106,9 @@ impl From<RequestError> for ApiError {
             RequestError::EmptyPrompt | RequestError::BadToken { .. } => {
                 ApiError::invalid(e.to_string()).param("prompt")
             }
-            RequestError::Sampling(_) => ApiError::invalid(e.to_string()),
+            RequestError::Sampling(_) | RequestError::Eviction(_) => {
+                ApiError::invalid(e.to_string())
+            }
             RequestError::TooManyLogprobs(_) => ApiError::invalid(e.to_string()).param("logprobs"),
             RequestError::QueueTimeout { .. } => ApiError {
                 status: StatusCode::SERVICE_UNAVAILABLE,

@@ -309,6 +309,10 @@ impl Backend for CpuBackend {
         cache.compact(compaction)
     }
 
+    fn supports_kv_scores(&self) -> bool {
+        true
+    }
+
     fn accumulate_kv_scores(
         &self,
         q: &HostTensor,

@@ -1,6 +1,7 @@
 //! What a client hands the persistent batch and what it gets back: a [`Request`], and a
 //! [`RequestHandle`] on which its [`Event`]s arrive.
 
+use crate::batch::eviction::KvEviction;
 use crate::completion::Completion;
 use crate::sampling::SamplingParams;
 use serde::Serialize;
@@ -43,6 +44,12 @@ pub struct Request {
     /// [`RequestError::QueueTimeout`] so that an overloaded server answers instead of
     /// letting clients hang. `None`: it waits as long as it takes.
     pub max_queue_wait: Option<Duration>,
+    /// KV eviction (`None`: every key is kept).
+    pub kv_eviction: Option<KvEviction>,
+    /// Tokens emitted in place of sampled ones, in order (teacher forcing, to evaluate a
+    /// model or an eviction policy on a known text); the request's log-probabilities then
+    /// report each forced token's. Sampling resumes after them.
+    pub forced_tokens: Vec<u32>,
 }
 
 /// Most alternatives a request may ask log-probabilities of (OpenAI's limit).
@@ -60,6 +67,8 @@ impl Request {
             session: None,
             logprobs: None,
             max_queue_wait: None,
+            kv_eviction: None,
+            forced_tokens: Vec::new(),
         }
     }
 }
@@ -97,7 +106,11 @@ impl Request {
                 context,
             });
         }
-        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        if let Some(&id) = prompt
+            .iter()
+            .chain(&self.forced_tokens)
+            .find(|&&t| t as usize >= vocab)
+        {
             return Err(RequestError::BadToken { id, vocab });
         }
         let max_tokens = self.max_tokens.min(context - prompt.len());
@@ -143,6 +156,8 @@ pub enum RequestError {
     Detokenize(String),
     #[error("the batch was dropped before the request ended")]
     Disconnected,
+    #[error("KV eviction: {0}")]
+    Eviction(String),
     #[error(
         "the server is overloaded: the request waited {waited_ms} ms for a slot; try again later"
     )]

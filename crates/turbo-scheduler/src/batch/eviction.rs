@@ -1,0 +1,169 @@
+//! KV eviction in the persistent batch: a request's policy, budget and seed, and the compaction
+//! that keeps its sequence within budget.
+//!
+//! A sequence evicts once its prompt is in (all prompt chunks score their keys first), then
+//! whenever it has grown a block past its budget, so compaction runs at most once per block of
+//! new tokens. Each compaction reads the sequence's scores from the backend, lets the policy
+//! choose the kept keys of every (layer, KV head), has the backend move them (with their scores)
+//! to the leading key indices, and gives the tail blocks back to the [`KvManager`]. The frozen
+//! prefix (shared blocks found at admission) is always kept: it counts as attention sinks.
+
+use crate::batch::request::RequestError;
+use turbo_core::{Backend, KvCompaction, KvScoring};
+use turbo_keyformer::{
+    select_kept, Budget, BudgetConfig, Dims, EvictionPolicy, PolicyConfig, PolicyKind,
+    SelectionMode,
+};
+use turbo_kv::{KvError, KvManager, SeqId};
+
+/// What a request asks of KV eviction; library users set it per request.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvEviction {
+    pub policy: PolicyKind,
+    /// Settings of the policies that have any (Keyformer's temperature, StreamingLLM's sinks).
+    pub config: PolicyConfig,
+    pub budget: BudgetConfig,
+    pub mode: SelectionMode,
+    /// Seed of Keyformer's noise: same seed, same kept keys.
+    pub seed: u64,
+}
+
+impl KvEviction {
+    /// `policy` at `budget` with the paper's settings, per-layer selection and seed 0.
+    pub fn new(policy: PolicyKind, budget: BudgetConfig) -> Self {
+        KvEviction {
+            policy,
+            config: PolicyConfig::default(),
+            budget,
+            mode: SelectionMode::PerLayer,
+            seed: 0,
+        }
+    }
+}
+
+/// A running request's eviction: its policy built and its budget resolved for its prompt.
+pub(crate) struct EvictionState {
+    policy: Box<dyn EvictionPolicy>,
+    budget: Budget,
+    mode: SelectionMode,
+    seed: u64,
+}
+
+impl EvictionState {
+    /// The state of a request with `prompt_len` prompt tokens, or why its settings are invalid;
+    /// `None` for a policy that never evicts.
+    pub fn new(e: &KvEviction, prompt_len: usize) -> Result<Option<Self>, RequestError> {
+        let bad = |e: turbo_keyformer::Error| RequestError::Eviction(e.to_string());
+        let policy = e.policy.build(&e.config);
+        let budget = e
+            .budget
+            .resolve(prompt_len, policy.default_sinks())
+            .map_err(bad)?;
+        if !policy.evicts() {
+            return Ok(None);
+        }
+        Ok(Some(EvictionState {
+            policy,
+            budget,
+            mode: e.mode,
+            seed: e.seed,
+        }))
+    }
+
+    pub fn needs_scores(&self) -> bool {
+        self.policy.needs_scores()
+    }
+
+    /// The most keys of a shared prefix the sequence may reuse: the budget less its recent
+    /// window (the frozen prefix is always kept, so it must leave room for the recent keys).
+    pub fn max_frozen(&self) -> usize {
+        self.budget.keep() - self.budget.recent()
+    }
+
+    /// Why a sequence whose first `frozen` keys are shared cannot keep this budget, if it can't
+    /// (admission bounds the frozen prefix by [`max_frozen`](Self::max_frozen), so this is a
+    /// safety net).
+    pub fn check_frozen(&self, frozen: usize) -> Result<(), RequestError> {
+        if frozen + self.budget.recent() > self.budget.keep() {
+            return Err(RequestError::Eviction(format!(
+                "the KV budget of {} tokens ({} recent) is below the {frozen} tokens of the \
+                 prompt's prefix shared with other requests, which eviction never drops",
+                self.budget.keep(),
+                self.budget.recent()
+            )));
+        }
+        Ok(())
+    }
+
+    /// How the sequence's chunk at decoding iteration `iteration` (0 for the prompt) of
+    /// `total` is scored; `None` when the policy needs no scores.
+    pub fn scoring(&self, iteration: usize, total: usize) -> Option<KvScoring> {
+        self.needs_scores().then(|| KvScoring {
+            function: self.policy.score_function(),
+            seed: self.seed,
+            iteration: iteration.min(u32::MAX as usize) as u32,
+            total_iterations: total.min(u32::MAX as usize) as u32,
+        })
+    }
+
+    /// Whether a sequence holding `keys` keys is due: past its budget right after its prompt,
+    /// then by a whole block.
+    pub fn due(&self, keys: usize, prompt_done_now: bool, block_size: usize) -> bool {
+        let keep = self.budget.keep();
+        keys > keep && (prompt_done_now || keys >= keep + block_size)
+    }
+
+    /// Compacts `seq` to its budget: chooses the kept keys from its scores, has the backend move
+    /// them and releases its tail blocks.
+    pub fn compact<B: Backend>(
+        &self,
+        backend: &B,
+        cache: &mut B::KvCache,
+        kv: &mut KvManager,
+        seq: SeqId,
+        shape: (usize, usize),
+    ) -> Result<(), CompactError> {
+        let (layers, kv_heads) = shape;
+        let keys = kv.keys(seq)?;
+        let frozen = kv.frozen(seq)?;
+        let table = kv.block_table(seq)?.to_vec();
+        let scores = match self.needs_scores() {
+            true => backend.read_kv_scores(cache, &table, keys)?,
+            false => Vec::new(),
+        };
+        // The frozen prefix is kept like sinks.
+        let sinks = self.budget.sinks().max(frozen);
+        let budget = Budget::new(self.budget.keep(), self.budget.recent(), sinks)
+            .map_err(|e| CompactError::Policy(e.to_string()))?;
+        let dims = Dims {
+            layers,
+            kv_heads,
+            keys,
+        };
+        let kept = select_kept(self.policy.as_ref(), &scores, dims, &budget, self.mode)
+            .map_err(|e| CompactError::Policy(e.to_string()))?;
+        let kept_per_row = budget.kept_count(keys);
+        let kept: Vec<u32> = kept.into_iter().map(|k| k as u32).collect();
+        backend.compact_kv(
+            cache,
+            &KvCompaction {
+                block_table: &table,
+                kept: &kept,
+                kept_per_row,
+            },
+        )?;
+        kv.compact(seq, kept_per_row)?;
+        Ok(())
+    }
+}
+
+/// Why a compaction failed: a bug or a backend failure, not the request's fault.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CompactError {
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error(transparent)]
+    Backend(#[from] turbo_core::BackendError),
+    #[error("eviction policy: {0}")]
+    Policy(String),
+}
