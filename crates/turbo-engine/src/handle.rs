@@ -86,7 +86,7 @@ pub struct EngineStats {
 
 /// A command for the engine thread.
 enum Command {
-    Submit(Request, Box<dyn EventSink>),
+    Submit(Box<Request>, Box<dyn EventSink>),
     EndSession(String, mpsc::SyncSender<bool>),
     /// Accept nothing more; finish what runs, and cancel what is left at the deadline.
     Drain(Instant),
@@ -255,7 +255,7 @@ impl Engine {
                 shared: self.shared.clone(),
             },
         };
-        if !self.send(Command::Submit(request, Box::new(sink))) {
+        if !self.send(Command::Submit(Box::new(request), Box::new(sink))) {
             return Err(SubmitError::Stopped);
         }
         Ok(RequestStream {
@@ -529,7 +529,7 @@ fn apply<B: Backend>(
 ) {
     match command {
         Command::Submit(request, sink) => {
-            batch.submit_to(request, sink);
+            batch.submit_to(*request, sink);
         }
         Command::EndSession(name, reply) => {
             let ended = batch.end_session(&name).unwrap_or_else(|e| {
