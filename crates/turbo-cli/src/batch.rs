@@ -1,5 +1,6 @@
 //! `turbo generate --prompts-file F.jsonl`: many requests at once through the persistent batch.
 
+use crate::eviction::KvPolicyArgs;
 use crate::generate::Output;
 use crate::runtime::{KvArgs, ModelArgs};
 use anyhow::{bail, Context, Result};
@@ -18,6 +19,10 @@ struct Line {
     temperature: Option<f32>,
     seed: Option<u64>,
     session: Option<String>,
+    /// KV eviction of this request, overriding the flags.
+    kv_policy: Option<String>,
+    kv_budget: Option<f64>,
+    kv_budget_tokens: Option<usize>,
 }
 
 /// Options of batch mode.
@@ -30,6 +35,7 @@ pub struct BatchArgs {
     pub max_batch: usize,
     pub max_batched_tokens: usize,
     pub kv: KvArgs,
+    pub eviction: KvPolicyArgs,
 }
 
 /// Runs every request of the file through one engine and prints their outcomes in input order.
@@ -77,6 +83,24 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
         request.stop_strings = args.stop.clone();
         request.ignore_eos = args.ignore_eos;
         request.session = line.session;
+        let size = match (line.kv_budget, line.kv_budget_tokens) {
+            (Some(f), _) => Some(turbo_keyformer::BudgetSize::Fraction(f)),
+            (None, Some(t)) => Some(turbo_keyformer::BudgetSize::Tokens(t)),
+            (None, None) => None,
+        };
+        request.kv_eviction = match (line.kv_policy, size) {
+            (None, None) => args.eviction.eviction(request.sampling.seed)?,
+            (policy, size) => {
+                let policy = match policy {
+                    Some(p) => p
+                        .parse()
+                        .map_err(|e| anyhow::anyhow!("{}: kv_policy: {e}", args.file.display()))?,
+                    None => args.eviction.kv_policy,
+                };
+                args.eviction
+                    .eviction_with(policy, size, request.sampling.seed)?
+            }
+        };
         requests.push(request);
     }
     let prompts: Vec<Vec<u32>> = requests.iter().map(|r| r.prompt.clone()).collect();

@@ -18,6 +18,8 @@ pub struct ChatArgs {
     #[command(flatten)]
     sampling: SamplingArgs,
     #[command(flatten)]
+    eviction: crate::eviction::KvPolicyArgs,
+    #[command(flatten)]
     kv: KvArgs,
     /// A system message opening the conversation.
     #[arg(long)]
@@ -88,6 +90,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             sampling: args.sampling.params(),
             max_tokens: args.max_tokens,
             session: Some(SESSION.into()),
+            kv_eviction: args.eviction.eviction(args.sampling.seed)?,
             ..Request::new(engine.chat_prompt(&messages)?)
         };
         let outcome = match engine.submit(request) {

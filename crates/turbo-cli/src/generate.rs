@@ -1,5 +1,6 @@
 //! `turbo generate`: one completion, streamed or as JSON.
 
+use crate::eviction::KvPolicyArgs;
 use crate::runtime::{KvArgs, ModelArgs, SamplingArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -43,6 +44,8 @@ pub struct GenerateArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    eviction: KvPolicyArgs,
     /// Stop when this text is generated (repeatable); it is not included in the output.
     #[arg(long)]
     stop: Vec<String>,
@@ -65,6 +68,11 @@ pub struct Output<'a> {
     text: &'a str,
     finish_reason: FinishReason,
     timings: &'a Timings,
+    /// Keys cached at the end (fewer than the tokens under KV eviction), the blocks holding
+    /// them, and the most blocks held at once.
+    kv_tokens: usize,
+    kv_blocks: usize,
+    kv_blocks_peak: usize,
 }
 
 impl<'a> Output<'a> {
@@ -75,6 +83,9 @@ impl<'a> Output<'a> {
             text: &c.text,
             finish_reason: c.finish_reason,
             timings: &c.timings,
+            kv_tokens: c.kv_tokens,
+            kv_blocks: c.kv_blocks,
+            kv_blocks_peak: c.kv_blocks_peak,
         }
     }
 }
@@ -91,6 +102,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             max_batch: args.max_batch,
             max_batched_tokens: args.max_batched_tokens,
             kv: args.kv.clone(),
+            eviction: args.eviction.clone(),
         };
         return crate::batch::run(&args.model, batch);
     }
@@ -124,6 +136,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         max_tokens: args.max_tokens,
         stop_strings: args.stop.clone(),
         ignore_eos: args.ignore_eos,
+        kv_eviction: args.eviction.eviction(args.sampling.seed)?,
         ..Request::new(ids.clone())
     };
     let mut stream = engine.submit(request)?;

@@ -3,6 +3,7 @@
 mod batch;
 mod bench;
 mod chat;
+mod eviction;
 mod generate;
 mod info;
 mod runtime;
