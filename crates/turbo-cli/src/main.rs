@@ -3,6 +3,7 @@
 mod batch;
 mod bench;
 mod chat;
+mod eval_kv;
 mod eviction;
 mod generate;
 mod info;
@@ -39,6 +40,9 @@ enum Command {
     /// Measure prefill and decode throughput, or what the KV cache saves (--multi-round,
     /// --shared-prefix).
     Bench(bench::BenchArgs),
+    /// What KV eviction costs in quality: perplexity, greedy agreement (or a summary's
+    /// ROUGE-L) of each policy and budget against full attention, on long texts.
+    EvalKv(eval_kv::EvalKvArgs),
 }
 
 fn main() -> ExitCode {
@@ -57,6 +61,7 @@ fn main() -> ExitCode {
         Some(Command::Serve(args)) => serve::run(args),
         Some(Command::Info(args)) => info::run(args),
         Some(Command::Bench(args)) => bench::run(args),
+        Some(Command::EvalKv(args)) => eval_kv::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

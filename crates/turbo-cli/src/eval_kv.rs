@@ -1,0 +1,304 @@
+//! `turbo eval-kv`: what KV eviction costs in quality, measured through the serving path.
+//!
+//! For each text, the first `--prompt-tokens` tokens are the prompt; the next `--eval-tokens`
+//! are fed one at a time as decode steps of the engine (teacher forcing) with each policy and
+//! budget on, all as requests of one persistent batch. `nll` is the mean negative
+//! log-likelihood of those tokens, `greedy_agree` the share of steps whose most likely token is
+//! full attention's. With `--task summarize`, the prompt is wrapped in the chat template with a
+//! summary instruction, the model writes a greedy summary, and `rouge_l` compares it with full
+//! attention's (ROUGE-L F1 over lowercase words).
+
+use crate::eviction::KvPolicyArgs;
+use crate::runtime::ModelArgs;
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use std::path::PathBuf;
+use turbo_engine::{ChatMessage, Engine, EngineConfig, KvSize, RequestStream};
+use turbo_keyformer::{BudgetSize, PolicyKind};
+use turbo_scheduler::{Event, Request};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Task {
+    /// Perplexity and greedy agreement on the text's continuation.
+    Continue,
+    /// ROUGE-L of a greedy summary against full attention's.
+    Summarize,
+}
+
+#[derive(Args)]
+pub struct EvalKvArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Texts to evaluate on (e.g. from `scripts/fetch_eval_texts.py`).
+    #[arg(long, required = true, num_args = 1..)]
+    text: Vec<PathBuf>,
+    /// Prompt tokens taken from the start of each text.
+    #[arg(long, default_value_t = 4096)]
+    prompt_tokens: usize,
+    /// Tokens evaluated after the prompt (or the summary's length).
+    #[arg(long, default_value_t = 512)]
+    eval_tokens: usize,
+    /// Policies, comma-separated; full attention always runs as the reference.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "keyformer,h2o,window,sink"
+    )]
+    policies: Vec<PolicyKind>,
+    /// Budgets as fractions of the prompt, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0.2,0.3,0.5,0.7,0.9")]
+    budgets: Vec<f64>,
+    #[arg(long, value_enum, default_value = "continue")]
+    task: Task,
+    /// Requests running at once.
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Keyformer's noise seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[command(flatten)]
+    eviction: KvPolicyArgs,
+    /// One JSON object per (text, policy, budget) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One (text, policy, budget) result.
+#[derive(Serialize)]
+struct Row {
+    text: String,
+    task: &'static str,
+    policy: String,
+    budget: f64,
+    kv_tokens: usize,
+    nll: f64,
+    ppl: f64,
+    greedy_agree: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rouge_l: Option<f64>,
+}
+
+/// What one request produced.
+struct Outcome {
+    nll: f64,
+    greedy: Vec<u32>,
+    text: String,
+    kv_tokens: usize,
+}
+
+pub fn run(args: EvalKvArgs) -> Result<()> {
+    anyhow::ensure!(
+        args.prompt_tokens > 0 && args.eval_tokens > 0,
+        "--prompt-tokens and --eval-tokens must be positive"
+    );
+    anyhow::ensure!(args.max_batch > 0, "--max-batch must be positive");
+    for &b in &args.budgets {
+        anyhow::ensure!(
+            b > 0.0 && b <= 1.0,
+            "budgets are fractions in (0, 1], not {b}"
+        );
+    }
+    let configs: Vec<(PolicyKind, f64)> = args
+        .policies
+        .iter()
+        .filter(|&&p| p != PolicyKind::Full)
+        .flat_map(|&p| args.budgets.iter().map(move |&b| (p, b)))
+        .collect();
+    // Every request of a text is queued at once; nothing is shared between them, so that a
+    // resident prefix never stands in for a policy's choice.
+    let engine = Engine::start(EngineConfig {
+        kv: KvSize::Default {
+            cpu_slots: args.max_batch,
+            cpu_tokens_per_slot: args.prompt_tokens + args.eval_tokens + 256,
+        },
+        max_batch: args.max_batch,
+        max_batched_tokens: 2048.max(args.max_batch),
+        prefill_chunk: 512,
+        prefix_caching: false,
+        max_pending: configs.len() + 1,
+        ..EngineConfig::new(args.model.options()?)
+    })?;
+    let mut rows = Vec::new();
+    if !args.json {
+        println!(
+            "{:<28} {:<10} {:>6} {:>9} {:>9} {:>9} {:>8}",
+            "text", "policy", "budget", "kv_tokens", "nll", "ppl", "agree"
+        );
+    }
+    for path in &args.text {
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let content = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let ids = engine.text_prompt(&content)?;
+        let (n, k) = (args.prompt_tokens, args.eval_tokens);
+        if ids.len() < n + k {
+            bail!(
+                "{} has {} tokens, fewer than --prompt-tokens + --eval-tokens = {}",
+                path.display(),
+                ids.len(),
+                n + k
+            );
+        }
+        let (prompt, forced) = match args.task {
+            Task::Continue => (ids[..n].to_vec(), ids[n..n + k].to_vec()),
+            Task::Summarize => {
+                let text = engine.tokenizer().decode(&ids[..n])?;
+                let message = format!("{text}\n\nSummarize the text above in a few sentences.");
+                (
+                    engine.chat_prompt(&[ChatMessage::new("user", message)])?,
+                    Vec::new(),
+                )
+            }
+        };
+        let request = |policy: PolicyKind, budget: Option<f64>| -> Result<Request> {
+            let size = budget.map(BudgetSize::Fraction);
+            Ok(Request {
+                max_tokens: k,
+                ignore_eos: args.task == Task::Continue,
+                logprobs: Some(1),
+                forced_tokens: forced.clone(),
+                kv_eviction: args.eviction.eviction_with(policy, size, args.seed)?,
+                ..Request::new(prompt.clone())
+            })
+        };
+        let full = engine.submit(request(PolicyKind::Full, None)?)?;
+        let streams = configs
+            .iter()
+            .map(|&(p, b)| Ok(engine.submit(request(p, Some(b))?)?))
+            .collect::<Result<Vec<_>>>()?;
+        let full = collect(full)?;
+        let mut results = vec![(PolicyKind::Full, 1.0, full_copy(&full))];
+        for (&(p, b), s) in configs.iter().zip(streams) {
+            results.push((p, b, collect(s)?));
+        }
+        for (policy, budget, o) in results {
+            let agree = o
+                .greedy
+                .iter()
+                .zip(&full.greedy)
+                .filter(|(a, b)| a == b)
+                .count() as f64
+                / full.greedy.len().max(1) as f64;
+            let row = Row {
+                text: name.clone(),
+                task: match args.task {
+                    Task::Continue => "continue",
+                    Task::Summarize => "summarize",
+                },
+                policy: policy.to_string(),
+                budget,
+                kv_tokens: o.kv_tokens,
+                nll: o.nll,
+                ppl: o.nll.exp(),
+                greedy_agree: agree,
+                rouge_l: (args.task == Task::Summarize).then(|| rouge_l(&o.text, &full.text)),
+            };
+            if args.json {
+                println!("{}", serde_json::to_string(&row)?);
+            } else {
+                println!(
+                    "{:<28} {:<10} {:>6.2} {:>9} {:>9.4} {:>9.3} {:>8.3}{}",
+                    row.text.chars().take(28).collect::<String>(),
+                    row.policy,
+                    row.budget,
+                    row.kv_tokens,
+                    row.nll,
+                    row.ppl,
+                    row.greedy_agree,
+                    row.rouge_l
+                        .map(|r| format!(" rouge_l {r:.3}"))
+                        .unwrap_or_default()
+                );
+            }
+            rows.push(row);
+        }
+    }
+    engine.shutdown(std::time::Duration::ZERO);
+    Ok(())
+}
+
+fn full_copy(o: &Outcome) -> Outcome {
+    Outcome {
+        nll: o.nll,
+        greedy: o.greedy.clone(),
+        text: o.text.clone(),
+        kv_tokens: o.kv_tokens,
+    }
+}
+
+/// Reads a request's events to its end.
+fn collect(mut stream: RequestStream) -> Result<Outcome> {
+    let (mut sum, mut count, mut greedy) = (0.0f64, 0usize, Vec::new());
+    loop {
+        match stream.blocking_next() {
+            Some(Event::Logprobs(lp)) => {
+                sum -= f64::from(lp.logprob);
+                count += 1;
+                greedy.push(lp.top.first().map_or(lp.token, |t| t.0));
+            }
+            Some(Event::Finished(c)) => {
+                return Ok(Outcome {
+                    nll: sum / count.max(1) as f64,
+                    greedy,
+                    text: c.text,
+                    kv_tokens: c.kv_tokens,
+                })
+            }
+            Some(Event::Failed(e)) => bail!(e),
+            Some(_) => {}
+            None => bail!("the engine stopped before the request ended"),
+        }
+    }
+}
+
+/// ROUGE-L F1 of `candidate` against `reference`: the longest common subsequence of their
+/// lowercase words.
+fn rouge_l(candidate: &str, reference: &str) -> f64 {
+    let words = |s: &str| -> Vec<String> {
+        s.split(|c: char| !c.is_alphanumeric())
+            .filter(|w| !w.is_empty())
+            .map(str::to_lowercase)
+            .collect()
+    };
+    let (c, r) = (words(candidate), words(reference));
+    if c.is_empty() || r.is_empty() {
+        return if c == r { 1.0 } else { 0.0 };
+    }
+    let mut prev = vec![0usize; r.len() + 1];
+    for cw in &c {
+        let mut row = vec![0usize; r.len() + 1];
+        for (j, rw) in r.iter().enumerate() {
+            row[j + 1] = if cw == rw {
+                prev[j] + 1
+            } else {
+                row[j].max(prev[j + 1])
+            };
+        }
+        prev = row;
+    }
+    let lcs = prev[r.len()] as f64;
+    let (p, q) = (lcs / c.len() as f64, lcs / r.len() as f64);
+    if lcs == 0.0 {
+        0.0
+    } else {
+        2.0 * p * q / (p + q)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rouge_l;
+
+    #[test]
+    fn rouge_l_is_the_lcs_f1_of_words() {
+        assert_eq!(rouge_l("the cat sat", "the cat sat"), 1.0);
+        assert_eq!(rouge_l("a b", "c d"), 0.0);
+        // LCS "the sat" = 2 of 3 and 2 of 4 words: F1 = 2 * (2/3) * (1/2) / (2/3 + 1/2).
+        let f = rouge_l("The cat sat", "the dog, sat down");
+        assert!((f - 4.0 / 7.0).abs() < 1e-12, "{f}");
+    }
+}
