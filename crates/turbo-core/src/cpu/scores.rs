@@ -4,7 +4,7 @@
 
 use crate::backend::{BackendError, KvScoring, Result};
 use rayon::prelude::*;
-use turbo_attention::{PagedKv, QuerySpan};
+use turbo_attention::{dot, PagedKv, QuerySpan};
 use turbo_keyformer::StepContext;
 
 /// What every span of one layer's scoring shares.
@@ -104,22 +104,4 @@ pub fn add(kv: &PagedKv, scores: &mut [f32], spans: &[QuerySpan], increments: &[
             scores[slot * kv_heads + inc.kv_head] += v;
         }
     }
-}
-
-/// A dot product in eight lanes, which the compiler vectorises.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
 }
