@@ -1,6 +1,6 @@
 //! `turbo generate --prompts-file F.jsonl`: many requests at once through the persistent batch.
 
-use crate::eviction::KvPolicyArgs;
+use crate::eviction::{budget_size, KvPolicyArgs};
 use crate::generate::Output;
 use crate::runtime::{KvArgs, ModelArgs};
 use anyhow::{bail, Context, Result};
@@ -83,11 +83,7 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
         request.stop_strings = args.stop.clone();
         request.ignore_eos = args.ignore_eos;
         request.session = line.session;
-        let size = match (line.kv_budget, line.kv_budget_tokens) {
-            (Some(f), _) => Some(turbo_keyformer::BudgetSize::Fraction(f)),
-            (None, Some(t)) => Some(turbo_keyformer::BudgetSize::Tokens(t)),
-            (None, None) => None,
-        };
+        let size = budget_size(line.kv_budget, line.kv_budget_tokens);
         request.kv_eviction = match (line.kv_policy, size) {
             (None, None) => args.eviction.eviction(request.sampling.seed)?,
             (policy, size) => {

@@ -8,14 +8,14 @@
 //! summary instruction, the model writes a greedy summary, and `rouge_l` compares it with full
 //! attention's (ROUGE-L F1 over lowercase words).
 
-use crate::eviction::KvPolicyArgs;
+use crate::eviction::{budget_size, KvPolicyArgs};
 use crate::runtime::ModelArgs;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use std::path::PathBuf;
 use turbo_engine::{ChatMessage, Engine, EngineConfig, KvSize, RequestStream};
-use turbo_keyformer::{BudgetSize, PolicyKind};
+use turbo_keyformer::PolicyKind;
 use turbo_scheduler::{Event, Request};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -80,6 +80,7 @@ struct Row {
 }
 
 /// What one request produced.
+#[derive(Clone)]
 struct Outcome {
     nll: f64,
     greedy: Vec<u32>,
@@ -119,7 +120,6 @@ pub fn run(args: EvalKvArgs) -> Result<()> {
         max_pending: configs.len() + 1,
         ..EngineConfig::new(args.model.options()?)
     })?;
-    let mut rows = Vec::new();
     if !args.json {
         println!(
             "{:<28} {:<10} {:>6} {:>9} {:>9} {:>9} {:>8}",
@@ -155,7 +155,7 @@ pub fn run(args: EvalKvArgs) -> Result<()> {
             }
         };
         let request = |policy: PolicyKind, budget: Option<f64>| -> Result<Request> {
-            let size = budget.map(BudgetSize::Fraction);
+            let size = budget_size(budget, None);
             Ok(Request {
                 max_tokens: k,
                 ignore_eos: args.task == Task::Continue,
@@ -171,7 +171,7 @@ pub fn run(args: EvalKvArgs) -> Result<()> {
             .map(|&(p, b)| Ok(engine.submit(request(p, Some(b))?)?))
             .collect::<Result<Vec<_>>>()?;
         let full = collect(full)?;
-        let mut results = vec![(PolicyKind::Full, 1.0, full_copy(&full))];
+        let mut results = vec![(PolicyKind::Full, 1.0, full.clone())];
         for (&(p, b), s) in configs.iter().zip(streams) {
             results.push((p, b, collect(s)?));
         }
@@ -214,20 +214,10 @@ pub fn run(args: EvalKvArgs) -> Result<()> {
                         .unwrap_or_default()
                 );
             }
-            rows.push(row);
         }
     }
     engine.shutdown(std::time::Duration::ZERO);
     Ok(())
-}
-
-fn full_copy(o: &Outcome) -> Outcome {
-    Outcome {
-        nll: o.nll,
-        greedy: o.greedy.clone(),
-        text: o.text.clone(),
-        kv_tokens: o.kv_tokens,
-    }
 }
 
 /// Reads a request's events to its end.

@@ -36,11 +36,7 @@ pub struct KvPolicyArgs {
 impl KvPolicyArgs {
     /// The eviction settings, or `None` for full attention; `budget` overrides the flags' size.
     pub fn eviction(&self, seed: u64) -> Result<Option<KvEviction>> {
-        let size = match (self.kv_budget, self.kv_budget_tokens) {
-            (Some(f), _) => Some(BudgetSize::Fraction(f)),
-            (None, Some(t)) => Some(BudgetSize::Tokens(t)),
-            (None, None) => None,
-        };
+        let size = budget_size(self.kv_budget, self.kv_budget_tokens);
         self.eviction_with(self.kv_policy, size, seed)
     }
 
@@ -72,6 +68,15 @@ impl KvPolicyArgs {
             mode: self.kv_selection,
             seed,
         }))
+    }
+}
+
+/// A budget given as a fraction of the prompt or a token count (the fraction wins), if any.
+pub fn budget_size(fraction: Option<f64>, tokens: Option<usize>) -> Option<BudgetSize> {
+    match (fraction, tokens) {
+        (Some(f), _) => Some(BudgetSize::Fraction(f)),
+        (None, Some(t)) => Some(BudgetSize::Tokens(t)),
+        (None, None) => None,
     }
 }
 

@@ -109,6 +109,38 @@ fn reference(
     }
 }
 
+/// A batch of one row per position over `spans`, scored as `scoring` says (only attention
+/// inputs matter: ids and slots are placeholders).
+fn scored_batch(
+    backend: &CpuBackend,
+    positions: &[u32],
+    spans: &[QuerySpan],
+    scoring: &[Option<KvScoring>],
+    cache: &CpuKvCache,
+) -> <CpuBackend as Backend>::Batch {
+    let zeros = vec![0u32; positions.len()];
+    let mut batch = backend.new_batch().unwrap();
+    backend
+        .prepare_batch(
+            &mut batch,
+            &BatchLayout {
+                ids: &zeros,
+                positions,
+                slots: &zeros,
+                spans,
+                inv_freq: &[],
+                outputs: &[],
+                n_heads: HEADS,
+                vocab: 0,
+                sampling: None,
+                scoring,
+            },
+            cache,
+        )
+        .unwrap();
+    batch
+}
+
 #[test]
 fn scores_match_the_f64_reference_for_decode_and_prefill_rows() {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
@@ -154,27 +186,7 @@ fn scores_match_the_f64_reference_for_decode_and_prefill_rows() {
             .map(|_| rng.random_range(-2.0..2.0))
             .collect();
         let backend = CpuBackend::with_threads(2).unwrap();
-        let mut batch = backend.new_batch().unwrap();
-        let slots = vec![0u32; rows];
-        let ids = vec![0u32; rows];
-        backend
-            .prepare_batch(
-                &mut batch,
-                &BatchLayout {
-                    ids: &ids,
-                    positions: &positions,
-                    slots: &slots,
-                    spans: &spans,
-                    inv_freq: &[],
-                    outputs: &[],
-                    n_heads: HEADS,
-                    vocab: 0,
-                    sampling: None,
-                    scoring: &scorings,
-                },
-                &c.cache,
-            )
-            .unwrap();
+        let batch = scored_batch(&backend, &positions, &spans, &scorings, &c.cache);
         let qt = HostTensor {
             data: q.clone(),
             rows,
@@ -245,25 +257,7 @@ fn compaction_carries_scores_and_new_keys_start_at_zero() {
         total_iterations: 4,
     })];
     let backend = CpuBackend::with_threads(1).unwrap();
-    let mut batch = backend.new_batch().unwrap();
-    backend
-        .prepare_batch(
-            &mut batch,
-            &BatchLayout {
-                ids: &[0],
-                positions: &[11],
-                slots: &[0],
-                spans: &spans,
-                inv_freq: &[],
-                outputs: &[],
-                n_heads: HEADS,
-                vocab: 0,
-                sampling: None,
-                scoring: &scoring,
-            },
-            &c.cache,
-        )
-        .unwrap();
+    let batch = scored_batch(&backend, &[11], &spans, &scoring, &c.cache);
     let q = HostTensor {
         data: (0..HEADS * D)
             .map(|_| rng.random_range(-2.0..2.0))

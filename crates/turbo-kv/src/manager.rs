@@ -248,13 +248,7 @@ impl KvManager {
     pub fn slots(&self, seq: SeqId, positions: Range<usize>) -> Result<Vec<u32>, KvError> {
         let s = self.get(seq)?;
         let bs = self.block_size;
-        check_len(
-            seq,
-            positions.end - s.evicted,
-            s.blocks.len() * bs,
-            "reserved slots",
-        )?;
-        if positions.start < s.computed.min(positions.end) && s.evicted > 0 {
+        if s.evicted > 0 && !positions.is_empty() && positions.start < s.computed {
             return Err(KvError::OutOfRange {
                 seq,
                 len: positions.start,
@@ -262,6 +256,8 @@ impl KvManager {
                 what: "computed tokens of a compacted sequence",
             });
         }
+        let keys_end = positions.end.saturating_sub(s.evicted);
+        check_len(seq, keys_end, s.blocks.len() * bs, "reserved slots")?;
         Ok(positions
             .map(|p| p - s.evicted)
             .map(|k| s.blocks[k / bs] * bs as u32 + (k % bs) as u32)

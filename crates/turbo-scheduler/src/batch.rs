@@ -721,15 +721,6 @@ impl<B: Backend> PersistentBatch<B> {
                 }
                 (false, _) => self.kv.resume(live.seq)?.cached,
             };
-            if let Some(e) = &live.eviction {
-                if let Err(error) = e.check_frozen(self.kv.frozen(live.seq)?) {
-                    self.unadmit(&live, first)?;
-                    self.release(&live, false)?;
-                    live.send(Event::Failed(error));
-                    report.ended += 1;
-                    continue;
-                }
-            }
             let total = self.kv.tokens(live.seq)?.len();
             let len = (total - cached).min(self.config.prefill_chunk).min(budget);
             // `promised` more blocks on top of the whole sequence, as `can_reserve` counts them.

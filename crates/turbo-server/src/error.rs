@@ -110,13 +110,9 @@ impl From<RequestError> for ApiError {
                 ApiError::invalid(e.to_string())
             }
             RequestError::TooManyLogprobs(_) => ApiError::invalid(e.to_string()).param("logprobs"),
-            RequestError::QueueTimeout { .. } => ApiError {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                message: e.to_string(),
-                kind: "server_error",
-                param: None,
-                code: Some("overloaded"),
-            },
+            RequestError::QueueTimeout { .. } => ApiError::internal(e.to_string())
+                .status(StatusCode::SERVICE_UNAVAILABLE)
+                .code("overloaded"),
             RequestError::Model(_) | RequestError::Detokenize(_) | RequestError::Disconnected => {
                 ApiError::internal(e.to_string())
             }

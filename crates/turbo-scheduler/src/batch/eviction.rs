@@ -75,24 +75,10 @@ impl EvictionState {
     }
 
     /// The most keys of a shared prefix the sequence may reuse: the budget less its recent
-    /// window (the frozen prefix is always kept, so it must leave room for the recent keys).
+    /// window (the frozen prefix is always kept, so it must leave room for the recent keys;
+    /// admission bounds it by this, so the selection's budget below always holds).
     pub fn max_frozen(&self) -> usize {
         self.budget.keep() - self.budget.recent()
-    }
-
-    /// Why a sequence whose first `frozen` keys are shared cannot keep this budget, if it can't
-    /// (admission bounds the frozen prefix by [`max_frozen`](Self::max_frozen), so this is a
-    /// safety net).
-    pub fn check_frozen(&self, frozen: usize) -> Result<(), RequestError> {
-        if frozen + self.budget.recent() > self.budget.keep() {
-            return Err(RequestError::Eviction(format!(
-                "the KV budget of {} tokens ({} recent) is below the {frozen} tokens of the \
-                 prompt's prefix shared with other requests, which eviction never drops",
-                self.budget.keep(),
-                self.budget.recent()
-            )));
-        }
-        Ok(())
     }
 
     /// How the sequence's chunk at decoding iteration `iteration` (0 for the prompt) of
