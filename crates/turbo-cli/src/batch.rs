@@ -128,5 +128,15 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
         engine.info().num_blocks,
         engine.info().block_size,
     );
+    if stats.decode_step_micros > 0 {
+        let seconds = stats.decode_step_micros as f64 / 1e6;
+        eprintln!(
+            "decode-only steps: {} steps, {} tokens in {seconds:.2} s: {:.1} tok/s, {:.1} sequences per step",
+            stats.decode_steps,
+            stats.decode_step_tokens,
+            stats.decode_step_tokens as f64 / seconds,
+            stats.decode_step_tokens as f64 / stats.decode_steps.max(1) as f64,
+        );
+    }
     Ok(())
 }

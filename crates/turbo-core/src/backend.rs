@@ -364,9 +364,10 @@ pub trait Backend: Send + Sync {
     /// Moves a sequence's kept keys and values to its leading key indices ([`KvCompaction`]),
     /// with their eviction scores.
     fn compact_kv(&self, cache: &mut Self::KvCache, compaction: &KvCompaction) -> Result<()>;
-    /// Whether [`Backend::accumulate_kv_scores`] is implemented (else eviction policies that
-    /// need scores are refused up front).
-    fn supports_kv_scores(&self) -> bool {
+    /// Whether [`Backend::accumulate_kv_scores`] is implemented for caches of `spec` (else
+    /// eviction policies that need scores are refused up front).
+    fn supports_kv_scores(&self, spec: &KvCacheSpec) -> bool {
+        let _ = spec;
         false
     }
     /// Adds the eviction scores of `layer` for the batch's scored spans ([`KvScoring`]), from

@@ -4,7 +4,9 @@ use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::ops;
 use crate::ops::attention::{AttentionPlan, KvLayout, KvSplit, PlanOptions};
+use crate::ops::elementwise::CompactShape;
 use crate::ops::gemv::{gemv_fits, GemvNorm, GemvOut, QkvRopeOut};
+use crate::ops::scores::{ScoreGeometry, ScorePlan};
 use cudarc::driver::sys::CUstreamCaptureMode;
 use cudarc::driver::{CudaGraph, CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
@@ -99,6 +101,8 @@ pub struct CudaBatch {
     n_heads: usize,
     sampling: bool,
     attention: Mutex<Option<AttentionPlan>>,
+    /// The step's KV eviction scoring, when any of its spans is scored.
+    scores: Mutex<Option<ScorePlan>>,
     logits: Mutex<CudaSlice<f32>>,
     sampled: Mutex<CudaSlice<u32>>,
     /// `Some` when this step may be recorded or replayed.
@@ -248,8 +252,14 @@ impl CudaBackend {
                 .iter()
                 .enumerate()
                 .all(|(i, &r)| r as usize == i);
+        // Scored steps run directly: their scoring plan changes every step.
+        let scored = layout
+            .scoring
+            .iter()
+            .any(|s| s.is_some_and(|s| s.function.needs_scores()));
         if !self.graphs.load(Ordering::Relaxed)
             || !decode
+            || scored
             || !ops::attention::GROUPED_HEAD_DIMS.contains(&spec.head_dim)
             || !layout.n_heads.is_multiple_of(spec.n_kv_heads)
         {
@@ -392,6 +402,7 @@ impl Backend for CudaBackend {
             n_heads: 0,
             sampling: false,
             attention: Mutex::new(None),
+            scores: Mutex::new(None),
             logits: Mutex::new(stream.alloc_zeros::<f32>(1).map_err(CudaError::from)?),
             sampled: Mutex::new(stream.alloc_zeros::<u32>(1).map_err(CudaError::from)?),
             shape: None,
@@ -537,6 +548,25 @@ impl Backend for CudaBackend {
             .attention
             .get_mut()
             .map_err(|_| unsupported("poisoned".into()))? = Some(plan);
+
+        let old = batch
+            .scores
+            .get_mut()
+            .map_err(|_| unsupported("poisoned".into()))?
+            .take();
+        let scores = ScorePlan::new(
+            &self.dev,
+            layout.spans,
+            layout.scoring,
+            layout.n_heads,
+            tokens,
+            &spec,
+            old,
+        )?;
+        *batch
+            .scores
+            .get_mut()
+            .map_err(|_| unsupported("poisoned".into()))? = scores;
 
         batch.tokens = tokens;
         batch.outputs = outputs;
@@ -850,25 +880,103 @@ impl Backend for CudaBackend {
         if compaction.kept_per_row == 0 {
             return Ok(());
         }
-        let upload = |v: &[u32]| self.dev.stream.clone_htod(v).map_err(CudaError::from);
-        let table = upload(compaction.block_table)?;
-        let kept = upload(compaction.kept)?;
-        let per_layer = spec.n_kv_heads * compaction.kept_per_row;
-        for layer in 0..spec.n_layers {
-            let (keys, values) = cache.layer_mut(layer);
-            ops::elementwise::compact_kv(
-                &self.dev,
-                keys,
-                values,
-                &table.as_view(),
-                &kept.slice(layer * per_layer..(layer + 1) * per_layer),
-                compaction.kept_per_row,
-                spec.block_size,
-                spec.n_kv_heads,
-                spec.head_dim,
-            )?;
+        let stream = &self.dev.stream;
+        let layers = stream
+            .clone_htod(&cache.layer_addresses(stream))
+            .map_err(CudaError::from)?;
+        let table = stream
+            .clone_htod(compaction.block_table)
+            .map_err(CudaError::from)?;
+        let kept = stream
+            .clone_htod(compaction.kept)
+            .map_err(CudaError::from)?;
+        Ok(ops::elementwise::compact_kv(
+            &self.dev,
+            &layers.as_view(),
+            &table.as_view(),
+            &kept.as_view(),
+            CompactShape {
+                k: compaction.kept_per_row,
+                block_size: spec.block_size,
+                n_layers: spec.n_layers,
+                n_kv_heads: spec.n_kv_heads,
+                head_dim: spec.head_dim,
+            },
+        )?)
+    }
+
+    fn supports_kv_scores(&self, spec: &KvCacheSpec) -> bool {
+        ops::scores::supports_head_dim(spec.head_dim)
+    }
+
+    fn accumulate_kv_scores(
+        &self,
+        q: &CudaTensor,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        n_heads: usize,
+        batch: &CudaBatch,
+        scale: f32,
+    ) -> Result<()> {
+        batch.check_cache(cache)?;
+        let mut plan = lock(&batch.scores)?;
+        let Some(plan) = plan.as_mut() else {
+            return Ok(());
+        };
+        if n_heads != batch.n_heads || layer >= cache.spec().n_layers {
+            return Err(BackendError::Unsupported(format!(
+                "KV scores of layer {layer} with {n_heads} heads, the batch was prepared for {}",
+                batch.n_heads
+            )));
         }
-        Ok(())
+        let geometry = ScoreGeometry::of(cache.spec());
+        let (keys, scores) = cache.scored_layer(layer, &self.dev.stream)?;
+        Ok(plan.run(
+            &self.dev,
+            &q.data,
+            keys,
+            scores,
+            &batch.view(&batch.sections.positions),
+            layer,
+            geometry,
+            scale,
+        )?)
+    }
+
+    fn read_kv_scores(
+        &self,
+        cache: &CudaKvCache,
+        block_table: &[u32],
+        keys: usize,
+    ) -> Result<Vec<f32>> {
+        let spec = *cache.spec();
+        if cache.scores().is_none() {
+            return Err(BackendError::Unsupported(
+                "KV scores read before any step scored keys".into(),
+            ));
+        }
+        if keys > block_table.len() * spec.block_size
+            || block_table.iter().any(|&b| b as usize >= spec.max_blocks)
+        {
+            return Err(BackendError::Unsupported(format!(
+                "scores of {keys} keys from a block table of {} blocks",
+                block_table.len()
+            )));
+        }
+        let stream = &self.dev.stream;
+        let addresses = cache.layer_addresses(stream);
+        let layers = stream
+            .clone_htod(&addresses[2 * spec.n_layers..])
+            .map_err(CudaError::from)?;
+        let table = stream.clone_htod(block_table).map_err(CudaError::from)?;
+        Ok(ops::scores::gather(
+            &self.dev,
+            &layers.as_view(),
+            &table.as_view(),
+            spec.n_layers,
+            ScoreGeometry::of(&spec),
+            keys,
+        )?)
     }
 
     fn write_kv(

@@ -173,7 +173,21 @@ impl CudaDevice {
                 ),
             });
         }
-        let module = match self.ctx.load_module(Ptx::from_src(spec.ptx)) {
+        // PTX built from an older source (a kernel edited since `cargo xtask kernels`) would run
+        // old code or lack new kernels: the source itself is compiled instead.
+        let loaded = match crate::ptx::is_current(spec) {
+            true => self
+                .ctx
+                .load_module(Ptx::from_src(spec.ptx))
+                .map_err(|e| e.to_string()),
+            false => {
+                tracing::warn!(
+                    "kernels/{name}.cu changed since its PTX was built: compiling it with NVRTC"
+                );
+                Err("the committed PTX is older than its source".into())
+            }
+        };
+        let module = match loaded {
             Ok(m) => m,
             Err(ptx_err) => self
                 .compile_with_nvrtc(spec)
@@ -196,9 +210,14 @@ impl CudaDevice {
         // Architecture-specific modules need the "a" target of their architecture.
         let suffix = if spec.only_on.is_some() { "a" } else { "" };
         // NVRTC cannot read files: splice the shared header in place of its #include.
-        let source = spec
-            .source
-            .replace("#include \"common.cuh\"", crate::ptx::COMMON_HEADER);
+        // Nor does it ship the C library's headers: the fixed-width types come from typedefs.
+        let header = crate::ptx::COMMON_HEADER.replace(
+            "#include <stdint.h>",
+            "typedef unsigned char uint8_t; typedef unsigned short uint16_t; \
+             typedef unsigned int uint32_t; typedef unsigned long long uint64_t; \
+             typedef int int32_t; typedef long long int64_t; typedef unsigned long long uintptr_t;",
+        );
+        let source = spec.source.replace("#include \"common.cuh\"", &header);
         let opts = cudarc::nvrtc::CompileOptions {
             arch: Some(Box::leak(
                 format!("compute_{major}{minor}{suffix}").into_boxed_str(),

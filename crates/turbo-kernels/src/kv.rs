@@ -44,6 +44,9 @@ pub struct CudaKvCache {
     values: Vec<ManuallyDrop<CudaSlice<bf16>>>,
     /// `None`: allocated up front with `alloc_zeros`.
     mapped: Option<Mapped>,
+    /// KV eviction scores, per layer `[slot][kv head]` f32: allocated (all blocks, zeroed) the
+    /// first time a step scores keys, empty until then.
+    scores: Vec<CudaSlice<f32>>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -75,6 +78,7 @@ impl CudaKvCache {
             keys: Vec::with_capacity(spec.n_layers),
             values: Vec::with_capacity(spec.n_layers),
             mapped: None,
+            scores: Vec::new(),
         };
         let Some(chunk_blocks) = chunk_blocks else {
             // On an error, what was allocated so far is freed by the cache's drop.
@@ -145,6 +149,54 @@ impl CudaKvCache {
         layer: usize,
     ) -> (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>) {
         (&mut self.keys[layer], &mut self.values[layer])
+    }
+
+    /// `layer`'s keys and its scores, the scores of every layer allocated zeroed on first use
+    /// (about 1/(2 · head_dim) of the KV's bytes, as f32 against bf16 keys and values).
+    pub(crate) fn scored_layer(
+        &mut self,
+        layer: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(&CudaSlice<bf16>, &mut CudaSlice<f32>)> {
+        if self.scores.is_empty() {
+            let slots = self
+                .spec
+                .max_blocks
+                .checked_mul(self.spec.block_size)
+                .and_then(|n| n.checked_mul(self.spec.n_kv_heads))
+                .ok_or_else(|| {
+                    BackendError::Unsupported("KV scores too large to address".into())
+                })?;
+            let mut scores = Vec::with_capacity(self.spec.n_layers);
+            for _ in 0..self.spec.n_layers {
+                scores.push(
+                    stream
+                        .alloc_zeros::<f32>(slots.max(1))
+                        .map_err(|e| with_context(driver(e), "allocating KV eviction scores"))?,
+                );
+            }
+            self.scores = scores;
+        }
+        Ok((&self.keys[layer], &mut self.scores[layer]))
+    }
+
+    /// Every layer's scores, `None` while no step has scored keys.
+    pub(crate) fn scores(&self) -> Option<&[CudaSlice<f32>]> {
+        (!self.scores.is_empty()).then_some(&self.scores[..])
+    }
+
+    /// Device addresses `[keys | values | scores][layer]` (scores 0 while unallocated), for
+    /// kernels that touch every layer in one launch.
+    pub(crate) fn layer_addresses(&self, stream: &CudaStream) -> Vec<u64> {
+        use cudarc::driver::DevicePtr;
+        let mut out = Vec::with_capacity(3 * self.spec.n_layers);
+        out.extend(self.keys.iter().map(|k| k.device_ptr(stream).0));
+        out.extend(self.values.iter().map(|v| v.device_ptr(stream).0));
+        match self.scores.is_empty() {
+            true => out.extend(std::iter::repeat_n(0, self.spec.n_layers)),
+            false => out.extend(self.scores.iter().map(|s| s.device_ptr(stream).0)),
+        }
+        out
     }
 
     /// Whether memory is mapped as blocks are reached rather than allocated up front.

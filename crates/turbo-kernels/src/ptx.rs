@@ -44,6 +44,7 @@ pub const MODULES: &[KernelModule] = &[
     module!("sampling"),
     module!("merge"),
     module!("gemv"),
+    module!("scores"),
     module!("attention_sm90a", Some((9, 0))),
 ];
 
@@ -58,3 +59,26 @@ pub const COMMON_HEADER: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../kernels/common.cuh"
 ));
+
+/// The SHA-256 of a kernel source together with the shared header, as the manifest records it.
+pub fn source_hash(source: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(source.as_bytes());
+    h.update(COMMON_HEADER.as_bytes());
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The hash the manifest records for `name`'s PTX.
+pub fn recorded_hash(name: &str) -> Option<&'static str> {
+    MANIFEST.lines().find_map(|l| {
+        l.strip_prefix(name)
+            .and_then(|r| r.strip_prefix(' '))
+            .map(str::trim)
+    })
+}
+
+/// Whether `module`'s committed PTX was built from its current source.
+pub fn is_current(module: &KernelModule) -> bool {
+    recorded_hash(module.name) == Some(source_hash(module.source).as_str())
+}

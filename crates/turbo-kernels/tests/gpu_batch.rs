@@ -527,3 +527,64 @@ fn gpu_kv_cache_growth_past_device_memory_fails_cleanly() {
         "the device still works"
     );
 }
+
+/// KV eviction on the GPU through the persistent batch: requests of every policy share one batch,
+/// each evicting sequence ends within its budget (plus less than a block) holding only the blocks
+/// its keys need, the scored policies (Keyformer, H2O) score on the device, and every block goes
+/// back when they end.
+#[test]
+fn gpu_every_eviction_policy_keeps_its_budget_in_one_batch() {
+    use turbo_keyformer::{BudgetConfig, BudgetSize, PolicyKind};
+    use turbo_scheduler::KvEviction;
+    let Some(gpu) = gpu() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (spec, loaded) = smollm2_shaped(&dir);
+    let model = Llama::new(gpu, &loaded.config, &loaded.weights).unwrap();
+    let config = BatchConfig {
+        max_batch: 8,
+        max_batched_tokens: 256,
+        block_size: BLOCK,
+        num_blocks: 256,
+        prefill_chunk: 64,
+        prefix_caching: true,
+    };
+    let mut b = PersistentBatch::new(model, loaded.tokenizer.clone(), config).unwrap();
+    let prompt = random_tokens(&spec, 300, 21);
+    let keep = 96;
+    let policies = [
+        PolicyKind::Keyformer,
+        PolicyKind::H2O,
+        PolicyKind::Window,
+        PolicyKind::Sink,
+        PolicyKind::Full,
+    ];
+    let handles: Vec<_> = policies
+        .iter()
+        .map(|&p| {
+            b.submit(Request {
+                kv_eviction: Some(KvEviction::new(
+                    p,
+                    BudgetConfig::new(BudgetSize::Tokens(keep)),
+                )),
+                ..request(&prompt)
+            })
+        })
+        .collect();
+    b.run_until_idle().unwrap();
+    for (policy, h) in policies.iter().zip(handles) {
+        let c = finished(h, &policy.to_string());
+        let tokens = prompt.len() + 15;
+        if *policy == PolicyKind::Full {
+            assert_eq!(c.kv_tokens, tokens);
+        } else {
+            assert!(
+                (keep..keep + BLOCK).contains(&c.kv_tokens),
+                "{policy}: {} keys for a budget of {keep}",
+                c.kv_tokens
+            );
+            assert_eq!(c.kv_blocks, c.kv_tokens.div_ceil(BLOCK), "{policy}");
+        }
+    }
+    assert_eq!(b.kv().num_used(), 0);
+    b.kv().check().unwrap();
+}

@@ -214,3 +214,272 @@ fn compacted_kv_matches_cpu() {
         assert!(d <= TOL, "GPU logits after compaction differ by {d}");
     }
 }
+
+/// Random values that bf16 holds exactly, so that both backends score the very same inputs.
+fn bf16_exact(rng: &mut rand_chacha::ChaCha8Rng, n: usize, max: f32) -> Vec<f32> {
+    use rand::Rng;
+    (0..n)
+        .map(|_| half::bf16::from_f32(rng.random_range(-max..max)).to_f32())
+        .collect()
+}
+
+/// Chooses a sequence's kept keys from its scores and key count: the keys and how many per row.
+type Choose<'a> = dyn FnMut(usize, &[f32], usize) -> (Vec<u32>, usize) + 'a;
+
+/// One step of the scoring scenario: rows of sequences, each `(sequence, first key, rows)`.
+struct ScoreStep {
+    chunks: Vec<(usize, usize, usize)>,
+}
+
+/// Two sequences on scattered blocks of a 2-layer cache under GQA (8 query heads over 2 KV
+/// heads), scored by `function` through prefill chunks, decode steps and a compaction, on
+/// `backend`; returns each sequence's scores (`[layer][kv head][key]`) after every step, and
+/// before the last steps compacts both with `kept` of the scores read at that point (chosen
+/// by `choose`, which sees the scores and returns the kept keys and their count).
+fn scored_run<B: turbo_core::Backend>(
+    backend: &B,
+    function: turbo_keyformer::ScoreFunction,
+    head_dim: usize,
+    choose: &mut Choose,
+) -> Vec<Vec<f32>> {
+    use rand::SeedableRng;
+    use turbo_attention::QuerySpan;
+    use turbo_core::backend::BatchLayout;
+    use turbo_core::cpu::KvCacheSpec;
+    use turbo_core::{KvCompaction, KvScoring};
+    const HEADS: usize = 8;
+    let spec = KvCacheSpec {
+        n_layers: 2,
+        n_kv_heads: 2,
+        head_dim,
+        block_size: 16,
+        max_blocks: 40,
+    };
+    let kv_cols = spec.n_kv_heads * head_dim;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(head_dim as u64);
+    let mut cache = backend.kv_cache(spec).unwrap();
+    let mut batch = backend.new_batch().unwrap();
+    // Shuffled, disjoint blocks: 12 for sequence 0 (up to 192 keys), 8 for sequence 1.
+    let blocks: Vec<u32> = (0..40u32).map(|b| (b * 17 + 5) % 40).collect();
+    let tables = [blocks[..12].to_vec(), blocks[12..20].to_vec()];
+    let mut keys = [0usize, 0usize];
+    let mut positions = [0u32, 0u32];
+    let steps = [
+        ScoreStep {
+            chunks: vec![(0, 0, 70)],
+        },
+        ScoreStep {
+            chunks: vec![(0, 70, 45), (1, 0, 33)],
+        },
+        ScoreStep {
+            chunks: vec![(0, 115, 1), (1, 33, 1)],
+        },
+        ScoreStep {
+            chunks: vec![(0, 116, 1), (1, 34, 1)],
+        },
+        // After compaction (below): decode at the true positions over fewer keys.
+        ScoreStep {
+            chunks: vec![(0, 0, 1), (1, 0, 1)],
+        },
+        ScoreStep {
+            chunks: vec![(0, 0, 3), (1, 0, 1)],
+        },
+    ];
+    let mut out = Vec::new();
+    for (i, step) in steps.iter().enumerate() {
+        if i == 4 {
+            for s in 0..2 {
+                let scores = backend.read_kv_scores(&cache, &tables[s], keys[s]).unwrap();
+                let (kept, k) = choose(s, &scores, keys[s]);
+                backend
+                    .compact_kv(
+                        &mut cache,
+                        &KvCompaction {
+                            block_table: &tables[s],
+                            kept: &kept,
+                            kept_per_row: k,
+                        },
+                    )
+                    .unwrap();
+                keys[s] = k;
+            }
+        }
+        let (mut ids, mut pos, mut slots, mut spans_at) = (vec![], vec![], vec![], vec![]);
+        for &(s, _, n) in &step.chunks {
+            spans_at.push((ids.len(), n, keys[s] + n, s));
+            for j in 0..n {
+                let key = keys[s] + j;
+                ids.push(1u32);
+                pos.push(positions[s] + j as u32);
+                slots.push(tables[s][key / 16] * 16 + (key % 16) as u32);
+            }
+            keys[s] += n;
+            positions[s] += n as u32;
+        }
+        let spans: Vec<QuerySpan> = spans_at
+            .iter()
+            .map(|&(q_start, n_q, kv_len, s)| QuerySpan {
+                q_start,
+                n_q,
+                kv_len,
+                block_table: &tables[s],
+            })
+            .collect();
+        let scoring: Vec<Option<KvScoring>> = spans_at
+            .iter()
+            .map(|&(_, _, _, s)| {
+                Some(KvScoring {
+                    function,
+                    seed: 11 + s as u64,
+                    iteration: i as u32,
+                    total_iterations: 8,
+                })
+            })
+            .collect();
+        let inv_freq = vec![1.0f32; head_dim / 2];
+        let layout = BatchLayout {
+            ids: &ids,
+            positions: &pos,
+            slots: &slots,
+            spans: &spans,
+            inv_freq: &inv_freq,
+            outputs: &[],
+            n_heads: HEADS,
+            vocab: 1,
+            sampling: None,
+            scoring: &scoring,
+        };
+        backend.prepare_batch(&mut batch, &layout, &cache).unwrap();
+        let t = ids.len();
+        for layer in 0..spec.n_layers {
+            let k = backend
+                .upload(&bf16_exact(&mut rng, t * kv_cols, 1.0), t, kv_cols)
+                .unwrap();
+            let v = backend.upload(&vec![0.0; t * kv_cols], t, kv_cols).unwrap();
+            let q = backend
+                .upload(
+                    &bf16_exact(&mut rng, t * HEADS * head_dim, 2.0),
+                    t,
+                    HEADS * head_dim,
+                )
+                .unwrap();
+            backend.write_kv(&mut cache, layer, &k, &v, &batch).unwrap();
+            backend
+                .accumulate_kv_scores(&q, &mut cache, layer, HEADS, &batch, scale)
+                .unwrap();
+        }
+        for s in 0..2 {
+            out.push(backend.read_kv_scores(&cache, &tables[s], keys[s]).unwrap());
+        }
+    }
+    out
+}
+
+/// KV eviction scores on the GPU against the CPU backend (itself tested against the f64
+/// reference) on identical bf16 inputs, for H2O and Keyformer, through prefill chunks, decode
+/// steps and a compaction that must carry each key's score; the kept sets chosen from GPU scores
+/// equal the CPU's up to keys whose scores tie within rounding.
+#[test]
+fn gpu_kv_scores_and_kept_sets_match_cpu() {
+    use turbo_keyformer::{
+        select_kept, Budget, Dims, PolicyConfig, PolicyKind, ScoreFunction, SelectionMode,
+        TauSchedule,
+    };
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    for head_dim in [64, 128] {
+        for (kind, function) in [
+            (PolicyKind::H2O, ScoreFunction::Softmax),
+            (
+                PolicyKind::Keyformer,
+                ScoreFunction::GumbelSoftmax(TauSchedule::PAPER),
+            ),
+        ] {
+            let policy = kind.build(&PolicyConfig::default());
+            // The CPU chooses; the GPU run compacts with the CPU's choice (so that both runs stay
+            // comparable), and the GPU's own choice is compared with it.
+            let mut cpu_kept: Vec<Vec<u32>> = Vec::new();
+            let mut choose_cpu = |_s: usize, scores: &[f32], keys: usize| {
+                let budget = Budget::new(keys / 2, keys / 8, 0).unwrap();
+                let dims = Dims {
+                    layers: 2,
+                    kv_heads: 2,
+                    keys,
+                };
+                let kept = select_kept(
+                    policy.as_ref(),
+                    scores,
+                    dims,
+                    &budget,
+                    SelectionMode::PerLayer,
+                )
+                .unwrap();
+                let kept: Vec<u32> = kept.into_iter().map(|k| k as u32).collect();
+                cpu_kept.push(kept.clone());
+                (kept, budget.kept_count(keys))
+            };
+            let cpu_scores = scored_run(&cpu, function, head_dim, &mut choose_cpu);
+            let mut i = 0;
+            let mut tie_breaks = 0;
+            let mut choose_gpu = |_s: usize, scores: &[f32], keys: usize| {
+                let budget = Budget::new(keys / 2, keys / 8, 0).unwrap();
+                let dims = Dims {
+                    layers: 2,
+                    kv_heads: 2,
+                    keys,
+                };
+                let kept = select_kept(
+                    policy.as_ref(),
+                    scores,
+                    dims,
+                    &budget,
+                    SelectionMode::PerLayer,
+                )
+                .unwrap();
+                let want = &cpu_kept[i];
+                i += 1;
+                // Keys chosen by one side only must tie with the other side's choice: their
+                // scores within rounding of the smallest score kept by policy.
+                let k = budget.kept_count(keys);
+                for row in 0..4 {
+                    let (g, c) = (&kept[row * k..][..k], &want[row * k..][..k]);
+                    let row_scores = &scores[row * keys..][..keys];
+                    let min_kept = c
+                        .iter()
+                        .map(|&j| row_scores[j as usize])
+                        .fold(f32::INFINITY, f32::min);
+                    for &j in g {
+                        if !c.contains(&(j as u32)) {
+                            tie_breaks += 1;
+                            let s = row_scores[j];
+                            assert!(
+                                (s - min_kept).abs() <= 1e-4 * (1.0 + min_kept.abs()),
+                                "{kind:?} d={head_dim}: GPU keeps key {j} (score {s}) that the \
+                                 CPU drops; the CPU's smallest kept score is {min_kept}"
+                            );
+                        }
+                    }
+                }
+                (want.clone(), k)
+            };
+            let gpu_scores = scored_run(&gpu, function, head_dim, &mut choose_gpu);
+            assert_eq!(cpu_scores.len(), gpu_scores.len());
+            let mut worst = 0f32;
+            for (c, g) in cpu_scores.iter().zip(&gpu_scores) {
+                assert_eq!(c.len(), g.len());
+                for (a, b) in c.iter().zip(g) {
+                    worst = worst.max((a - b).abs() / (1e-3 + a.abs()));
+                }
+            }
+            eprintln!(
+                "{kind:?} d={head_dim}: max relative score difference {worst:.2e}, \
+                 {tie_breaks} kept keys differing by a tie"
+            );
+            assert!(
+                worst <= 2e-3,
+                "{kind:?} d={head_dim}: scores differ by {worst}"
+            );
+        }
+    }
+}

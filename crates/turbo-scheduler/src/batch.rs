@@ -146,6 +146,12 @@ pub struct BatchStats {
     pub kv_blocks_peak: usize,
     /// Preemptions since the batch was made.
     pub preemptions: u64,
+    /// Steps that ran only decode rows (no prompt chunk, no recomputation), their tokens and
+    /// their wall time in microseconds (scheduling, forward pass, sampling and KV compaction):
+    /// decode throughput apart from prefill.
+    pub decode_steps: u64,
+    pub decode_step_tokens: u64,
+    pub decode_step_micros: u64,
 }
 
 /// What one [`PersistentBatch::step`] did.
@@ -270,6 +276,8 @@ pub struct PersistentBatch<B: Backend> {
     steps: u64,
     tokens_run: u64,
     prefill_tokens_run: u64,
+    /// Decode-only steps: count, tokens, microseconds (see [`BatchStats`]).
+    decode_steps: (u64, u64, u64),
     kv_blocks_peak: usize,
     preemptions: u64,
 }
@@ -304,6 +312,7 @@ impl<B: Backend> PersistentBatch<B> {
             steps: 0,
             tokens_run: 0,
             prefill_tokens_run: 0,
+            decode_steps: (0, 0, 0),
             kv_blocks_peak: 0,
             preemptions: 0,
         })
@@ -356,6 +365,9 @@ impl<B: Backend> PersistentBatch<B> {
             steps: self.steps,
             tokens_run: self.tokens_run,
             prefill_tokens_run: self.prefill_tokens_run,
+            decode_steps: self.decode_steps.0,
+            decode_step_tokens: self.decode_steps.1,
+            decode_step_micros: self.decode_steps.2,
             kv_blocks_peak: self.kv_blocks_peak,
             preemptions: self.preemptions,
         }
@@ -400,11 +412,14 @@ impl<B: Backend> PersistentBatch<B> {
             }
         };
         if eviction.as_ref().is_some_and(EvictionState::needs_scores)
-            && !self.model.backend().supports_kv_scores()
+            && !self
+                .model
+                .backend()
+                .supports_kv_scores(&self.model.backend().kv_spec(&self.cache))
         {
             sink.send(Event::Failed(RequestError::Eviction(format!(
-                "the {} policy needs attention scores, which {} does not compute yet; \
-                 window and sink run here",
+                "the {} policy needs attention scores, which {} does not compute for this \
+                 model's attention shape; window and sink run here",
                 request
                     .kv_eviction
                     .map(|e| e.policy.name())
@@ -517,6 +532,7 @@ impl<B: Backend> PersistentBatch<B> {
 
     /// One step: decide what runs, run it in one forward pass, act on the logits.
     pub fn step(&mut self) -> Result<StepReport, BatchError> {
+        let started = Instant::now();
         let mut report = StepReport::default();
         let work = self.schedule(&mut report)?;
         self.kv_blocks_peak = self.kv_blocks_peak.max(self.kv.num_used());
@@ -532,6 +548,12 @@ impl<B: Backend> PersistentBatch<B> {
         };
         self.postprocess(&work, &sampled, &mut report)?;
         self.prefill_tokens_run += report.prefill_tokens as u64;
+        if report.prefill_tokens == 0 {
+            let (steps, tokens, micros) = &mut self.decode_steps;
+            *steps += 1;
+            *tokens += report.tokens as u64;
+            *micros += started.elapsed().as_micros() as u64;
+        }
         Ok(report)
     }
 

@@ -309,7 +309,7 @@ impl Backend for CpuBackend {
         cache.compact(compaction)
     }
 
-    fn supports_kv_scores(&self) -> bool {
+    fn supports_kv_scores(&self, _spec: &KvCacheSpec) -> bool {
         true
     }
 

@@ -304,51 +304,52 @@ pub fn write_kv(
     Ok(())
 }
 
-/// Moves one layer's kept keys and values of a sequence to its leading key indices (KV eviction):
-/// in KV head `h`, key index `kept[h * k + j]` moves to key index `j`, key index `i` living at
-/// slot `block_table[i / block_size] * block_size + i % block_size`. Each row of `kept` must be
-/// strictly increasing and within the block table ([`turbo_core::KvCompaction::check`]): the
-/// kernel trusts it.
-#[allow(clippy::too_many_arguments)]
+/// Moves a sequence's kept keys, values and scores to its leading key indices in every layer at
+/// once (KV eviction): in layer `l`, KV head `h`, key index `kept[(l * n_kv_heads + h) * k + j]`
+/// moves to key index `j`, key index `i` living at slot
+/// `block_table[i / block_size] * block_size + i % block_size`. `layers` holds the device
+/// addresses `[keys | values | scores][layer]` (a scores address of 0: none). Each row of `kept`
+/// must be strictly increasing and within the block table ([`turbo_core::KvCompaction::check`]),
+/// and the addresses those of a cache with the table's blocks: the kernel trusts both.
 pub fn compact_kv(
     dev: &CudaDevice,
-    k_cache: &mut CudaSlice<bf16>,
-    v_cache: &mut CudaSlice<bf16>,
+    layers: &CudaView<'_, u64>,
     block_table: &CudaView<'_, u32>,
     kept: &CudaView<'_, u32>,
-    k: usize,
-    block_size: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
+    shape: CompactShape,
 ) -> Result<()> {
+    let CompactShape {
+        k,
+        block_size,
+        n_layers,
+        n_kv_heads,
+        head_dim,
+    } = shape;
     check(
         (1..=1024).contains(&head_dim)
             && block_size > 0
-            && fits_i32(k)
-            && fits_i32(block_size)
-            && fits_i32(n_kv_heads)
-            && kept.len() >= n_kv_heads * k
-            && k_cache.len().min(v_cache.len())
-                >= block_table.len() * block_size * n_kv_heads * head_dim,
+            && [k, block_size, n_kv_heads, n_layers]
+                .iter()
+                .all(|&v| fits_i32(v))
+            && n_layers <= 65_535
+            && layers.len() >= 3 * n_layers
+            && kept.len() >= n_layers * n_kv_heads * k,
         || {
             format!(
-                "compact_kv: kept {} / table {} / caches {} {} for k={k} block_size={block_size} \
-                 heads={n_kv_heads} head_dim={head_dim}",
+                "compact_kv: kept {} / table {} / addresses {} for {shape:?}",
                 kept.len(),
                 block_table.len(),
-                k_cache.len(),
-                v_cache.len()
+                layers.len(),
             )
         },
     )?;
-    if k == 0 || n_kv_heads == 0 {
+    if k == 0 || n_kv_heads == 0 || n_layers == 0 {
         return Ok(());
     }
-    let args = [k, block_size, n_kv_heads, head_dim].map(|v| v as i32);
+    let args = [k, block_size, n_layers, n_kv_heads, head_dim].map(|v| v as i32);
     let f = dev.function("elementwise", "compact_kv_bf16")?;
     let mut b = dev.stream.launch_builder(&f);
-    b.arg(k_cache);
-    b.arg(v_cache);
+    b.arg(layers);
     b.arg(block_table);
     b.arg(kept);
     for a in &args {
@@ -356,14 +357,25 @@ pub fn compact_kv(
     }
     let rows = (1024 / head_dim).max(1) as u32;
     let cfg = LaunchConfig {
-        grid_dim: (n_kv_heads as u32, 2, 1),
+        grid_dim: (n_kv_heads as u32, 3, n_layers as u32),
         block_dim: (head_dim as u32, rows, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: the arguments match the kernel's signature; the caller checked the plan against the
-    // cache (rows strictly increasing, every key inside the block table, blocks inside the cache).
+    // cache (rows strictly increasing, every key inside the block table, blocks inside the cache)
+    // and passed that cache's addresses.
     unsafe { b.launch(cfg) }?;
     Ok(())
+}
+
+/// The shape of one [`compact_kv`]: keys kept per (layer, KV head) and the cache's geometry.
+#[derive(Clone, Copy, Debug)]
+pub struct CompactShape {
+    pub k: usize,
+    pub block_size: usize,
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
 }
 
 /// SwiGLU of a fused product: `gate_up` is `[rows, 2 · cols]`, each row `[gate | up]`;

@@ -7,6 +7,7 @@ pub mod linear;
 pub mod merge;
 pub mod norm;
 pub mod sampling;
+pub mod scores;
 
 use crate::error::{CudaError, Result};
 

@@ -1,0 +1,336 @@
+//! KV eviction scores on the GPU (`kernels/scores.cu`): a step's plan of scored rows and key
+//! tiles, the two kernels that add one layer's increments into the cache's scores, and the gather
+//! that reads a sequence's scores back for the host's choice of kept keys.
+
+use super::check;
+use crate::device::CudaDevice;
+use crate::error::{CudaError, Result};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use half::bf16;
+use std::ops::Range;
+use turbo_attention::QuerySpan;
+use turbo_core::cpu::KvCacheSpec;
+use turbo_core::KvScoring;
+use turbo_keyformer::ScoreFunction;
+
+/// u32 words per span in the plan (see `kernels/scores.cu`).
+const SPAN_WORDS: usize = 9;
+/// Keys per CTA of the increment kernel (one thread each).
+const TILE: usize = 64;
+/// Threads of the normaliser kernel.
+const LSE_THREADS: u32 = 128;
+/// The largest head dimension the kernels hold in shared memory.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Whether the scoring kernels handle keys of `head_dim` (16-byte rows of whole bf16 octets).
+pub fn supports_head_dim(head_dim: usize) -> bool {
+    head_dim > 0 && head_dim.is_multiple_of(8) && head_dim <= MAX_HEAD_DIM
+}
+
+/// The cache's geometry, as the kernels index it.
+#[derive(Clone, Copy, Debug)]
+pub struct ScoreGeometry {
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+impl ScoreGeometry {
+    pub fn of(spec: &KvCacheSpec) -> Self {
+        ScoreGeometry {
+            n_kv_heads: spec.n_kv_heads,
+            head_dim: spec.head_dim,
+            block_size: spec.block_size,
+        }
+    }
+}
+
+/// One step's scoring work: its scored spans, their rows and key tiles and their block tables,
+/// uploaded once and run for every layer.
+pub struct ScorePlan {
+    upload: CudaSlice<u32>,
+    spans: Range<usize>,
+    rows: Range<usize>,
+    tiles: Range<usize>,
+    tables: Range<usize>,
+    n_rows: usize,
+    n_tiles: usize,
+    n_heads: usize,
+    tokens: usize,
+    /// `[scored rows][n_heads]` normalisers, rewritten by every layer.
+    lse: CudaSlice<f32>,
+}
+
+impl ScorePlan {
+    /// The plan of the spans whose `scoring` needs scores over a cache of `spec`, or `None` when
+    /// none does. `old`'s buffers are reused when large enough.
+    pub fn new(
+        dev: &CudaDevice,
+        spans: &[QuerySpan],
+        scoring: &[Option<KvScoring>],
+        n_heads: usize,
+        tokens: usize,
+        spec: &KvCacheSpec,
+        old: Option<ScorePlan>,
+    ) -> Result<Option<ScorePlan>> {
+        let max_blocks = spec.max_blocks;
+        let geometry = ScoreGeometry::of(spec);
+        let scored: Vec<(&QuerySpan, KvScoring)> = spans
+            .iter()
+            .zip(scoring)
+            .filter_map(|(s, c)| c.filter(|c| c.function.needs_scores()).map(|c| (s, c)))
+            .collect();
+        if scored.is_empty() {
+            return Ok(None);
+        }
+        let bs = geometry.block_size;
+        check(
+            supports_head_dim(geometry.head_dim)
+                && geometry.n_kv_heads > 0
+                && n_heads.is_multiple_of(geometry.n_kv_heads)
+                && bs > 0,
+            || format!("KV scores: {n_heads} heads over {geometry:?}"),
+        )?;
+        let mut span_words = Vec::with_capacity(SPAN_WORDS * scored.len());
+        let (mut rows, mut tiles, mut tables) = (vec![], vec![], vec![]);
+        for (i, (span, c)) in scored.iter().enumerate() {
+            let table_len = span.kv_len.div_ceil(bs);
+            check(
+                span.n_q >= 1
+                    && span.n_q <= span.kv_len
+                    && span.q_start + span.n_q <= tokens
+                    && span.block_table.len() >= table_len
+                    && span.block_table[..table_len]
+                        .iter()
+                        .all(|&b| (b as usize) < max_blocks)
+                    && u32::try_from(span.kv_len).is_ok(),
+                || {
+                    format!(
+                        "KV scores: span of {} rows at {} over {} keys, {} blocks, {tokens} tokens",
+                        span.n_q,
+                        span.q_start,
+                        span.kv_len,
+                        span.block_table.len()
+                    )
+                },
+            )?;
+            let (function, tau) = match c.function {
+                ScoreFunction::None => unreachable!("filtered above"),
+                ScoreFunction::Softmax => (1u32, 1.0f32),
+                ScoreFunction::GumbelSoftmax(schedule) => {
+                    (2, schedule.tau(c.iteration, c.total_iterations))
+                }
+            };
+            span_words.extend_from_slice(&[
+                span.q_start as u32,
+                span.n_q as u32,
+                span.kv_len as u32,
+                tables.len() as u32,
+                function,
+                tau.to_bits(),
+                c.seed as u32,
+                (c.seed >> 32) as u32,
+                rows.len() as u32 / 2,
+            ]);
+            tables.extend_from_slice(&span.block_table[..table_len]);
+            for r in 0..span.n_q {
+                rows.extend_from_slice(&[i as u32, r as u32]);
+            }
+            for first in (0..span.kv_len).step_by(TILE) {
+                tiles.extend_from_slice(&[i as u32, first as u32]);
+            }
+        }
+        let (n_rows, n_tiles) = (rows.len() / 2, tiles.len() / 2);
+        check(
+            n_rows <= i32::MAX as usize && n_tiles <= i32::MAX as usize,
+            || format!("KV scores: {n_rows} rows, {n_tiles} tiles"),
+        )?;
+        let mut host =
+            Vec::with_capacity(span_words.len() + rows.len() + tiles.len() + tables.len());
+        let mut section = |data: &[u32]| {
+            let start = host.len();
+            host.extend_from_slice(data);
+            start..host.len()
+        };
+        let (spans_r, rows_r, tiles_r, tables_r) = (
+            section(&span_words),
+            section(&rows),
+            section(&tiles),
+            section(&tables),
+        );
+        let (mut upload, mut lse) = match old {
+            Some(p) => (p.upload, p.lse),
+            None => (
+                dev.stream.alloc_zeros::<u32>(1).map_err(CudaError::from)?,
+                dev.stream.alloc_zeros::<f32>(1).map_err(CudaError::from)?,
+            ),
+        };
+        if upload.len() < host.len() {
+            upload = dev
+                .stream
+                .alloc_zeros::<u32>(host.len().next_power_of_two())
+                .map_err(CudaError::from)?;
+        }
+        if lse.len() < n_rows * n_heads {
+            lse = dev
+                .stream
+                .alloc_zeros::<f32>((n_rows * n_heads).next_power_of_two())
+                .map_err(CudaError::from)?;
+        }
+        dev.stream
+            .memcpy_htod(&host, &mut upload.slice_mut(..host.len()))
+            .map_err(CudaError::from)?;
+        Ok(Some(ScorePlan {
+            upload,
+            spans: spans_r,
+            rows: rows_r,
+            tiles: tiles_r,
+            tables: tables_r,
+            n_rows,
+            n_tiles,
+            n_heads,
+            tokens,
+            lse,
+        }))
+    }
+
+    /// Adds `layer`'s increments into `scores` (`[slot][kv head]`), from the step's rotated
+    /// queries `q` (`[tokens][n_heads][head_dim]`) and the layer's `keys`, after the step's keys
+    /// were written.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &mut self,
+        dev: &CudaDevice,
+        q: &CudaSlice<bf16>,
+        keys: &CudaSlice<bf16>,
+        scores: &mut CudaSlice<f32>,
+        positions: &CudaView<'_, u32>,
+        layer: usize,
+        geometry: ScoreGeometry,
+        scale: f32,
+    ) -> Result<()> {
+        let ScoreGeometry {
+            n_kv_heads,
+            head_dim,
+            block_size,
+        } = geometry;
+        let max_blocks = keys.len() / (block_size * n_kv_heads * head_dim).max(1);
+        check(
+            q.len() >= self.tokens * self.n_heads * head_dim
+                && positions.len() >= self.tokens
+                && scores.len() >= max_blocks * block_size * n_kv_heads
+                && n_kv_heads <= 65_535
+                && layer <= i32::MAX as usize,
+            || {
+                format!(
+                    "KV scores: q {} / positions {} / scores {} / keys {} for {} tokens, {geometry:?}",
+                    q.len(),
+                    positions.len(),
+                    scores.len(),
+                    keys.len(),
+                    self.tokens
+                )
+            },
+        )?;
+        let ints = [self.n_heads, n_kv_heads, head_dim, block_size, layer].map(|v| v as i32);
+        let view = |r: &Range<usize>| self.upload.slice(r.clone());
+        let (tables, spans) = (view(&self.tables), view(&self.spans));
+        let (rows, tiles) = (view(&self.rows), view(&self.tiles));
+
+        let f = dev.function("scores", "kv_score_lse_bf16")?;
+        let mut b = dev.stream.launch_builder(&f);
+        b.arg(q)
+            .arg(keys)
+            .arg(&tables)
+            .arg(&spans)
+            .arg(&rows)
+            .arg(positions);
+        b.arg(&mut self.lse);
+        for a in &ints {
+            b.arg(a);
+        }
+        b.arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (self.n_rows as u32, n_kv_heads as u32, 1),
+            block_dim: (LSE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature; `new` checked every span's rows
+        // against the step's tokens and its block table against the cache's blocks, and the sizes
+        // of q, the positions and the scores were checked above.
+        unsafe { b.launch(cfg) }?;
+
+        let f = dev.function("scores", "kv_score_add_bf16")?;
+        let mut b = dev.stream.launch_builder(&f);
+        b.arg(q)
+            .arg(keys)
+            .arg(scores)
+            .arg(&tables)
+            .arg(&spans)
+            .arg(&tiles);
+        b.arg(positions).arg(&self.lse);
+        for a in &ints {
+            b.arg(a);
+        }
+        b.arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (self.n_tiles as u32, n_kv_heads as u32, 1),
+            block_dim: (TILE as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above; the normalisers were written by the launch before, on this stream.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+/// A sequence's scores, `[layer][kv head][key]` for its first `keys` keys, read back to the host.
+/// `layer_scores` holds every layer's scores address; `table` is the sequence's block table.
+pub fn gather(
+    dev: &CudaDevice,
+    layer_scores: &CudaView<'_, u64>,
+    table: &CudaView<'_, u32>,
+    n_layers: usize,
+    geometry: ScoreGeometry,
+    keys: usize,
+) -> Result<Vec<f32>> {
+    let n = n_layers * geometry.n_kv_heads * keys;
+    check(
+        layer_scores.len() >= n_layers
+            && table.len() * geometry.block_size >= keys
+            && keys <= i32::MAX as usize
+            && geometry.block_size > 0,
+        || {
+            format!(
+                "KV score gather: {keys} keys over {} blocks, {} layer addresses for {n_layers}",
+                table.len(),
+                layer_scores.len()
+            )
+        },
+    )?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let mut out = dev.stream.alloc_zeros::<f32>(n).map_err(CudaError::from)?;
+    let ints = [n_layers, geometry.n_kv_heads, keys, geometry.block_size].map(|v| v as i32);
+    let f = dev.function("scores", "kv_score_gather")?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(&mut out).arg(layer_scores).arg(table);
+    for a in &ints {
+        b.arg(a);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256).min(4096) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; the caller passes the addresses of a
+    // cache whose blocks include the table's (checked by the backend), and the table covers the
+    // keys read.
+    unsafe { b.launch(cfg) }?;
+    let mut host = vec![0f32; n];
+    dev.stream
+        .memcpy_dtoh(&out, &mut host)
+        .map_err(CudaError::from)?;
+    Ok(host)
+}

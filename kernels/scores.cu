@@ -1,0 +1,261 @@
+// KV eviction scores (Keyformer, H2O): every query row of a scored sequence adds, per query head,
+// softmax(f(x)) of its attention logits x = scale * q.k over the keys it sees into those keys'
+// scores, summed over the query heads of each KV head. f(x) = x (H2O) or (x + g) / tau
+// (Keyformer, g a Gumbel draw). The CPU reference is turbo_core::cpu::scores with
+// turbo_keyformer::ScoreFunction::accumulate; the noise is turbo_keyformer::gumbel, bit for bit
+// up to logf's rounding.
+//
+// Two kernels, after the step's keys are written:
+//   kv_score_lse_bf16  one CTA per (scored row, KV head): the normaliser logsumexp_j f(x_j) of
+//                      each query head of the group over the row's visible keys
+//   kv_score_add_bf16  one CTA per (tile of SCORE_TILE keys of a scored sequence, KV head): each
+//                      thread owns one key and sums exp(f(x) - lse) over the rows and query heads
+//                      that see it, then adds that into the key's score (a key written in this
+//                      step starts from 0). No atomics: the sums are deterministic.
+//
+// Layouts: q [tokens][n_heads][head_dim] bf16 (rotated); k_cache [slot][n_kv_heads][head_dim]
+// bf16; scores [slot][n_kv_heads] f32; lse [scored rows][n_heads] f32.
+// Host tables (u32):
+//   spans [n][SPAN_WORDS]  q_start, n_q, kv_len, where its block table starts in `tables`,
+//                          function (1 softmax, 2 Gumbel softmax), tau (f32 bits), seed lo,
+//                          seed hi, its first row in `rows` (and in lse)
+//   rows  [n][2]           span, row within the span
+//   tiles [n][2]           span, first key of the tile
+// A row r of a span of n_q rows and kv_len keys sees keys 0 .. kv_len - n_q + r (causal).
+#include "common.cuh"
+
+#define SPAN_WORDS 9
+#define SCORE_TILE 64
+#define SCORE_MAX_GROUP 8
+#define SCORE_MAX_HD 256
+#define SCORE_LSE_THREADS 128
+
+__device__ __forceinline__ unsigned long long score_mix(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// turbo_keyformer::gumbel(seed, step, layer, head, key): -ln(-ln(u)), u in (0, 1) from a
+// splitmix64 hash of the counter (exact), the logs in f32.
+__device__ __forceinline__ float score_gumbel(unsigned long long seed, unsigned step, unsigned layer,
+                                              unsigned head, unsigned key) {
+    const unsigned long long gamma = 0x9E3779B97F4A7C15ull;
+    unsigned long long h = score_mix(seed ^ gamma);
+    h = score_mix(h ^ (((unsigned long long)step << 32) | (unsigned long long)layer) ^ gamma);
+    h = score_mix(h ^ (((unsigned long long)head << 32) | (unsigned long long)key) ^ gamma);
+    const unsigned m = (unsigned)(h >> 41);
+    const float u = __uint2float_rn(2u * m + 1u) * 0x1p-24f;
+    return -logf(-logf(u));
+}
+
+struct ScoreSpan {
+    unsigned q_start, n_q, kv_len, table_start, function;
+    float tau;
+    unsigned long long seed;
+    unsigned row_base;
+};
+
+__device__ __forceinline__ ScoreSpan score_span(const unsigned* __restrict__ spans, unsigned s) {
+    const unsigned* w = spans + (size_t)s * SPAN_WORDS;
+    ScoreSpan p;
+    p.q_start = w[0];
+    p.n_q = w[1];
+    p.kv_len = w[2];
+    p.table_start = w[3];
+    p.function = w[4];
+    p.tau = __uint_as_float(w[5]);
+    p.seed = (unsigned long long)w[6] | ((unsigned long long)w[7] << 32);
+    p.row_base = w[8];
+    return p;
+}
+
+// The policy's f of one logit.
+__device__ __forceinline__ float score_adjust(const ScoreSpan& p, float x, unsigned pos, unsigned layer,
+                                              unsigned head, unsigned key) {
+    if (p.function == 2) return (x + score_gumbel(p.seed, pos, layer, head, key)) / p.tau;
+    return x;
+}
+
+__device__ __forceinline__ size_t score_slot(const unsigned* __restrict__ tables, const ScoreSpan& p,
+                                             unsigned key, int block_size) {
+    return (size_t)tables[p.table_start + key / (unsigned)block_size] * (size_t)block_size +
+           key % (unsigned)block_size;
+}
+
+// Loads query heads h0 .. h0 + nh of row `token` into qs[h][d] as f32. Block-wide.
+__device__ __forceinline__ void score_load_q(float (*qs)[SCORE_MAX_HD], const __nv_bfloat16* __restrict__ q,
+                                             size_t token, int n_heads, int h0, int nh, int head_dim) {
+    for (int i = threadIdx.x; i < nh * head_dim; i += blockDim.x) {
+        const int h = i / head_dim, d = i % head_dim;
+        qs[h][d] = __bfloat162float(q[(token * n_heads + h0 + h) * head_dim + d]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SCORE_LSE_THREADS)
+    kv_score_lse_bf16(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+                      const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,
+                      const unsigned* __restrict__ rows, const unsigned* __restrict__ positions,
+                      float* __restrict__ lse, int n_heads, int n_kv_heads, int head_dim, int block_size,
+                      int layer, float scale) {
+    __shared__ float qs[SCORE_MAX_GROUP][SCORE_MAX_HD];
+    __shared__ float red_m[SCORE_MAX_GROUP][SCORE_LSE_THREADS / TURBO_WARP];
+    __shared__ float red_l[SCORE_MAX_GROUP][SCORE_LSE_THREADS / TURBO_WARP];
+    const unsigned row = blockIdx.x;
+    const int g = blockIdx.y;
+    const ScoreSpan p = score_span(spans, rows[2 * row]);
+    const unsigned r = rows[2 * row + 1];
+    const size_t token = (size_t)p.q_start + r;
+    const unsigned pos = positions[token];
+    const unsigned visible = p.kv_len - p.n_q + r + 1;
+    const int group = n_heads / n_kv_heads;
+    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
+    for (int h0 = g * group; h0 < (g + 1) * group; h0 += SCORE_MAX_GROUP) {
+        const int nh = min(SCORE_MAX_GROUP, (g + 1) * group - h0);
+        __syncthreads();
+        score_load_q(qs, q, token, n_heads, h0, nh, head_dim);
+        __syncthreads();
+        float m[SCORE_MAX_GROUP], l[SCORE_MAX_GROUP];
+#pragma unroll
+        for (int h = 0; h < SCORE_MAX_GROUP; h++) {
+            m[h] = -INFINITY;
+            l[h] = 0.f;
+        }
+        for (unsigned j = threadIdx.x; j < visible; j += blockDim.x) {
+            const __nv_bfloat16* kp = k_cache + (score_slot(tables, p, j, block_size) * n_kv_heads + g) * head_dim;
+            float acc[SCORE_MAX_GROUP];
+#pragma unroll
+            for (int h = 0; h < SCORE_MAX_GROUP; h++) acc[h] = 0.f;
+            for (int c = 0; c < head_dim; c += 8) {
+                float kf[8];
+                bf16x8_unpack(*reinterpret_cast<const uint4*>(kp + c), kf);
+#pragma unroll
+                for (int h = 0; h < SCORE_MAX_GROUP; h++) {
+                    if (h < nh) {
+#pragma unroll
+                        for (int e = 0; e < 8; e++) acc[h] = fmaf(qs[h][c + e], kf[e], acc[h]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < SCORE_MAX_GROUP; h++) {
+                if (h < nh) {
+                    const float y = score_adjust(p, scale * acc[h], pos, layer, h0 + h, j);
+                    if (y > m[h]) {
+                        l[h] = l[h] * __expf(m[h] - y) + 1.f;
+                        m[h] = y;
+                    } else {
+                        l[h] += __expf(y - m[h]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < SCORE_MAX_GROUP; h++) {
+            if (h < nh) {
+                const float wm = warp_max(m[h]);
+                const float wl = warp_sum(m[h] == -INFINITY ? 0.f : l[h] * __expf(m[h] - wm));
+                if (lane == 0) {
+                    red_m[h][warp] = wm;
+                    red_l[h][warp] = wl;
+                }
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < nh) {
+            const int h = threadIdx.x;
+            float bm = -INFINITY, bl = 0.f;
+            for (int w = 0; w < SCORE_LSE_THREADS / TURBO_WARP; w++) bm = fmaxf(bm, red_m[h][w]);
+            for (int w = 0; w < SCORE_LSE_THREADS / TURBO_WARP; w++)
+                if (red_m[h][w] != -INFINITY) bl += red_l[h][w] * __expf(red_m[h][w] - bm);
+            lse[(size_t)row * n_heads + h0 + h] = bm + logf(bl);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SCORE_TILE)
+    kv_score_add_bf16(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+                      float* __restrict__ scores, const unsigned* __restrict__ tables,
+                      const unsigned* __restrict__ spans, const unsigned* __restrict__ tiles,
+                      const unsigned* __restrict__ positions, const float* __restrict__ lse, int n_heads,
+                      int n_kv_heads, int head_dim, int block_size, int layer, float scale) {
+    // The tile's keys as bf16 pairs, transposed ([pair][key]) so that a warp reading one pair of
+    // its 32 keys hits 32 banks.
+    __shared__ uint32_t kt[SCORE_MAX_HD / 2][SCORE_TILE];
+    __shared__ float qs[SCORE_MAX_GROUP][SCORE_MAX_HD];
+    const int g = blockIdx.y;
+    const ScoreSpan p = score_span(spans, tiles[2 * blockIdx.x]);
+    const unsigned first = tiles[2 * blockIdx.x + 1];
+    const unsigned j = first + threadIdx.x;
+    const bool valid = j < p.kv_len;
+    const int pairs = head_dim / 2;
+    for (int i = threadIdx.x; i < SCORE_TILE * pairs; i += blockDim.x) {
+        const unsigned key = first + i / pairs;
+        const int pr = i % pairs;
+        uint32_t w = 0;
+        if (key < p.kv_len) {
+            const __nv_bfloat16* kp =
+                k_cache + (score_slot(tables, p, key, block_size) * n_kv_heads + g) * head_dim;
+            w = reinterpret_cast<const uint32_t*>(kp)[pr];
+        }
+        kt[pr][i / pairs] = w;
+    }
+    const int group = n_heads / n_kv_heads;
+    const unsigned cached = p.kv_len - p.n_q;  // keys before this step's chunk
+    // Rows before r0 see no key of the tile.
+    const unsigned r0 = first > cached ? first - cached : 0;
+    float inc = 0.f;
+    for (unsigned r = r0; r < p.n_q; r++) {
+        const size_t token = (size_t)p.q_start + r;
+        const unsigned pos = positions[token];
+        const bool sees = valid && j <= cached + r;
+        for (int h0 = g * group; h0 < (g + 1) * group; h0 += SCORE_MAX_GROUP) {
+            const int nh = min(SCORE_MAX_GROUP, (g + 1) * group - h0);
+            __syncthreads();
+            score_load_q(qs, q, token, n_heads, h0, nh, head_dim);
+            __syncthreads();
+            if (!sees) continue;
+            float acc[SCORE_MAX_GROUP];
+#pragma unroll
+            for (int h = 0; h < SCORE_MAX_GROUP; h++) acc[h] = 0.f;
+            for (int pr = 0; pr < pairs; pr++) {
+                const uint32_t w = kt[pr][threadIdx.x];
+                const float k0 = __uint_as_float(w << 16), k1 = __uint_as_float(w & 0xffff0000u);
+#pragma unroll
+                for (int h = 0; h < SCORE_MAX_GROUP; h++) {
+                    if (h < nh) acc[h] = fmaf(qs[h][2 * pr + 1], k1, fmaf(qs[h][2 * pr], k0, acc[h]));
+                }
+            }
+            const float* row_lse = lse + (size_t)(p.row_base + r) * n_heads;
+#pragma unroll
+            for (int h = 0; h < SCORE_MAX_GROUP; h++) {
+                if (h < nh) {
+                    const float y = score_adjust(p, scale * acc[h], pos, layer, h0 + h, j);
+                    inc += __expf(y - row_lse[h0 + h]);
+                }
+            }
+        }
+    }
+    if (!valid) return;
+    const size_t at = score_slot(tables, p, j, block_size) * n_kv_heads + g;
+    // A key written in this step (the chunk's own) starts from 0: its slot may hold an evicted
+    // key's score.
+    scores[at] = (j >= cached ? 0.f : scores[at]) + inc;
+}
+
+// out[layer][head][key] = scores of `layer` at the key's slot, for keys < keys of one sequence
+// (the host reads them to choose the kept keys). layer_scores holds each layer's scores pointer.
+extern "C" __global__ void kv_score_gather(float* __restrict__ out, const unsigned long long* __restrict__ layer_scores,
+                                           const unsigned* __restrict__ table, int n_layers, int n_kv_heads,
+                                           int keys, int block_size) {
+    const long long total = (long long)n_layers * n_kv_heads * keys;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int key = (int)(i % keys);
+        const long long lh = i / keys;
+        const int head = (int)(lh % n_kv_heads), layer = (int)(lh / n_kv_heads);
+        const float* s = reinterpret_cast<const float*>(layer_scores[layer]);
+        const size_t slot = (size_t)table[key / block_size] * block_size + key % block_size;
+        out[i] = s[slot * n_kv_heads + head];
+    }
+}
