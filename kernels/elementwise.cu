@@ -145,52 +145,60 @@ extern "C" __global__ void write_kv_bf16(__nv_bfloat16* k_cache, __nv_bfloat16* 
     ew_copy_row(dst, src, slot_len);
 }
 
-// Compacts a sequence's KV in every layer at once (KV eviction): in every (layer, KV head), the
-// key, value and score at key index kept[(layer * n_kv_heads + head) * k + j] move to key index j,
-// for j < k; key index i lives at slot block_table[i / block_size] * block_size + i % block_size.
-// layers holds per layer the addresses of its keys, values and scores ([3][n_layers]; a scores
-// address of 0: none). Each row of kept is strictly increasing, so kept[j] >= j: moving chunks of
-// blockDim.y keys, every source of a chunk is read before the chunk writes, earlier chunks wrote
-// only below the chunk's sources, and later chunks read only above its destinations.
-// Grid (kv_heads, 3: keys, values, scores, layers); block (head_dim, rows).
-extern "C" __global__ void compact_kv_bf16(const unsigned long long* layers, const unsigned* block_table,
-                                           const unsigned* kept, int k, int block_size, int n_layers,
-                                           int n_kv_heads, int head_dim) {
-    const int head = blockIdx.x, d = threadIdx.x, what = blockIdx.y, layer = blockIdx.z;
-    const unsigned long long base = layers[what * n_layers + layer];
-    if (base == 0) return;
-    // Scores are one f32 per (slot, head); keys and values head_dim bf16.
-    const bool is_scores = what == 2;
-    const int width = is_scores ? 1 : head_dim;
-    const unsigned* row = kept + ((size_t)layer * n_kv_heads + head) * (size_t)k;
-    const size_t slot_len = (size_t)n_kv_heads * (size_t)width;
-    const size_t lane = (size_t)head * (size_t)width + (size_t)d;
-    for (int j0 = 0; j0 < k; j0 += blockDim.y) {
-        const int j = j0 + threadIdx.y;
+// Moves, in place, chunks of `k` rows of one (layer, KV head): row kept[j] to row j, each row
+// `units` elements of type T at (slot * n_kv_heads + head) * units. A chunk is blockDim.x / units
+// rows, all read before any is written; since kept[j] >= j and rows are strictly increasing,
+// earlier chunks wrote only below this chunk's sources and later chunks read only above its
+// destinations.
+template <typename T>
+__device__ __forceinline__ void ew_compact_rows(T* cache, const unsigned* row, const unsigned* block_table, int k,
+                                                int block_size, int n_kv_heads, int head, int units) {
+    const int per_chunk = blockDim.x / units;
+    const int t = threadIdx.x % units;
+    for (int j0 = 0; j0 < k; j0 += per_chunk) {
+        const int j = j0 + (int)threadIdx.x / units;
         bool moves = false;
-        size_t src = 0, dst = 0;
-        if (j < k && d < width) {
+        size_t dst = 0;
+        T x{};
+        if ((int)threadIdx.x < per_chunk * units && j < k) {
             const unsigned from = row[j], to = (unsigned)j;
             if (from != to) {
                 const size_t src_slot = (size_t)block_table[from / block_size] * block_size + from % block_size;
                 const size_t dst_slot = (size_t)block_table[to / block_size] * block_size + to % block_size;
-                src = src_slot * slot_len + lane;
-                dst = dst_slot * slot_len + lane;
+                x = cache[(src_slot * n_kv_heads + head) * units + t];
+                dst = (dst_slot * n_kv_heads + head) * units + t;
                 moves = true;
             }
         }
-        if (is_scores) {
-            float* cache = reinterpret_cast<float*>(base);
-            const float x = moves ? cache[src] : 0.f;
-            __syncthreads();
-            if (moves) cache[dst] = x;
-        } else {
-            __nv_bfloat16* cache = reinterpret_cast<__nv_bfloat16*>(base);
-            const __nv_bfloat16 x = moves ? cache[src] : __float2bfloat16_rn(0.f);
-            __syncthreads();
-            if (moves) cache[dst] = x;
-        }
         __syncthreads();
+        if (moves) cache[dst] = x;
+        __syncthreads();
+    }
+}
+
+// Compacts a sequence's KV in every layer at once (KV eviction): in every (layer, KV head), the
+// key, value and score at key index kept[(layer * n_kv_heads + head) * k + j] move to key index j,
+// for j < k; key index i lives at slot block_table[i / block_size] * block_size + i % block_size.
+// layers holds per layer the addresses of its keys, values and scores ([3][n_layers]; a scores
+// address of 0: none). Each row of kept is strictly increasing (see ew_compact_rows). Keys and
+// values move 16 bytes per thread when head_dim is a multiple of 8 (one bf16 per thread
+// otherwise), scores one f32. Grid (kv_heads, 3: keys, values, scores, layers); block 1-D, at
+// least head_dim threads.
+extern "C" __global__ void compact_kv_bf16(const unsigned long long* layers, const unsigned* block_table,
+                                           const unsigned* kept, int k, int block_size, int n_layers,
+                                           int n_kv_heads, int head_dim) {
+    const int head = blockIdx.x, what = blockIdx.y, layer = blockIdx.z;
+    const unsigned long long base = layers[what * n_layers + layer];
+    if (base == 0) return;
+    const unsigned* row = kept + ((size_t)layer * n_kv_heads + head) * (size_t)k;
+    if (what == 2) {
+        ew_compact_rows(reinterpret_cast<float*>(base), row, block_table, k, block_size, n_kv_heads, head, 1);
+    } else if (head_dim % 8 == 0) {
+        ew_compact_rows(reinterpret_cast<uint4*>(base), row, block_table, k, block_size, n_kv_heads, head,
+                        head_dim / 8);
+    } else {
+        ew_compact_rows(reinterpret_cast<__nv_bfloat16*>(base), row, block_table, k, block_size, n_kv_heads,
+                        head, head_dim);
     }
 }
 

@@ -5,30 +5,34 @@
 // turbo_keyformer::ScoreFunction::accumulate; the noise is turbo_keyformer::gumbel, bit for bit
 // up to logf's rounding.
 //
-// Two kernels, after the step's keys are written:
-//   kv_score_lse_bf16  one CTA per (scored row, KV head): the normaliser logsumexp_j f(x_j) of
-//                      each query head of the group over the row's visible keys
-//   kv_score_add_bf16  one CTA per (tile of SCORE_TILE keys of a scored sequence, KV head): each
-//                      thread owns one key and sums exp(f(x) - lse) over the rows and query heads
-//                      that see it, then adds that into the key's score (a key written in this
-//                      step starts from 0). No atomics: the sums are deterministic.
-//
+// Three kernels, after the step's keys are written, all spread over tiles of SCORE_TILE keys:
+//   kv_score_partial_bf16  one CTA per (key tile of a scored sequence, KV head): for every row
+//                          that sees the tile and each query head of the group, the tile's
+//                          (max, sum of exp) of f(x) over the keys the row sees
+//   kv_score_merge         one CTA per scored row: merges the row's tile partials into its
+//                          normaliser logsumexp_j f(x_j), per query head
+//   kv_score_add_bf16      one CTA per (key tile, KV head): each thread owns one key and sums
+//                          exp(f(x) - lse) over the rows and query heads that see it, then adds
+//                          that into the key's score (a key written in this step starts from 0).
+//                          No atomics: the sums are deterministic.
 // Layouts: q [tokens][n_heads][head_dim] bf16 (rotated); k_cache [slot][n_kv_heads][head_dim]
-// bf16; scores [slot][n_kv_heads] f32; lse [scored rows][n_heads] f32.
+// bf16; scores [slot][n_kv_heads] f32; lse [scored rows][n_heads] f32; partials, per span,
+// [row][tile][n_heads] (max, sum) f32 pairs.
 // Host tables (u32):
 //   spans [n][SPAN_WORDS]  q_start, n_q, kv_len, where its block table starts in `tables`,
 //                          function (1 softmax, 2 Gumbel softmax), tau (f32 bits), seed lo,
-//                          seed hi, its first row in `rows` (and in lse)
+//                          seed hi, its first row in `rows` (and in lse), its number of key
+//                          tiles, where its partials start (in (row, tile) entries of n_heads
+//                          pairs)
 //   rows  [n][2]           span, row within the span
 //   tiles [n][2]           span, first key of the tile
 // A row r of a span of n_q rows and kv_len keys sees keys 0 .. kv_len - n_q + r (causal).
 #include "common.cuh"
 
-#define SPAN_WORDS 9
+#define SPAN_WORDS 11
 #define SCORE_TILE 64
 #define SCORE_MAX_GROUP 8
 #define SCORE_MAX_HD 256
-#define SCORE_LSE_THREADS 128
 
 __device__ __forceinline__ unsigned long long score_mix(unsigned long long z) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -53,7 +57,7 @@ struct ScoreSpan {
     unsigned q_start, n_q, kv_len, table_start, function;
     float tau;
     unsigned long long seed;
-    unsigned row_base;
+    unsigned row_base, n_tiles, partial_base;
 };
 
 __device__ __forceinline__ ScoreSpan score_span(const unsigned* __restrict__ spans, unsigned s) {
@@ -67,6 +71,8 @@ __device__ __forceinline__ ScoreSpan score_span(const unsigned* __restrict__ spa
     p.tau = __uint_as_float(w[5]);
     p.seed = (unsigned long long)w[6] | ((unsigned long long)w[7] << 32);
     p.row_base = w[8];
+    p.n_tiles = w[9];
+    p.partial_base = w[10];
     return p;
 }
 
@@ -92,102 +98,13 @@ __device__ __forceinline__ void score_load_q(float (*qs)[SCORE_MAX_HD], const __
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SCORE_LSE_THREADS)
-    kv_score_lse_bf16(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
-                      const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,
-                      const unsigned* __restrict__ rows, const unsigned* __restrict__ positions,
-                      float* __restrict__ lse, int n_heads, int n_kv_heads, int head_dim, int block_size,
-                      int layer, float scale) {
-    __shared__ float qs[SCORE_MAX_GROUP][SCORE_MAX_HD];
-    __shared__ float red_m[SCORE_MAX_GROUP][SCORE_LSE_THREADS / TURBO_WARP];
-    __shared__ float red_l[SCORE_MAX_GROUP][SCORE_LSE_THREADS / TURBO_WARP];
-    const unsigned row = blockIdx.x;
-    const int g = blockIdx.y;
-    const ScoreSpan p = score_span(spans, rows[2 * row]);
-    const unsigned r = rows[2 * row + 1];
-    const size_t token = (size_t)p.q_start + r;
-    const unsigned pos = positions[token];
-    const unsigned visible = p.kv_len - p.n_q + r + 1;
-    const int group = n_heads / n_kv_heads;
-    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
-    for (int h0 = g * group; h0 < (g + 1) * group; h0 += SCORE_MAX_GROUP) {
-        const int nh = min(SCORE_MAX_GROUP, (g + 1) * group - h0);
-        __syncthreads();
-        score_load_q(qs, q, token, n_heads, h0, nh, head_dim);
-        __syncthreads();
-        float m[SCORE_MAX_GROUP], l[SCORE_MAX_GROUP];
-#pragma unroll
-        for (int h = 0; h < SCORE_MAX_GROUP; h++) {
-            m[h] = -INFINITY;
-            l[h] = 0.f;
-        }
-        for (unsigned j = threadIdx.x; j < visible; j += blockDim.x) {
-            const __nv_bfloat16* kp = k_cache + (score_slot(tables, p, j, block_size) * n_kv_heads + g) * head_dim;
-            float acc[SCORE_MAX_GROUP];
-#pragma unroll
-            for (int h = 0; h < SCORE_MAX_GROUP; h++) acc[h] = 0.f;
-            for (int c = 0; c < head_dim; c += 8) {
-                float kf[8];
-                bf16x8_unpack(*reinterpret_cast<const uint4*>(kp + c), kf);
-#pragma unroll
-                for (int h = 0; h < SCORE_MAX_GROUP; h++) {
-                    if (h < nh) {
-#pragma unroll
-                        for (int e = 0; e < 8; e++) acc[h] = fmaf(qs[h][c + e], kf[e], acc[h]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int h = 0; h < SCORE_MAX_GROUP; h++) {
-                if (h < nh) {
-                    const float y = score_adjust(p, scale * acc[h], pos, layer, h0 + h, j);
-                    if (y > m[h]) {
-                        l[h] = l[h] * __expf(m[h] - y) + 1.f;
-                        m[h] = y;
-                    } else {
-                        l[h] += __expf(y - m[h]);
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int h = 0; h < SCORE_MAX_GROUP; h++) {
-            if (h < nh) {
-                const float wm = warp_max(m[h]);
-                const float wl = warp_sum(m[h] == -INFINITY ? 0.f : l[h] * __expf(m[h] - wm));
-                if (lane == 0) {
-                    red_m[h][warp] = wm;
-                    red_l[h][warp] = wl;
-                }
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x < nh) {
-            const int h = threadIdx.x;
-            float bm = -INFINITY, bl = 0.f;
-            for (int w = 0; w < SCORE_LSE_THREADS / TURBO_WARP; w++) bm = fmaxf(bm, red_m[h][w]);
-            for (int w = 0; w < SCORE_LSE_THREADS / TURBO_WARP; w++)
-                if (red_m[h][w] != -INFINITY) bl += red_l[h][w] * __expf(red_m[h][w] - bm);
-            lse[(size_t)row * n_heads + h0 + h] = bm + logf(bl);
-        }
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(SCORE_TILE)
-    kv_score_add_bf16(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
-                      float* __restrict__ scores, const unsigned* __restrict__ tables,
-                      const unsigned* __restrict__ spans, const unsigned* __restrict__ tiles,
-                      const unsigned* __restrict__ positions, const float* __restrict__ lse, int n_heads,
-                      int n_kv_heads, int head_dim, int block_size, int layer, float scale) {
-    // The tile's keys as bf16 pairs, transposed ([pair][key]) so that a warp reading one pair of
-    // its 32 keys hits 32 banks.
-    __shared__ uint32_t kt[SCORE_MAX_HD / 2][SCORE_TILE];
-    __shared__ float qs[SCORE_MAX_GROUP][SCORE_MAX_HD];
-    const int g = blockIdx.y;
-    const ScoreSpan p = score_span(spans, tiles[2 * blockIdx.x]);
-    const unsigned first = tiles[2 * blockIdx.x + 1];
-    const unsigned j = first + threadIdx.x;
-    const bool valid = j < p.kv_len;
+// Loads the tile of SCORE_TILE keys from `first` of KV head g into kt as bf16 pairs, transposed
+// ([pair][key]) so that a warp reading one pair of its 32 keys hits 32 banks; keys past the span
+// are zeros. Block-wide; the caller synchronises before use.
+__device__ __forceinline__ void score_load_tile(uint32_t (*kt)[SCORE_TILE], const __nv_bfloat16* __restrict__ k_cache,
+                                                const unsigned* __restrict__ tables, const ScoreSpan& p,
+                                                unsigned first, int g, int n_kv_heads, int head_dim,
+                                                int block_size) {
     const int pairs = head_dim / 2;
     for (int i = threadIdx.x; i < SCORE_TILE * pairs; i += blockDim.x) {
         const unsigned key = first + i / pairs;
@@ -200,6 +117,127 @@ extern "C" __global__ void __launch_bounds__(SCORE_TILE)
         }
         kt[pr][i / pairs] = w;
     }
+}
+
+// acc[h] = q_h . k for the calling thread's key of the tile, heads h < nh of qs.
+__device__ __forceinline__ void score_dots(float (&acc)[SCORE_MAX_GROUP], const uint32_t (*kt)[SCORE_TILE],
+                                           const float (*qs)[SCORE_MAX_HD], int nh, int head_dim) {
+#pragma unroll
+    for (int h = 0; h < SCORE_MAX_GROUP; h++) acc[h] = 0.f;
+    for (int pr = 0; pr < head_dim / 2; pr++) {
+        const uint32_t w = kt[pr][threadIdx.x];
+        const float k0 = __uint_as_float(w << 16), k1 = __uint_as_float(w & 0xffff0000u);
+#pragma unroll
+        for (int h = 0; h < SCORE_MAX_GROUP; h++) {
+            if (h < nh) acc[h] = fmaf(qs[h][2 * pr + 1], k1, fmaf(qs[h][2 * pr], k0, acc[h]));
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SCORE_TILE)
+    kv_score_partial_bf16(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+                          const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,
+                          const unsigned* __restrict__ tiles, const unsigned* __restrict__ positions,
+                          float2* __restrict__ partials, int n_heads, int n_kv_heads, int head_dim,
+                          int block_size, int layer, float scale) {
+    __shared__ uint32_t kt[SCORE_MAX_HD / 2][SCORE_TILE];
+    __shared__ float qs[SCORE_MAX_GROUP][SCORE_MAX_HD];
+    __shared__ float red[SCORE_MAX_GROUP][SCORE_TILE / TURBO_WARP];
+    const int g = blockIdx.y;
+    const ScoreSpan p = score_span(spans, tiles[2 * blockIdx.x]);
+    const unsigned first = tiles[2 * blockIdx.x + 1];
+    const unsigned tile = first / SCORE_TILE;
+    const unsigned j = first + threadIdx.x;
+    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
+    score_load_tile(kt, k_cache, tables, p, first, g, n_kv_heads, head_dim, block_size);
+    const int group = n_heads / n_kv_heads;
+    const unsigned cached = p.kv_len - p.n_q;
+    const unsigned r0 = first > cached ? first - cached : 0;
+    for (unsigned r = r0; r < p.n_q; r++) {
+        const size_t token = (size_t)p.q_start + r;
+        const unsigned pos = positions[token];
+        const bool sees = j < p.kv_len && j <= cached + r;
+        float2* out = partials + ((size_t)p.partial_base + (size_t)r * p.n_tiles + tile) * n_heads;
+        for (int h0 = g * group; h0 < (g + 1) * group; h0 += SCORE_MAX_GROUP) {
+            const int nh = min(SCORE_MAX_GROUP, (g + 1) * group - h0);
+            __syncthreads();
+            score_load_q(qs, q, token, n_heads, h0, nh, head_dim);
+            __syncthreads();
+            float y[SCORE_MAX_GROUP];
+            score_dots(y, kt, qs, nh, head_dim);
+#pragma unroll
+            for (int h = 0; h < SCORE_MAX_GROUP; h++) {
+                if (h < nh) {
+                    y[h] = sees ? score_adjust(p, scale * y[h], pos, layer, h0 + h, j) : -INFINITY;
+                    const float wm = warp_max(y[h]);
+                    if (lane == 0) red[h][warp] = wm;
+                }
+            }
+            __syncthreads();
+            float m[SCORE_MAX_GROUP];
+#pragma unroll
+            for (int h = 0; h < SCORE_MAX_GROUP; h++) {
+                if (h < nh) {
+                    m[h] = red[h][0];
+                    for (int w = 1; w < SCORE_TILE / TURBO_WARP; w++) m[h] = fmaxf(m[h], red[h][w]);
+                }
+            }
+            __syncthreads();
+#pragma unroll
+            for (int h = 0; h < SCORE_MAX_GROUP; h++) {
+                if (h < nh) {
+                    // The row sees the tile's first key, so m[h] is finite.
+                    const float ws = warp_sum(sees ? __expf(y[h] - m[h]) : 0.f);
+                    if (lane == 0) red[h][warp] = ws;
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x < nh) {
+                const int h = threadIdx.x;
+                float l = 0.f;
+                for (int w = 0; w < SCORE_TILE / TURBO_WARP; w++) l += red[h][w];
+                out[h0 + h] = make_float2(m[h], l);
+            }
+        }
+    }
+}
+
+// lse[row][h] = the merge of the row's partials over the tiles it sees. One CTA per scored row,
+// threads over query heads.
+extern "C" __global__ void kv_score_merge(const unsigned* __restrict__ spans, const unsigned* __restrict__ rows,
+                                          const float2* __restrict__ partials, float* __restrict__ lse,
+                                          int n_heads) {
+    const unsigned row = blockIdx.x;
+    const ScoreSpan p = score_span(spans, rows[2 * row]);
+    const unsigned r = rows[2 * row + 1];
+    const unsigned seen_tiles = (p.kv_len - p.n_q + r) / SCORE_TILE + 1;
+    const float2* in = partials + ((size_t)p.partial_base + (size_t)r * p.n_tiles) * n_heads;
+    for (int h = threadIdx.x; h < n_heads; h += blockDim.x) {
+        float m = -INFINITY, l = 0.f;
+        for (unsigned t = 0; t < seen_tiles; t++) {
+            const float2 s = in[(size_t)t * n_heads + h];
+            const float nm = fmaxf(m, s.x);
+            l = l * __expf(m - nm) + s.y * __expf(s.x - nm);
+            m = nm;
+        }
+        lse[(size_t)row * n_heads + h] = m + logf(l);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SCORE_TILE)
+    kv_score_add_bf16(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+                      float* __restrict__ scores, const unsigned* __restrict__ tables,
+                      const unsigned* __restrict__ spans, const unsigned* __restrict__ tiles,
+                      const unsigned* __restrict__ positions, const float* __restrict__ lse, int n_heads,
+                      int n_kv_heads, int head_dim, int block_size, int layer, float scale) {
+    __shared__ uint32_t kt[SCORE_MAX_HD / 2][SCORE_TILE];
+    __shared__ float qs[SCORE_MAX_GROUP][SCORE_MAX_HD];
+    const int g = blockIdx.y;
+    const ScoreSpan p = score_span(spans, tiles[2 * blockIdx.x]);
+    const unsigned first = tiles[2 * blockIdx.x + 1];
+    const unsigned j = first + threadIdx.x;
+    const bool valid = j < p.kv_len;
+    score_load_tile(kt, k_cache, tables, p, first, g, n_kv_heads, head_dim, block_size);
     const int group = n_heads / n_kv_heads;
     const unsigned cached = p.kv_len - p.n_q;  // keys before this step's chunk
     // Rows before r0 see no key of the tile.
@@ -216,16 +254,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_TILE)
             __syncthreads();
             if (!sees) continue;
             float acc[SCORE_MAX_GROUP];
-#pragma unroll
-            for (int h = 0; h < SCORE_MAX_GROUP; h++) acc[h] = 0.f;
-            for (int pr = 0; pr < pairs; pr++) {
-                const uint32_t w = kt[pr][threadIdx.x];
-                const float k0 = __uint_as_float(w << 16), k1 = __uint_as_float(w & 0xffff0000u);
-#pragma unroll
-                for (int h = 0; h < SCORE_MAX_GROUP; h++) {
-                    if (h < nh) acc[h] = fmaf(qs[h][2 * pr + 1], k1, fmaf(qs[h][2 * pr], k0, acc[h]));
-                }
-            }
+            score_dots(acc, kt, qs, nh, head_dim);
             const float* row_lse = lse + (size_t)(p.row_base + r) * n_heads;
 #pragma unroll
             for (int h = 0; h < SCORE_MAX_GROUP; h++) {

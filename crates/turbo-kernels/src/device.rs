@@ -210,12 +210,13 @@ impl CudaDevice {
         // Architecture-specific modules need the "a" target of their architecture.
         let suffix = if spec.only_on.is_some() { "a" } else { "" };
         // NVRTC cannot read files: splice the shared header in place of its #include.
-        // Nor does it ship the C library's headers: the fixed-width types come from typedefs.
+        // Nor does it ship the C library's headers: the fixed-width types and INFINITY are defined here.
         let header = crate::ptx::COMMON_HEADER.replace(
             "#include <stdint.h>",
             "typedef unsigned char uint8_t; typedef unsigned short uint16_t; \
              typedef unsigned int uint32_t; typedef unsigned long long uint64_t; \
-             typedef int int32_t; typedef long long int64_t; typedef unsigned long long uintptr_t;",
+             typedef int int32_t; typedef long long int64_t; typedef unsigned long long uintptr_t;\n\
+             #ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif",
         );
         let source = spec.source.replace("#include \"common.cuh\"", &header);
         let opts = cudarc::nvrtc::CompileOptions {

@@ -355,10 +355,11 @@ pub fn compact_kv(
     for a in &args {
         b.arg(a);
     }
-    let rows = (1024 / head_dim).max(1) as u32;
+    // Rows of keys move in chunks of 512 threads (16 bytes each when head_dim allows), at least
+    // one row per chunk.
     let cfg = LaunchConfig {
         grid_dim: (n_kv_heads as u32, 3, n_layers as u32),
-        block_dim: (head_dim as u32, rows, 1),
+        block_dim: (head_dim.max(512) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: the arguments match the kernel's signature; the caller checked the plan against the

@@ -14,11 +14,11 @@ use turbo_core::KvScoring;
 use turbo_keyformer::ScoreFunction;
 
 /// u32 words per span in the plan (see `kernels/scores.cu`).
-const SPAN_WORDS: usize = 9;
+const SPAN_WORDS: usize = 11;
 /// Keys per CTA of the increment kernel (one thread each).
 const TILE: usize = 64;
-/// Threads of the normaliser kernel.
-const LSE_THREADS: u32 = 128;
+/// Threads of the kernel merging a row's tile partials (one per query head).
+const MERGE_THREADS: u32 = 128;
 /// The largest head dimension the kernels hold in shared memory.
 pub const MAX_HEAD_DIM: usize = 256;
 
@@ -59,6 +59,8 @@ pub struct ScorePlan {
     tokens: usize,
     /// `[scored rows][n_heads]` normalisers, rewritten by every layer.
     lse: CudaSlice<f32>,
+    /// Per span `[row][tile][n_heads]` (max, sum) pairs, rewritten by every layer.
+    partials: CudaSlice<f32>,
 }
 
 impl ScorePlan {
@@ -93,6 +95,7 @@ impl ScorePlan {
         )?;
         let mut span_words = Vec::with_capacity(SPAN_WORDS * scored.len());
         let (mut rows, mut tiles, mut tables) = (vec![], vec![], vec![]);
+        let mut partial_entries = 0usize;
         for (i, (span, c)) in scored.iter().enumerate() {
             let table_len = span.kv_len.div_ceil(bs);
             check(
@@ -131,7 +134,10 @@ impl ScorePlan {
                 c.seed as u32,
                 (c.seed >> 32) as u32,
                 rows.len() as u32 / 2,
+                span.kv_len.div_ceil(TILE) as u32,
+                partial_entries as u32,
             ]);
+            partial_entries += span.n_q * span.kv_len.div_ceil(TILE);
             tables.extend_from_slice(&span.block_table[..table_len]);
             for r in 0..span.n_q {
                 rows.extend_from_slice(&[i as u32, r as u32]);
@@ -141,9 +147,12 @@ impl ScorePlan {
             }
         }
         let (n_rows, n_tiles) = (rows.len() / 2, tiles.len() / 2);
+        let partial_len = partial_entries * n_heads * 2;
         check(
-            n_rows <= i32::MAX as usize && n_tiles <= i32::MAX as usize,
-            || format!("KV scores: {n_rows} rows, {n_tiles} tiles"),
+            n_rows <= i32::MAX as usize
+                && n_tiles <= i32::MAX as usize
+                && u32::try_from(partial_entries).is_ok(),
+            || format!("KV scores: {n_rows} rows, {n_tiles} tiles, {partial_entries} partials"),
         )?;
         let mut host =
             Vec::with_capacity(span_words.len() + rows.len() + tiles.len() + tables.len());
@@ -158,13 +167,20 @@ impl ScorePlan {
             section(&tiles),
             section(&tables),
         );
-        let (mut upload, mut lse) = match old {
-            Some(p) => (p.upload, p.lse),
+        let (mut upload, mut lse, mut partials) = match old {
+            Some(p) => (p.upload, p.lse, p.partials),
             None => (
                 dev.stream.alloc_zeros::<u32>(1).map_err(CudaError::from)?,
                 dev.stream.alloc_zeros::<f32>(1).map_err(CudaError::from)?,
+                dev.stream.alloc_zeros::<f32>(1).map_err(CudaError::from)?,
             ),
         };
+        if partials.len() < partial_len {
+            partials = dev
+                .stream
+                .alloc_zeros::<f32>(partial_len.next_power_of_two())
+                .map_err(CudaError::from)?;
+        }
         if upload.len() < host.len() {
             upload = dev
                 .stream
@@ -191,6 +207,7 @@ impl ScorePlan {
             n_heads,
             tokens,
             lse,
+            partials,
         }))
     }
 
@@ -237,27 +254,44 @@ impl ScorePlan {
         let (tables, spans) = (view(&self.tables), view(&self.spans));
         let (rows, tiles) = (view(&self.rows), view(&self.tiles));
 
-        let f = dev.function("scores", "kv_score_lse_bf16")?;
+        let f = dev.function("scores", "kv_score_partial_bf16")?;
         let mut b = dev.stream.launch_builder(&f);
         b.arg(q)
             .arg(keys)
             .arg(&tables)
             .arg(&spans)
-            .arg(&rows)
+            .arg(&tiles)
             .arg(positions);
-        b.arg(&mut self.lse);
+        b.arg(&mut self.partials);
         for a in &ints {
             b.arg(a);
         }
         b.arg(&scale);
-        let cfg = LaunchConfig {
-            grid_dim: (self.n_rows as u32, n_kv_heads as u32, 1),
-            block_dim: (LSE_THREADS, 1, 1),
+        let tile_grid = LaunchConfig {
+            grid_dim: (self.n_tiles as u32, n_kv_heads as u32, 1),
+            block_dim: (TILE as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match the kernel's signature; `new` checked every span's rows
-        // against the step's tokens and its block table against the cache's blocks, and the sizes
-        // of q, the positions and the scores were checked above.
+        // against the step's tokens and its block table against the cache's blocks, sized the
+        // partials for every (row, tile) of every span, and the sizes of q, the positions and the
+        // scores were checked above.
+        unsafe { b.launch(tile_grid) }?;
+
+        let f = dev.function("scores", "kv_score_merge")?;
+        let mut b = dev.stream.launch_builder(&f);
+        b.arg(&spans)
+            .arg(&rows)
+            .arg(&self.partials)
+            .arg(&mut self.lse);
+        b.arg(&ints[0]);
+        let cfg = LaunchConfig {
+            grid_dim: (self.n_rows as u32, 1, 1),
+            block_dim: (MERGE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above; each row reads the partials of the tiles it sees, all written by the
+        // launch before on this stream, and writes its own normalisers.
         unsafe { b.launch(cfg) }?;
 
         let f = dev.function("scores", "kv_score_add_bf16")?;
@@ -273,13 +307,8 @@ impl ScorePlan {
             b.arg(a);
         }
         b.arg(&scale);
-        let cfg = LaunchConfig {
-            grid_dim: (self.n_tiles as u32, n_kv_heads as u32, 1),
-            block_dim: (TILE as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: as above; the normalisers were written by the launch before, on this stream.
-        unsafe { b.launch(cfg) }?;
+        unsafe { b.launch(tile_grid) }?;
         Ok(())
     }
 }
