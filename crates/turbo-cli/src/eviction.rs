@@ -31,6 +31,10 @@ pub struct KvPolicyArgs {
     /// Choose kept keys per layer and KV head, or once for all (shared).
     #[arg(long, default_value = "per-layer")]
     pub kv_selection: SelectionMode,
+    /// Evict between prompt chunks too (from the scores of the prompt so far), so that a
+    /// sequence never holds more than its budget plus a chunk and a block.
+    #[arg(long)]
+    pub kv_evict_prefill: bool,
 }
 
 impl KvPolicyArgs {
@@ -67,6 +71,7 @@ impl KvPolicyArgs {
             budget,
             mode: self.kv_selection,
             seed,
+            during_prefill: self.kv_evict_prefill,
         }))
     }
 }

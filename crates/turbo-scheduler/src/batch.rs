@@ -745,8 +745,14 @@ impl<B: Backend> PersistentBatch<B> {
             };
             let total = self.kv.tokens(live.seq)?.len();
             let len = (total - cached).min(self.config.prefill_chunk).min(budget);
-            // `promised` more blocks on top of the whole sequence, as `can_reserve` counts them.
-            let fits = self.kv.can_reserve(live.seq, total + promised * bs);
+            // The most it will hold: the whole sequence, or for one evicting during its prompt,
+            // its budget plus a chunk and a block.
+            let peak = match &live.eviction {
+                Some(e) => e.peak_keys(total, self.config.prefill_chunk, bs),
+                None => total,
+            };
+            // `promised` more blocks on top of that, as `can_reserve` counts them.
+            let fits = self.kv.can_reserve(live.seq, peak + promised * bs);
             match self.kv.reserve(live.seq, cached + len) {
                 Ok(()) if fits => {}
                 Ok(()) | Err(KvError::OutOfBlocks { .. }) => {
@@ -756,7 +762,9 @@ impl<B: Backend> PersistentBatch<B> {
                 }
                 Err(e) => return Err(e.into()),
             }
-            promised += total.div_ceil(bs) - (cached + len).div_ceil(bs);
+            promised += peak
+                .div_ceil(bs)
+                .saturating_sub((cached + len).div_ceil(bs));
             if first {
                 live.cached_prompt = Some(cached);
                 live.admitted = Some(Instant::now());
@@ -867,6 +875,30 @@ impl<B: Backend> PersistentBatch<B> {
         Ok(Sampled { tokens, logits })
     }
 
+    /// Compacts the KV of the request in `slot` to its eviction budget; false when that failed,
+    /// in which case the request has failed (and is counted in `report`) while the others go on.
+    fn compact(&mut self, slot: usize, report: &mut StepReport) -> Result<bool, BatchError> {
+        let live = self.slots[slot].as_ref().expect("a running slot");
+        let Some(e) = &live.eviction else {
+            return Ok(true);
+        };
+        let shape = (self.model.config.n_layers, self.model.config.n_kv_heads);
+        let result = e.compact(
+            self.model.backend(),
+            &mut self.cache,
+            &mut self.kv,
+            live.seq,
+            shape,
+        );
+        let Err(error) = result else {
+            return Ok(true);
+        };
+        tracing::error!(request = live.id.0, "KV compaction failed: {error}");
+        self.fail(slot, RequestError::Model(error.to_string()))?;
+        report.ended += 1;
+        Ok(false)
+    }
+
     /// Commits the KV just written; streams the sampled token and checks the end of every
     /// sequence whose tokens are now all computed.
     fn postprocess(
@@ -895,24 +927,27 @@ impl<B: Backend> PersistentBatch<B> {
             let blocks = self.kv.block_table(seq)?.len();
             live.kv_blocks_peak = live.kv_blocks_peak.max(blocks);
             if w.start + w.len < self.kv.tokens(seq)?.len() {
-                live.kv_held = (self.kv.keys(seq)?, blocks);
-                continue; // still prefilling
-            }
-            if let Some(e) = &live.eviction {
+                // Still prefilling: evicts now only when asked to during the prompt.
                 let keys = self.kv.keys(seq)?;
-                let prompt_done_now = live.generated.is_empty();
-                if e.due(keys, prompt_done_now, self.config.block_size) {
-                    let shape = (self.model.config.n_layers, self.model.config.n_kv_heads);
-                    let backend = self.model.backend();
-                    if let Err(error) =
-                        e.compact(backend, &mut self.cache, &mut self.kv, seq, shape)
-                    {
-                        tracing::error!(request = live.id.0, "KV compaction failed: {error}");
-                        self.fail(w.slot, RequestError::Model(error.to_string()))?;
-                        report.ended += 1;
-                        continue;
-                    }
+                let due = live
+                    .eviction
+                    .as_ref()
+                    .is_some_and(|e| e.due_in_prefill(keys, self.config.block_size));
+                if due && !self.compact(w.slot, report)? {
+                    continue;
                 }
+                let live = self.slots[w.slot].as_mut().expect("scheduled slots run");
+                live.kv_held = (self.kv.keys(seq)?, self.kv.block_table(seq)?.len());
+                continue;
+            }
+            let keys = self.kv.keys(seq)?;
+            let prompt_done_now = live.generated.is_empty();
+            let due = live
+                .eviction
+                .as_ref()
+                .is_some_and(|e| e.due(keys, prompt_done_now, self.config.block_size));
+            if due && !self.compact(w.slot, report)? {
+                continue;
             }
             let live = self.slots[w.slot].as_mut().expect("scheduled slots run");
             live.kv_held = (self.kv.keys(seq)?, self.kv.block_table(seq)?.len());

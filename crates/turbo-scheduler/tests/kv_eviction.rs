@@ -213,3 +213,42 @@ fn bad_settings_fail_with_a_clear_error() {
     assert_eq!(finished(&after).token_ids.len(), 40);
     b.kv().check().unwrap();
 }
+
+#[test]
+fn evicting_during_the_prompt_bounds_the_peak_by_budget_chunk_and_block() {
+    let loaded = load_default_model();
+    let prompt = loaded.tokenizer.encode(TEXT).unwrap();
+    let mut b = batch(&loaded);
+    let keep = 96;
+    let chunk = 64; // `batch`'s prefill chunk
+    let policies = [PolicyKind::Keyformer, PolicyKind::H2O, PolicyKind::Sink];
+    let handles: Vec<_> = policies
+        .iter()
+        .map(|&p| {
+            let mut r = evicting(&prompt, p, keep);
+            if let Some(e) = r.kv_eviction.as_mut() {
+                e.during_prefill = true;
+            }
+            b.submit(r)
+        })
+        .collect();
+    b.run_until_idle().unwrap();
+    let bound = (keep + BLOCK + chunk).div_ceil(BLOCK);
+    for (policy, h) in policies.iter().zip(&handles) {
+        let c = finished(h);
+        assert_eq!(c.token_ids.len(), 40, "{policy}");
+        assert!(
+            (keep..keep + BLOCK).contains(&c.kv_tokens),
+            "{policy}: {} keys for a budget of {keep}",
+            c.kv_tokens
+        );
+        assert!(
+            c.kv_blocks_peak <= bound && c.kv_blocks_peak < prompt.len().div_ceil(BLOCK),
+            "{policy}: peak of {} blocks, bound {bound}, prompt {} blocks",
+            c.kv_blocks_peak,
+            prompt.len().div_ceil(BLOCK)
+        );
+    }
+    assert_eq!(b.kv().num_used(), 0);
+    b.kv().check().unwrap();
+}

@@ -26,6 +26,11 @@ pub struct KvEviction {
     pub mode: SelectionMode,
     /// Seed of Keyformer's noise: same seed, same kept keys.
     pub seed: u64,
+    /// Evict between prompt chunks too, from the scores of the prompt so far: the sequence never
+    /// holds more than its budget plus a prompt chunk and a block, and is admitted on that
+    /// (rather than on its whole prompt). Off by default, as in the paper, whose prompt phase
+    /// sees the whole prompt before choosing.
+    pub during_prefill: bool,
 }
 
 impl KvEviction {
@@ -37,6 +42,7 @@ impl KvEviction {
             budget,
             mode: SelectionMode::PerLayer,
             seed: 0,
+            during_prefill: false,
         }
     }
 }
@@ -47,6 +53,7 @@ pub(crate) struct EvictionState {
     budget: Budget,
     mode: SelectionMode,
     seed: u64,
+    during_prefill: bool,
 }
 
 impl EvictionState {
@@ -67,6 +74,7 @@ impl EvictionState {
             budget,
             mode: e.mode,
             seed: e.seed,
+            during_prefill: e.during_prefill,
         }))
     }
 
@@ -97,6 +105,21 @@ impl EvictionState {
     pub fn due(&self, keys: usize, prompt_done_now: bool, block_size: usize) -> bool {
         let keep = self.budget.keep();
         keys > keep && (prompt_done_now || keys >= keep + block_size)
+    }
+
+    /// Whether a sequence still prefilling, holding `keys` keys, is due: only when evicting
+    /// during the prompt, once it holds a block more than its budget.
+    pub fn due_in_prefill(&self, keys: usize, block_size: usize) -> bool {
+        self.during_prefill && keys >= self.budget.keep() + block_size
+    }
+
+    /// The most keys a sequence of `tokens` tokens holds at once, computed `chunk` tokens per
+    /// step: all of them, unless it evicts during the prompt.
+    pub fn peak_keys(&self, tokens: usize, chunk: usize, block_size: usize) -> usize {
+        match self.during_prefill {
+            true => tokens.min(self.budget.keep() + block_size + chunk),
+            false => tokens,
+        }
     }
 
     /// Compacts `seq` to its budget: chooses the kept keys from its scores, has the backend move
