@@ -376,16 +376,32 @@ fn scored_run<B: turbo_core::Backend>(
     out
 }
 
+/// `policy`'s kept keys of the scoring scenario's 2 x 2 rows at half of `keys` (an eighth
+/// recent), and how many per row.
+fn keep_half(
+    policy: &dyn turbo_keyformer::EvictionPolicy,
+    scores: &[f32],
+    keys: usize,
+) -> (Vec<u32>, usize) {
+    use turbo_keyformer::{select_kept, Budget, Dims, SelectionMode};
+    let budget = Budget::new(keys / 2, keys / 8, 0).unwrap();
+    let dims = Dims {
+        layers: 2,
+        kv_heads: 2,
+        keys,
+    };
+    let kept = select_kept(policy, scores, dims, &budget, SelectionMode::PerLayer).unwrap();
+    let kept = kept.into_iter().map(|k| k as u32).collect();
+    (kept, budget.kept_count(keys))
+}
+
 /// KV eviction scores on the GPU against the CPU backend (itself tested against the f64
 /// reference) on identical bf16 inputs, for H2O and Keyformer, through prefill chunks, decode
 /// steps and a compaction that must carry each key's score; the kept sets chosen from GPU scores
 /// equal the CPU's up to keys whose scores tie within rounding.
 #[test]
 fn gpu_kv_scores_and_kept_sets_match_cpu() {
-    use turbo_keyformer::{
-        select_kept, Budget, Dims, PolicyConfig, PolicyKind, ScoreFunction, SelectionMode,
-        TauSchedule,
-    };
+    use turbo_keyformer::{PolicyConfig, PolicyKind, ScoreFunction, TauSchedule};
     let Some(gpu) = gpu() else { return };
     let cpu = CpuBackend::new();
     for head_dim in [64, 128] {
@@ -401,47 +417,19 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
             // comparable), and the GPU's own choice is compared with it.
             let mut cpu_kept: Vec<Vec<u32>> = Vec::new();
             let mut choose_cpu = |_s: usize, scores: &[f32], keys: usize| {
-                let budget = Budget::new(keys / 2, keys / 8, 0).unwrap();
-                let dims = Dims {
-                    layers: 2,
-                    kv_heads: 2,
-                    keys,
-                };
-                let kept = select_kept(
-                    policy.as_ref(),
-                    scores,
-                    dims,
-                    &budget,
-                    SelectionMode::PerLayer,
-                )
-                .unwrap();
-                let kept: Vec<u32> = kept.into_iter().map(|k| k as u32).collect();
+                let (kept, k) = keep_half(policy.as_ref(), scores, keys);
                 cpu_kept.push(kept.clone());
-                (kept, budget.kept_count(keys))
+                (kept, k)
             };
             let cpu_scores = scored_run(&cpu, function, head_dim, &mut choose_cpu);
             let mut i = 0;
             let mut tie_breaks = 0;
             let mut choose_gpu = |_s: usize, scores: &[f32], keys: usize| {
-                let budget = Budget::new(keys / 2, keys / 8, 0).unwrap();
-                let dims = Dims {
-                    layers: 2,
-                    kv_heads: 2,
-                    keys,
-                };
-                let kept = select_kept(
-                    policy.as_ref(),
-                    scores,
-                    dims,
-                    &budget,
-                    SelectionMode::PerLayer,
-                )
-                .unwrap();
+                let (kept, k) = keep_half(policy.as_ref(), scores, keys);
                 let want = &cpu_kept[i];
                 i += 1;
                 // Keys chosen by one side only must tie with the other side's choice: their
                 // scores within rounding of the smallest score kept by policy.
-                let k = budget.kept_count(keys);
                 for row in 0..4 {
                     let (g, c) = (&kept[row * k..][..k], &want[row * k..][..k]);
                     let row_scores = &scores[row * keys..][..keys];
@@ -450,9 +438,9 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
                         .map(|&j| row_scores[j as usize])
                         .fold(f32::INFINITY, f32::min);
                     for &j in g {
-                        if !c.contains(&(j as u32)) {
+                        if !c.contains(&j) {
                             tie_breaks += 1;
-                            let s = row_scores[j];
+                            let s = row_scores[j as usize];
                             assert!(
                                 (s - min_kept).abs() <= 1e-4 * (1.0 + min_kept.abs()),
                                 "{kind:?} d={head_dim}: GPU keeps key {j} (score {s}) that the \
