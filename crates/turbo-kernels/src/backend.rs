@@ -881,9 +881,6 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let stream = &self.dev.stream;
-        let layers = stream
-            .clone_htod(&cache.layer_addresses(stream))
-            .map_err(CudaError::from)?;
         let table = stream
             .clone_htod(compaction.block_table)
             .map_err(CudaError::from)?;
@@ -892,7 +889,7 @@ impl Backend for CudaBackend {
             .map_err(CudaError::from)?;
         Ok(ops::elementwise::compact_kv(
             &self.dev,
-            &layers.as_view(),
+            &cache.addresses()?.as_view(),
             &table.as_view(),
             &kept.as_view(),
             CompactShape {
@@ -963,15 +960,14 @@ impl Backend for CudaBackend {
                 block_table.len()
             )));
         }
-        let stream = &self.dev.stream;
-        let addresses = cache.layer_addresses(stream);
-        let layers = stream
-            .clone_htod(&addresses[2 * spec.n_layers..])
+        let table = self
+            .dev
+            .stream
+            .clone_htod(block_table)
             .map_err(CudaError::from)?;
-        let table = stream.clone_htod(block_table).map_err(CudaError::from)?;
         Ok(ops::scores::gather(
             &self.dev,
-            &layers.as_view(),
+            &cache.addresses()?.slice(2 * spec.n_layers..),
             &table.as_view(),
             spec.n_layers,
             ScoreGeometry::of(&spec),

@@ -47,6 +47,10 @@ pub struct CudaKvCache {
     /// KV eviction scores, per layer `[slot][kv head]` f32: allocated (all blocks, zeroed) the
     /// first time a step scores keys, empty until then.
     scores: Vec<CudaSlice<f32>>,
+    /// On the device, the addresses `[keys | values | scores][layer]` (scores 0 while
+    /// unallocated), for kernels that touch every layer in one launch; made with the cache and
+    /// remade when the scores are allocated.
+    addresses: Option<CudaSlice<u64>>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -79,6 +83,7 @@ impl CudaKvCache {
             values: Vec::with_capacity(spec.n_layers),
             mapped: None,
             scores: Vec::new(),
+            addresses: None,
         };
         let Some(chunk_blocks) = chunk_blocks else {
             // On an error, what was allocated so far is freed by the cache's drop.
@@ -93,6 +98,7 @@ impl CudaKvCache {
                 };
                 to.push(ManuallyDrop::new(slice));
             }
+            cache.upload_addresses(&dev.stream)?;
             return Ok(cache);
         };
 
@@ -127,6 +133,7 @@ impl CudaKvCache {
             };
             to.push(ManuallyDrop::new(slice));
         }
+        cache.upload_addresses(&dev.stream)?;
         Ok(cache)
     }
 
@@ -176,6 +183,7 @@ impl CudaKvCache {
                 );
             }
             self.scores = scores;
+            self.upload_addresses(stream)?;
         }
         Ok((&self.keys[layer], &mut self.scores[layer]))
     }
@@ -185,18 +193,28 @@ impl CudaKvCache {
         (!self.scores.is_empty()).then_some(&self.scores[..])
     }
 
-    /// Device addresses `[keys | values | scores][layer]` (scores 0 while unallocated), for
-    /// kernels that touch every layer in one launch.
-    pub(crate) fn layer_addresses(&self, stream: &CudaStream) -> Vec<u64> {
+    /// The device copy of every layer's addresses, `[keys | values | scores][layer]` (scores 0
+    /// while unallocated).
+    pub(crate) fn addresses(&self) -> Result<&CudaSlice<u64>> {
+        self.addresses
+            .as_ref()
+            .ok_or_else(|| BackendError::Device("a KV cache without its layer addresses".into()))
+    }
+
+    fn upload_addresses(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
         use cudarc::driver::DevicePtr;
-        let mut out = Vec::with_capacity(3 * self.spec.n_layers);
-        out.extend(self.keys.iter().map(|k| k.device_ptr(stream).0));
-        out.extend(self.values.iter().map(|v| v.device_ptr(stream).0));
+        let mut host = Vec::with_capacity(3 * self.spec.n_layers);
+        host.extend(self.keys.iter().map(|k| k.device_ptr(stream).0));
+        host.extend(self.values.iter().map(|v| v.device_ptr(stream).0));
         match self.scores.is_empty() {
-            true => out.extend(std::iter::repeat_n(0, self.spec.n_layers)),
-            false => out.extend(self.scores.iter().map(|s| s.device_ptr(stream).0)),
+            true => host.extend(std::iter::repeat_n(0, self.spec.n_layers)),
+            false => host.extend(self.scores.iter().map(|s| s.device_ptr(stream).0)),
         }
-        out
+        let uploaded = stream
+            .clone_htod(&host)
+            .map_err(|e| with_context(driver(e), "uploading the KV cache's layer addresses"))?;
+        self.addresses = Some(uploaded);
+        Ok(())
     }
 
     /// Whether memory is mapped as blocks are reached rather than allocated up front.

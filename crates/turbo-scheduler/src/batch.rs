@@ -926,31 +926,23 @@ impl<B: Backend> PersistentBatch<B> {
             self.kv.commit(seq, w.start + w.len)?;
             let blocks = self.kv.block_table(seq)?.len();
             live.kv_blocks_peak = live.kv_blocks_peak.max(blocks);
-            if w.start + w.len < self.kv.tokens(seq)?.len() {
-                // Still prefilling: evicts now only when asked to during the prompt.
-                let keys = self.kv.keys(seq)?;
-                let due = live
-                    .eviction
-                    .as_ref()
-                    .is_some_and(|e| e.due_in_prefill(keys, self.config.block_size));
-                if due && !self.compact(w.slot, report)? {
-                    continue;
-                }
-                let live = self.slots[w.slot].as_mut().expect("scheduled slots run");
-                live.kv_held = (self.kv.keys(seq)?, self.kv.block_table(seq)?.len());
-                continue;
-            }
+            // Evicts once the prompt is in, then once per block; while the prompt is still
+            // coming only when asked to evict during it.
+            let prefilling = w.start + w.len < self.kv.tokens(seq)?.len();
             let keys = self.kv.keys(seq)?;
             let prompt_done_now = live.generated.is_empty();
             let due = live
                 .eviction
                 .as_ref()
-                .is_some_and(|e| e.due(keys, prompt_done_now, self.config.block_size));
+                .is_some_and(|e| e.due(keys, prefilling, prompt_done_now, self.config.block_size));
             if due && !self.compact(w.slot, report)? {
                 continue;
             }
             let live = self.slots[w.slot].as_mut().expect("scheduled slots run");
             live.kv_held = (self.kv.keys(seq)?, self.kv.block_table(seq)?.len());
+            if prefilling {
+                continue;
+            }
             live.first_token.get_or_insert_with(Instant::now);
             // Teacher forcing: the forced token replaces the sampled one.
             let token = live

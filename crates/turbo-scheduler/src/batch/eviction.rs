@@ -100,17 +100,22 @@ impl EvictionState {
         })
     }
 
-    /// Whether a sequence holding `keys` keys is due: past its budget right after its prompt,
-    /// then by a whole block.
-    pub fn due(&self, keys: usize, prompt_done_now: bool, block_size: usize) -> bool {
+    /// Whether a sequence holding `keys` keys is due. Still `prefilling`: only when it evicts
+    /// during the prompt, once a block past its budget. Otherwise past its budget right after
+    /// its prompt (`prompt_done_now`), then by a whole block.
+    pub fn due(
+        &self,
+        keys: usize,
+        prefilling: bool,
+        prompt_done_now: bool,
+        block_size: usize,
+    ) -> bool {
         let keep = self.budget.keep();
-        keys > keep && (prompt_done_now || keys >= keep + block_size)
-    }
-
-    /// Whether a sequence still prefilling, holding `keys` keys, is due: only when evicting
-    /// during the prompt, once it holds a block more than its budget.
-    pub fn due_in_prefill(&self, keys: usize, block_size: usize) -> bool {
-        self.during_prefill && keys >= self.budget.keep() + block_size
+        let block_past = keys >= keep + block_size;
+        match prefilling {
+            true => self.during_prefill && block_past,
+            false => keys > keep && (prompt_done_now || block_past),
+        }
     }
 
     /// The most keys a sequence of `tokens` tokens holds at once, computed `chunk` tokens per
