@@ -501,7 +501,7 @@ __device__ __forceinline__ int pf_swz(int r, int c) {
 
 // Shared memory of attn_prefill<HD, WARPS, MT, BN>, in bytes.
 template <int HD, int WARPS, int MT, int BN>
-constexpr int pf_smem_bytes() {
+__host__ __device__ constexpr int pf_smem_bytes() {
     // MT == 1: K, and Q then V in one buffer; else Q, K, V.
     return MT == 1 ? (BN + (16 * WARPS > BN ? 16 * WARPS : BN)) * HD * 2 : (16 * MT * WARPS + 2 * BN) * HD * 2;
 }
@@ -889,7 +889,7 @@ __device__ __forceinline__ void dec_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-template <int HD>
+template <int HD, bool LOGITS>
 __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
                                             const __nv_bfloat16* __restrict__ k_cache,
                                             const __nv_bfloat16* __restrict__ v_cache,
@@ -898,7 +898,8 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
                                             int n_kv_heads, int block_size, int block_shift, float scale,
                                             float* __restrict__ part_o, float* __restrict__ part_lse,
                                             uint32_t* __restrict__ counters,
-                                            __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {
+                                            __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out,
+                                            const uint32_t* __restrict__ logit_at, float* __restrict__ logits) {
     static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
     constexpr int KSTEPS = HD / 16;            // k-steps of Q·Kᵀ
     constexpr int NT = HD / 8;                 // 8-wide n-tiles of the output
@@ -921,6 +922,12 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     const int nh = min(DEC_ROWS, group - DEC_ROWS * sub);
     const uint32_t* table = tables + it2.x;
     const size_t slot_stride = (size_t)n_kv_heads * HD;
+    // Where this row's logits go (LOGITS only): [head][stride] f32 from logit_base, or nowhere.
+    uint32_t logit_base = ATTN_NO_STATE, logit_stride = 0;
+    if constexpr (LOGITS) {
+        logit_base = logit_at[2 * token];
+        logit_stride = logit_at[2 * token + 1];
+    }
     const __nv_bfloat16* kb = k_cache + (size_t)kvh * HD;
     const __nv_bfloat16* vb = v_cache + (size_t)kvh * HD;
 
@@ -1005,6 +1012,22 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             pf_ldmatrix_x4(b, &sK[pf_swz<HD>(kr, 2 * ks + kc)]);
             pf_mma(s[0], qa[ks], b[0], b[1]);
             pf_mma(s[1], qa[ks], b[2], b[3]);
+        }
+        if constexpr (LOGITS) {
+            // The scaled logits x = scale q.k of this row's scored keys, for the eviction scores.
+            if (logit_base != ATTN_NO_STATE) {
+#pragma unroll
+                for (int n = 0; n < 2; n++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const uint32_t key = base + (uint32_t)(8 * n + 2 * t + (e & 1));
+                        const int r = g + 8 * (e >> 1);
+                        if (key < k1 && r < nh) {
+                            logits[(size_t)logit_base + (size_t)(h0 + r) * logit_stride + key] = s[n][e] * scale;
+                        }
+                    }
+                }
+            }
         }
         // Scale to the log2 domain; keys at or past k1 get -inf.
 #pragma unroll
@@ -1125,9 +1148,25 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
         const uint32_t* __restrict__ items, int n_heads, int group, int n_kv_heads, int block_size,      \
         int block_shift, float scale, float* __restrict__ part_o, float* __restrict__ part_lse,          \
         uint32_t* __restrict__ counters, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) { \
-        attn_decode<HD>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size,      \
-                        block_shift, scale, part_o, part_lse, counters, out, lse_out);                   \
+        attn_decode<HD, false>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size, \
+                               block_shift, scale, part_o, part_lse, counters, out, lse_out, nullptr,      \
+                               nullptr);                                                                   \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) attn_decode_logits_d##HD(                \
+        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
+        const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
+        const uint32_t* __restrict__ items, int n_heads, int group, int n_kv_heads, int block_size,      \
+        int block_shift, float scale, float* __restrict__ part_o, float* __restrict__ part_lse,          \
+        uint32_t* __restrict__ counters, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out,   \
+        const uint32_t* __restrict__ logit_at, float* __restrict__ logits) {                              \
+        attn_decode<HD, true>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size, \
+                              block_shift, scale, part_o, part_lse, counters, out, lse_out, logit_at,     \
+                              logits);                                                                    \
     }
 
+// attn_decode_logits_d*: the same, and for rows whose logit_at entry [2 token] is not
+// ATTN_NO_STATE, each CTA also writes the scaled logits of its keys to
+// logits[logit_at[2 token] + head * logit_at[2 token + 1] + key] (the eviction scores' input, so
+// that scoring a decode step reads no key twice).
 ATTN_DECODE_KERNEL(64)
 ATTN_DECODE_KERNEL(128)

@@ -288,3 +288,210 @@ extern "C" __global__ void kv_score_gather(float* __restrict__ out, const unsign
         out[i] = s[slot * n_kv_heads + head];
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// Scores from logits: the spans whose rows the decode attention kernel computed with
+// attn_decode_logits_d*, which wrote their scaled logits x = scale q.k to `logits` (span s's rows
+// at `row_base`, [row][n_heads][kv_len], each row filling the keys it sees). Two kernels, reading
+// no key:
+//   kv_score_logit_partial  one CTA per (row, chunk of LOGIT_CHUNK keys it sees) and query head:
+//                           rewrites each logit as f(x) in place and writes the chunk's (max,
+//                           sum of exp) of f(x)
+//   kv_score_logit_add      one CTA per (key chunk, KV head) of a span: merges each row's chunk
+//                           partials into its normaliser, then each thread sums, for its keys,
+//                           exp(f(x) - lse) over the rows and query heads that see the key and
+//                           adds that into the key's score (a key written in this step starts
+//                           from 0).
+// Tables: spans as above, with row_base the span's logits offset, n_tiles its number of key
+// chunks and partial_base where its partials start (in (row, chunk) entries of n_heads pairs);
+//   chunks [n][3]  span, row within the span, chunk (partial kernel: the chunks rows see)
+//   tiles  [n][2]  span, first key of the chunk (add kernel: every chunk of every span)
+#define LOGIT_CHUNK 1024
+#define LOGIT_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
+    kv_score_logit_partial(float* __restrict__ logits, const unsigned* __restrict__ spans,
+                           const unsigned* __restrict__ chunks, const unsigned* __restrict__ positions,
+                           float2* __restrict__ partials, int n_heads, int layer) {
+    __shared__ float red[LOGIT_THREADS / TURBO_WARP];
+    const unsigned s = chunks[3 * blockIdx.x], r = chunks[3 * blockIdx.x + 1], c = chunks[3 * blockIdx.x + 2];
+    const int h = blockIdx.y;
+    const ScoreSpan p = score_span(spans, s);
+    const unsigned seen = p.kv_len - p.n_q + r + 1;  // keys row r sees
+    const unsigned first = c * LOGIT_CHUNK, end = min(seen, first + LOGIT_CHUNK);
+    const unsigned pos = positions[p.q_start + r];
+    float* row = logits + (size_t)p.row_base + ((size_t)r * n_heads + h) * p.kv_len;
+    float m = -INFINITY;
+    float y[LOGIT_CHUNK / LOGIT_THREADS];
+#pragma unroll
+    for (int i = 0; i < LOGIT_CHUNK / LOGIT_THREADS; i++) {
+        const unsigned j = first + threadIdx.x + i * LOGIT_THREADS;
+        y[i] = -INFINITY;
+        if (j < end) {
+            y[i] = score_adjust(p, row[j], pos, layer, h, j);
+            row[j] = y[i];
+            m = fmaxf(m, y[i]);
+        }
+    }
+    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
+    float wm = warp_max(m);
+    if (lane == 0) red[warp] = wm;
+    __syncthreads();
+    float bm = red[0];
+    for (int w = 1; w < LOGIT_THREADS / TURBO_WARP; w++) bm = fmaxf(bm, red[w]);
+    __syncthreads();
+    float l = 0.f;
+#pragma unroll
+    for (int i = 0; i < LOGIT_CHUNK / LOGIT_THREADS; i++) {
+        if (y[i] != -INFINITY) l += __expf(y[i] - bm);
+    }
+    const float ws = warp_sum(l);
+    if (lane == 0) red[warp] = ws;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float bl = 0.f;
+        for (int w = 0; w < LOGIT_THREADS / TURBO_WARP; w++) bl += red[w];
+        partials[((size_t)p.partial_base + (size_t)r * p.n_tiles + c) * n_heads + h] = make_float2(bm, bl);
+    }
+}
+
+// Dynamic shared memory: max rows of a span × group floats (the rows' normalisers).
+extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
+    kv_score_logit_add(const float* __restrict__ logits, float* __restrict__ scores,
+                       const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,
+                       const unsigned* __restrict__ tiles, const float2* __restrict__ partials, int n_heads,
+                       int n_kv_heads, int block_size) {
+    extern __shared__ float lse[];  // [row][h in group]
+    const int g = blockIdx.y;
+    const ScoreSpan p = score_span(spans, tiles[2 * blockIdx.x]);
+    const unsigned first = tiles[2 * blockIdx.x + 1];
+    const int group = n_heads / n_kv_heads;
+    const unsigned cached = p.kv_len - p.n_q;
+    for (unsigned i = threadIdx.x; i < p.n_q * (unsigned)group; i += blockDim.x) {
+        const unsigned r = i / group, h = g * group + i % group;
+        const unsigned seen_chunks = (cached + r) / LOGIT_CHUNK + 1;
+        const float2* in = partials + ((size_t)p.partial_base + (size_t)r * p.n_tiles) * n_heads;
+        float m = -INFINITY, l = 0.f;
+        for (unsigned t = 0; t < seen_chunks; t++) {
+            const float2 s = in[(size_t)t * n_heads + h];
+            const float nm = fmaxf(m, s.x);
+            l = l * __expf(m - nm) + s.y * __expf(s.x - nm);
+            m = nm;
+        }
+        lse[i] = m + logf(l);
+    }
+    __syncthreads();
+    for (unsigned j = first + threadIdx.x; j < min(p.kv_len, first + LOGIT_CHUNK); j += blockDim.x) {
+        // Rows before r0 do not see key j.
+        const unsigned r0 = j > cached ? j - cached : 0;
+        float inc = 0.f;
+        for (unsigned r = r0; r < p.n_q; r++) {
+            const float* y = logits + (size_t)p.row_base + ((size_t)r * n_heads + (size_t)g * group) * p.kv_len + j;
+            for (int h = 0; h < group; h++) inc += __expf(y[(size_t)h * p.kv_len] - lse[r * group + h]);
+        }
+        const size_t at = score_slot(tables, p, j, block_size) * n_kv_heads + g;
+        scores[at] = (j >= cached ? 0.f : scores[at]) + inc;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Kept keys chosen on the device (turbo_keyformer::KeepRule::select_into, the same choice): one
+// CTA per (layer, KV head) row of a sequence of n keys keeps k < n: the first `sinks`, the last
+// `recent`, and the `top` highest scores in between, ties to the lower key, a NaN ranking lowest;
+// kept[row][k] in increasing key order. The top-th largest score is found by a radix select on
+// order-preserving u32 images of the scores (4 passes of 8 bits), then the kept keys are written
+// in order by a block-wide scan.
+#define SELECT_THREADS 512
+
+// An order-preserving image of a score: larger score, larger image; NaN as -inf, -0 as +0.
+__device__ __forceinline__ unsigned select_image(float s) {
+    if (isnan(s)) s = -INFINITY;
+    if (s == 0.f) s = 0.f;
+    const unsigned u = __float_as_uint(s);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix sum of v over the block (blockDim.x == SELECT_THREADS), and the total.
+__device__ __forceinline__ unsigned select_scan(unsigned v, unsigned* warp_totals, unsigned& total) {
+    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
+    unsigned x = v;
+#pragma unroll
+    for (int o = 1; o < TURBO_WARP; o *= 2) {
+        const unsigned y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == TURBO_WARP - 1) warp_totals[warp] = x;
+    __syncthreads();
+    unsigned before = 0, all = 0;
+    for (int w = 0; w < SELECT_THREADS / TURBO_WARP; w++) {
+        const unsigned t = warp_totals[w];
+        if (w < warp) before += t;
+        all += t;
+    }
+    __syncthreads();
+    total = all;
+    return before + x - v;
+}
+
+extern "C" __global__ void __launch_bounds__(SELECT_THREADS)
+    kv_select_kept(unsigned* __restrict__ kept, const unsigned long long* __restrict__ layer_scores,
+                   const unsigned* __restrict__ table, int n_kv_heads, int block_size, int n, int k, int sinks,
+                   int recent, int top) {
+    __shared__ unsigned hist[256];
+    __shared__ unsigned warp_totals[SELECT_THREADS / TURBO_WARP];
+    __shared__ unsigned chosen[2];  // digit, count still to take
+    const int row = blockIdx.x, layer = row / n_kv_heads, head = row % n_kv_heads;
+    unsigned* out = kept + (size_t)row * k;
+    const int recent_start = n - recent;
+    for (int i = threadIdx.x; i < sinks; i += blockDim.x) out[i] = i;
+    for (int i = threadIdx.x; i < recent; i += blockDim.x) out[sinks + top + i] = recent_start + i;
+    if (top == 0) return;
+    const float* scores = reinterpret_cast<const float*>(layer_scores[layer]);
+    auto image = [&](int j) {
+        const size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
+        return select_image(scores[slot * n_kv_heads + head]);
+    };
+    // Radix select of the top-th largest image among keys [sinks, recent_start).
+    unsigned prefix = 0, mask = 0, remaining = (unsigned)top;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int j = sinks + threadIdx.x; j < recent_start; j += blockDim.x) {
+            const unsigned u = image(j);
+            if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned above = 0;
+            for (int d = 255; d >= 0; d--) {
+                if (above + hist[d] >= remaining) {
+                    chosen[0] = d;
+                    chosen[1] = remaining - above;
+                    break;
+                }
+                above += hist[d];
+            }
+        }
+        __syncthreads();
+        prefix |= chosen[0] << shift;
+        mask |= 255u << shift;
+        remaining = chosen[1];
+        __syncthreads();
+    }
+    // Keep every image above the threshold and the first `remaining` equal to it, in key order.
+    unsigned written = 0, ties_seen = 0;
+    for (int c0 = sinks; c0 < recent_start; c0 += blockDim.x) {
+        const int j = c0 + threadIdx.x;
+        const unsigned u = j < recent_start ? image(j) : 0u;
+        const bool in = j < recent_start;
+        const bool above = in && u > prefix, tie = in && u == prefix;
+        unsigned ties_total;
+        const unsigned tie_rank = select_scan(tie ? 1u : 0u, warp_totals, ties_total);
+        const bool take = above || (tie && ties_seen + tie_rank < remaining);
+        unsigned taken;
+        const unsigned at = select_scan(take ? 1u : 0u, warp_totals, taken);
+        if (take) out[sinks + written + at] = (unsigned)j;
+        written += taken;
+        ties_seen += ties_total;
+    }
+}

@@ -138,5 +138,13 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
             stats.decode_step_tokens as f64 / stats.decode_steps.max(1) as f64,
         );
     }
+    if stats.compactions > 0 {
+        eprintln!(
+            "KV compactions: {} in {:.2} s of host time ({:.2} ms each)",
+            stats.compactions,
+            stats.compaction_micros as f64 / 1e6,
+            stats.compaction_micros as f64 / 1e3 / stats.compactions as f64,
+        );
+    }
     Ok(())
 }

@@ -5,7 +5,7 @@ use crate::sampling::{PenaltyLists, SampleParams};
 use crate::WeightMatrix;
 use thiserror::Error;
 use turbo_attention::QuerySpan;
-use turbo_keyformer::ScoreFunction;
+use turbo_keyformer::{Dims, KeepRule, ScoreFunction};
 
 #[derive(Debug, Error)]
 pub enum BackendError {
@@ -136,6 +136,17 @@ pub struct KvCompaction<'a> {
     /// `[n_layers][n_kv_heads][kept_per_row]` key indices, strictly increasing in each row.
     pub kept: &'a [u32],
     pub kept_per_row: usize,
+}
+
+/// A compaction whose kept keys a [`KeepRule`] chooses from the sequence's scores
+/// ([`Backend::compact_kv_by_rule`]): every (layer, KV head) of `dims` keeps `min(kept_per_row,
+/// dims.keys)` of its keys.
+#[derive(Clone, Copy, Debug)]
+pub struct KvRuleCompaction<'a> {
+    pub block_table: &'a [u32],
+    pub dims: Dims,
+    pub kept_per_row: usize,
+    pub rule: KeepRule,
 }
 
 impl KvCompaction<'_> {
@@ -364,6 +375,45 @@ pub trait Backend: Send + Sync {
     /// Moves a sequence's kept keys and values to its leading key indices ([`KvCompaction`]),
     /// with their eviction scores.
     fn compact_kv(&self, cache: &mut Self::KvCache, compaction: &KvCompaction) -> Result<()>;
+    /// Chooses each (layer, KV head)'s kept keys by a rule and compacts them like
+    /// [`Backend::compact_kv`]. This default reads the scores back (when the rule needs them) and
+    /// chooses on the host; a device backend chooses where the scores are.
+    fn compact_kv_by_rule(
+        &self,
+        cache: &mut Self::KvCache,
+        compaction: &KvRuleCompaction,
+    ) -> Result<()> {
+        let KvRuleCompaction {
+            block_table,
+            dims,
+            kept_per_row,
+            rule,
+        } = *compaction;
+        let n = dims.keys;
+        let k = kept_per_row.min(n);
+        let scores = match rule.needs_scores(n, k) {
+            true => self.read_kv_scores(cache, block_table, n)?,
+            false => Vec::new(),
+        };
+        let rows = dims
+            .rows()
+            .map_err(|e| BackendError::Unsupported(e.to_string()))?;
+        let mut kept = Vec::with_capacity(rows * k);
+        let mut row = Vec::with_capacity(k);
+        for r in 0..rows {
+            let s = scores.get(r * n..(r + 1) * n).unwrap_or(&[]);
+            rule.select_into(s, n, k, &mut row);
+            kept.extend(row.iter().map(|&j| j as u32));
+        }
+        self.compact_kv(
+            cache,
+            &KvCompaction {
+                block_table,
+                kept: &kept,
+                kept_per_row: k,
+            },
+        )
+    }
     /// Whether [`Backend::accumulate_kv_scores`] is implemented for caches of `spec` (else
     /// eviction policies that need scores are refused up front).
     fn supports_kv_scores(&self, spec: &KvCacheSpec) -> bool {
@@ -372,8 +422,9 @@ pub trait Backend: Send + Sync {
     }
     /// Adds the eviction scores of `layer` for the batch's scored spans ([`KvScoring`]), from
     /// the rotated queries `q` (`[tokens, n_heads * head_dim]`) and the keys in `cache`, after
-    /// the step's keys are written. A key's score sums over the query heads of its KV head; a
-    /// key is scored from the step it is written in (scores of newly written keys start at 0).
+    /// the layer's [`Backend::attention`] (a backend may take decode rows' logits from it). A
+    /// key's score sums over the query heads of its KV head; a key is scored from the step it is
+    /// written in (scores of newly written keys start at 0).
     #[allow(clippy::too_many_arguments)]
     fn accumulate_kv_scores(
         &self,

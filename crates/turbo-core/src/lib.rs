@@ -8,6 +8,6 @@ pub mod quant;
 pub mod sampling;
 pub mod storage;
 
-pub use backend::{Backend, BackendError, KvCompaction, KvScoring};
+pub use backend::{Backend, BackendError, KvCompaction, KvRuleCompaction, KvScoring};
 pub use dtype::DType;
 pub use storage::{Bytes, WeightMatrix};

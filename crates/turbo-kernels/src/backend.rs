@@ -15,7 +15,9 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use turbo_core::backend::{Backend, BatchLayout, BatchRows, KvCompaction, Result};
+use turbo_core::backend::{
+    Backend, BatchLayout, BatchRows, KvCompaction, KvRuleCompaction, Result,
+};
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::SampleParams;
 use turbo_core::{BackendError, WeightMatrix};
@@ -533,6 +535,12 @@ impl Backend for CudaBackend {
             .get_mut()
             .map_err(|_| unsupported("poisoned".into()))?
             .take();
+        // Scored decode rows have the attention kernel write their logits for the scores.
+        let want_logits: Vec<bool> = layout
+            .scoring
+            .iter()
+            .map(|c| c.is_some_and(|c| c.function.needs_scores()))
+            .collect();
         let (plan, plan_moved) = AttentionPlan::new_reusing(
             &self.dev,
             kv_layout,
@@ -541,9 +549,13 @@ impl Backend for CudaBackend {
             layout.spans,
             spec.max_blocks,
             options,
+            &want_logits,
             old,
         )?;
         moved |= plan_moved;
+        let logit_bases: Vec<Option<u32>> = (0..layout.spans.len())
+            .map(|s| plan.logit_base(s))
+            .collect();
         *batch
             .attention
             .get_mut()
@@ -558,6 +570,7 @@ impl Backend for CudaBackend {
             &self.dev,
             layout.spans,
             layout.scoring,
+            &logit_bases,
             layout.n_heads,
             tokens,
             &spec,
@@ -902,6 +915,75 @@ impl Backend for CudaBackend {
         )?)
     }
 
+    /// Chooses the kept keys on the device (no scores read back, no kept list uploaded), then
+    /// compacts as [`Backend::compact_kv`].
+    fn compact_kv_by_rule(
+        &self,
+        cache: &mut CudaKvCache,
+        compaction: &KvRuleCompaction,
+    ) -> Result<()> {
+        let spec = *cache.spec();
+        let KvRuleCompaction {
+            block_table,
+            dims,
+            kept_per_row,
+            rule,
+        } = *compaction;
+        let n = dims.keys;
+        let k = kept_per_row.min(n);
+        if dims.layers != spec.n_layers
+            || dims.kv_heads != spec.n_kv_heads
+            || n > block_table.len() * spec.block_size
+            || block_table.iter().any(|&b| b as usize >= spec.max_blocks)
+        {
+            return Err(BackendError::Unsupported(format!(
+                "KV compaction: {dims:?} over a block table of {} blocks, cache {spec:?}",
+                block_table.len()
+            )));
+        }
+        if k == n || k == 0 {
+            return Ok(());
+        }
+        let (sinks, recent, top) = rule.split(k);
+        if top > 0 && cache.scores().is_none() {
+            return Err(BackendError::Unsupported(
+                "KV compaction by score before any step scored keys".into(),
+            ));
+        }
+        let table = self
+            .dev
+            .stream
+            .clone_htod(block_table)
+            .map_err(CudaError::from)?;
+        let addresses = cache.addresses()?;
+        let kept = ops::scores::select_kept(
+            &self.dev,
+            &addresses.slice(2 * spec.n_layers..),
+            &table.as_view(),
+            spec.n_layers,
+            ScoreGeometry::of(&spec),
+            ops::scores::KeepSplit {
+                keys: n,
+                sinks,
+                top,
+                recent,
+            },
+        )?;
+        Ok(ops::elementwise::compact_kv(
+            &self.dev,
+            &addresses.as_view(),
+            &table.as_view(),
+            &kept.as_view(),
+            CompactShape {
+                k,
+                block_size: spec.block_size,
+                n_layers: spec.n_layers,
+                n_kv_heads: spec.n_kv_heads,
+                head_dim: spec.head_dim,
+            },
+        )?)
+    }
+
     fn supports_kv_scores(&self, spec: &KvCacheSpec) -> bool {
         ops::scores::supports_head_dim(spec.head_dim)
     }
@@ -920,6 +1002,10 @@ impl Backend for CudaBackend {
         let Some(plan) = plan.as_mut() else {
             return Ok(());
         };
+        let mut attention = lock(&batch.attention)?;
+        let attention = attention.as_mut().ok_or_else(|| {
+            BackendError::Unsupported("KV scores of a batch that was never prepared".into())
+        })?;
         if n_heads != batch.n_heads || layer >= cache.spec().n_layers {
             return Err(BackendError::Unsupported(format!(
                 "KV scores of layer {layer} with {n_heads} heads, the batch was prepared for {}",
@@ -937,6 +1023,7 @@ impl Backend for CudaBackend {
             layer,
             geometry,
             scale,
+            attention.logits_mut(),
         )?)
     }
 

@@ -1044,3 +1044,108 @@ fn cascade_shared_prefixes() {
         check_problem(&dev, &p, &options);
     }
 }
+
+/// Decode rows asked for their logits (KV eviction scoring) get `scale q.k` of every key they see,
+/// against an f64 reference, for whole spans of the grouped kernel only, with the attention
+/// output unchanged; spans not asked for, prefill spans and a fixed split write none.
+/// Tolerance: the kernel's dot products are f32 sums of exact bf16 products (the same as f64 up
+/// to summation rounding, ~1e-6 relative to Σ|q_i k_i| <= head_dim), so 1e-4 absolute.
+#[test]
+fn decode_rows_write_their_logits() {
+    require_gpu!();
+    let dev = device();
+    for (seed, head_dim) in [(300u64, 64usize), (301, 128)] {
+        let case = Case {
+            n_heads: 8,
+            n_kv_heads: 2,
+            head_dim,
+            block_size: 16,
+            seqs: vec![
+                (1, 700),
+                (3, 50),
+                (PREFILL_MIN_ROWS, 100),
+                (1, 3000),
+                (2, 1500),
+            ],
+            seed,
+        };
+        let want = [true, true, true, false, true];
+        let p = Problem::new(&case);
+        let mut gpu = Device::upload(&dev, &p);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let (ref_out, ref_lse) = p.reference(scale);
+        let spans = p.spans();
+        let n_blocks = p.k.len() / (case.block_size * case.n_kv_heads * head_dim);
+        for split in [
+            KvSplit::Auto,
+            KvSplit::Chunk(64),
+            KvSplit::Off,
+            KvSplit::Fixed(4),
+        ] {
+            let options = PlanOptions {
+                split,
+                ..PlanOptions::default()
+            };
+            let (mut plan, _) = AttentionPlan::new_reusing(
+                &dev,
+                p.layout(),
+                case.n_heads,
+                p.n_tokens,
+                &spans,
+                n_blocks,
+                options,
+                &want,
+                None,
+            )
+            .unwrap();
+            gpu.poison(&dev);
+            plan.run(
+                &dev,
+                &gpu.q,
+                &gpu.k,
+                &gpu.v,
+                scale,
+                &mut gpu.out,
+                Some(&mut gpu.lse),
+            )
+            .unwrap();
+            let out = to_f32(&dev.stream.clone_dtoh(&gpu.out).unwrap());
+            let lse = dev.stream.clone_dtoh(&gpu.lse).unwrap();
+            let what = format!("{case:?}, {split:?}, logits");
+            compare(&what, &p, (&out, Some(&lse)), (&ref_out, &ref_lse));
+            let logits = dev.stream.clone_dtoh(plan.logits_mut()).unwrap();
+            let group = case.n_heads / case.n_kv_heads;
+            for (s, span) in spans.iter().enumerate() {
+                let expect =
+                    want[s] && span.n_q < PREFILL_MIN_ROWS && !matches!(split, KvSplit::Fixed(_));
+                let base = plan.logit_base(s);
+                assert_eq!(base.is_some(), expect, "{what}: span {s} logits {base:?}");
+                let Some(base) = base else { continue };
+                for r in 0..span.n_q {
+                    let token = span.q_start + r;
+                    for h in 0..case.n_heads {
+                        let qr = &p.q[(token * case.n_heads + h) * head_dim..][..head_dim];
+                        for j in 0..span.kv_len - span.n_q + r + 1 {
+                            let bs = case.block_size;
+                            let slot = span.block_table[j / bs] as usize * bs + j % bs;
+                            let kr =
+                                &p.k[(slot * case.n_kv_heads + h / group) * head_dim..][..head_dim];
+                            let dot: f64 = qr
+                                .iter()
+                                .zip(kr)
+                                .map(|(a, b)| a.to_f64() * b.to_f64())
+                                .sum();
+                            let want = dot * scale as f64;
+                            let at = base as usize + (r * case.n_heads + h) * span.kv_len + j;
+                            let got = logits[at] as f64;
+                            assert!(
+                                (got - want).abs() <= 1e-4,
+                                "{what}: span {s} row {r} head {h} key {j}: {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

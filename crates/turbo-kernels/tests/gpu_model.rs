@@ -365,6 +365,13 @@ fn scored_run<B: turbo_core::Backend>(
                 )
                 .unwrap();
             backend.write_kv(&mut cache, layer, &k, &v, &batch).unwrap();
+            // As in the model: attention first (on the GPU, decode rows' logits come from it).
+            let mut attn = backend
+                .upload(&vec![0.0; t * HEADS * head_dim], t, HEADS * head_dim)
+                .unwrap();
+            backend
+                .attention(&q, &cache, layer, HEADS, &batch, scale, &mut attn)
+                .unwrap();
             backend
                 .accumulate_kv_scores(&q, &mut cache, layer, HEADS, &batch, scale)
                 .unwrap();

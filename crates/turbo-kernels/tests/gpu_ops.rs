@@ -964,3 +964,89 @@ fn gemv_qkv_rope_equals_product_then_qkv_rope_kv() {
         );
     }
 }
+
+/// Kept keys chosen on the device (`ops::scores::select_kept`) equal `KeepRule::select_into` on
+/// the same scores, exactly: scores full of ties (small integers), NaNs and signed zeros, rows
+/// reached through a shuffled block table, keys from a few to several thousand, and rules of
+/// every shape (sinks only, recent only, by score in between).
+#[test]
+fn kept_keys_chosen_on_the_device_equal_the_host_rule() {
+    use turbo_keyformer::KeepRule;
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(41);
+    let (n_layers, n_kv_heads, block_size) = (3usize, 2usize, 16usize);
+    for (keys, k, sinks, recent) in [
+        (40usize, 20usize, 0usize, 6usize),
+        (40, 20, 4, 6),
+        (100, 37, 0, 0),
+        (1000, 500, 4, 150),
+        (5000, 2500, 0, 750),
+        (300, 100, 0, usize::MAX),
+        (300, 100, 7, usize::MAX),
+        (70, 69, 3, 3),
+    ] {
+        let blocks = keys.div_ceil(block_size) + 3;
+        let mut table: Vec<u32> = (0..blocks as u32).collect();
+        table.shuffle(&mut rng);
+        let slots = blocks * block_size;
+        let layers: Vec<Vec<f32>> = (0..n_layers)
+            .map(|_| {
+                (0..slots * n_kv_heads)
+                    .map(|_| match rng.random_range(0..10) {
+                        0 => f32::NAN,
+                        1 => -0.0,
+                        2 => 0.0,
+                        3..=6 => rng.random_range(-3i32..4) as f32,
+                        _ => rng.random_range(-5.0f32..5.0),
+                    })
+                    .collect()
+            })
+            .collect();
+        let bufs: Vec<CudaSlice<f32>> = layers.iter().map(|l| upload(&dev, l)).collect();
+        let addresses: Vec<u64> = {
+            use cudarc::driver::DevicePtr;
+            bufs.iter().map(|b| b.device_ptr(&dev.stream).0).collect()
+        };
+        let addresses = upload(&dev, &addresses);
+        let table_dev = upload(&dev, &table);
+        let rule = KeepRule { sinks, recent };
+        let (s, r, top) = rule.split(k);
+        let kept = ops::scores::select_kept(
+            &dev,
+            &addresses.as_view(),
+            &table_dev.as_view(),
+            n_layers,
+            ops::scores::ScoreGeometry {
+                n_kv_heads,
+                head_dim: 64,
+                block_size,
+            },
+            ops::scores::KeepSplit {
+                keys,
+                sinks: s,
+                top,
+                recent: r,
+            },
+        )
+        .unwrap();
+        let got = download(&dev, &kept);
+        let mut want = Vec::new();
+        for (layer, scores) in layers.iter().enumerate() {
+            for head in 0..n_kv_heads {
+                let row: Vec<f32> = (0..keys)
+                    .map(|j| {
+                        let slot = table[j / block_size] as usize * block_size + j % block_size;
+                        scores[slot * n_kv_heads + head]
+                    })
+                    .collect();
+                rule.select_into(&row, keys, k, &mut want);
+                let at = (layer * n_kv_heads + head) * k;
+                let got_row: Vec<usize> = got[at..at + k].iter().map(|&j| j as usize).collect();
+                assert_eq!(
+                    got_row, want,
+                    "keys {keys}, k {k}, {rule:?}: layer {layer} head {head}"
+                );
+            }
+        }
+    }
+}

@@ -50,7 +50,7 @@ pub use budget::{Budget, BudgetConfig, BudgetSize};
 pub use error::Error;
 pub use gumbel::{gumbel, gumbel_bits, gumbel_uniform};
 pub use policy::{
-    EvictionPolicy, Full, Keyformer, PolicyConfig, PolicyKind, StreamingLlm, Window, H2O,
+    EvictionPolicy, Full, KeepRule, Keyformer, PolicyConfig, PolicyKind, StreamingLlm, Window, H2O,
 };
 pub use score::{score_increment_reference, ScoreFunction, StepContext, TauSchedule};
 pub use select::{compact_scores, select_kept, Dims, SelectionMode};

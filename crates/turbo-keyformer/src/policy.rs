@@ -48,6 +48,15 @@ pub trait EvictionPolicy: Send + Sync + fmt::Debug {
     /// head keeps as many keys.
     fn select_into(&self, scores: &[f32], budget: &Budget, out: &mut Vec<usize>);
 
+    /// The policy's choice as a [`KeepRule`] for `budget`, when it is one (a backend can then
+    /// choose on the device, from scores it never reads back); `None` for a custom choice, which
+    /// the engine makes on the host through [`select_into`](Self::select_into). Must choose
+    /// exactly what `select_into` does.
+    fn keep_rule(&self, budget: &Budget) -> Option<KeepRule> {
+        let _ = budget;
+        None
+    }
+
     /// [`select_into`](Self::select_into) into a fresh vector.
     fn select(&self, scores: &[f32], budget: &Budget) -> Vec<usize> {
         let mut out = Vec::with_capacity(budget.kept_count(scores.len()));
@@ -81,6 +90,10 @@ impl EvictionPolicy for Keyformer {
         ScoreFunction::GumbelSoftmax(self.tau)
     }
 
+    fn keep_rule(&self, budget: &Budget) -> Option<KeepRule> {
+        Some(KeepRule::by_score(budget))
+    }
+
     fn select_into(&self, scores: &[f32], budget: &Budget, out: &mut Vec<usize>) {
         select_by_score(scores, budget, out);
     }
@@ -100,6 +113,10 @@ impl EvictionPolicy for H2O {
         ScoreFunction::Softmax
     }
 
+    fn keep_rule(&self, budget: &Budget) -> Option<KeepRule> {
+        Some(KeepRule::by_score(budget))
+    }
+
     fn select_into(&self, scores: &[f32], budget: &Budget, out: &mut Vec<usize>) {
         select_by_score(scores, budget, out);
     }
@@ -116,6 +133,10 @@ impl EvictionPolicy for Window {
 
     fn score_function(&self) -> ScoreFunction {
         ScoreFunction::None
+    }
+
+    fn keep_rule(&self, _budget: &Budget) -> Option<KeepRule> {
+        Some(KeepRule::sinks_and_recent(0))
     }
 
     fn select_into(&self, scores: &[f32], budget: &Budget, out: &mut Vec<usize>) {
@@ -156,6 +177,10 @@ impl EvictionPolicy for StreamingLlm {
         self.sinks
     }
 
+    fn keep_rule(&self, budget: &Budget) -> Option<KeepRule> {
+        Some(KeepRule::sinks_and_recent(budget.sinks()))
+    }
+
     fn select_into(&self, scores: &[f32], budget: &Budget, out: &mut Vec<usize>) {
         select_sinks_and_recent(scores.len(), budget.keep(), budget.sinks(), out);
     }
@@ -177,6 +202,10 @@ impl EvictionPolicy for Full {
 
     fn evicts(&self) -> bool {
         false
+    }
+
+    fn keep_rule(&self, _budget: &Budget) -> Option<KeepRule> {
+        Some(KeepRule::sinks_and_recent(0))
     }
 
     fn select_into(&self, scores: &[f32], budget: &Budget, out: &mut Vec<usize>) {
@@ -275,37 +304,88 @@ fn rank_key(score: f32) -> f32 {
     }
 }
 
+/// The built-in policies' choices as numbers: of `n` keys, keep `k`: the first `sinks`, the last
+/// `recent` (at most what the sinks leave), and the highest scores in between (ties to the lower
+/// slot; a NaN score ranks lowest). With `recent` at least `k`, no score matters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KeepRule {
+    pub sinks: usize,
+    pub recent: usize,
+}
+
+impl KeepRule {
+    /// Keyformer's and H2O's choice: the budget's sinks and recent window, the rest by score.
+    pub fn by_score(budget: &Budget) -> Self {
+        KeepRule {
+            sinks: budget.sinks(),
+            recent: budget.recent(),
+        }
+    }
+
+    /// The first `sinks` keys and the most recent rest (window, StreamingLLM).
+    pub fn sinks_and_recent(sinks: usize) -> Self {
+        KeepRule {
+            sinks,
+            recent: usize::MAX,
+        }
+    }
+
+    /// The rule keeping the first `frozen` keys too (a shared prefix that must not move).
+    pub fn keeping_prefix(self, frozen: usize) -> Self {
+        KeepRule {
+            sinks: self.sinks.max(frozen),
+            ..self
+        }
+    }
+
+    /// (sinks, recent, by score) counts of `k` kept keys.
+    pub fn split(&self, k: usize) -> (usize, usize, usize) {
+        let sinks = self.sinks.min(k);
+        let recent = self.recent.min(k - sinks);
+        (sinks, recent, k - sinks - recent)
+    }
+
+    /// Whether choosing `k` of `n` keys reads any score.
+    pub fn needs_scores(&self, n: usize, k: usize) -> bool {
+        k < n && self.split(k).2 > 0
+    }
+
+    /// Replaces `out` with the kept slots of one row of `n = scores.len()` keys, keeping
+    /// `min(k, n)` (`scores` may be empty when [`KeepRule::needs_scores`] is false; `n` is then
+    /// `keys`).
+    pub fn select_into(&self, scores: &[f32], keys: usize, k: usize, out: &mut Vec<usize>) {
+        out.clear();
+        let n = keys;
+        let k = k.min(n);
+        if k == n {
+            out.extend(0..n);
+            return;
+        }
+        let (sinks, recent, top) = self.split(k);
+        let recent_start = n - recent;
+        out.extend(0..sinks);
+        if top > 0 {
+            let mut candidates: Vec<usize> = (sinks..recent_start).collect();
+            // Higher score first, then lower slot: a total order, so the chosen set is unique.
+            let better = |a: &usize, b: &usize| -> Ordering {
+                let (sa, sb) = (rank_key(scores[*a]), rank_key(scores[*b]));
+                sb.total_cmp(&sa).then(a.cmp(b))
+            };
+            if top < candidates.len() {
+                candidates.select_nth_unstable_by(top - 1, better);
+                candidates.truncate(top);
+            }
+            candidates.sort_unstable();
+            out.extend(candidates);
+        }
+        out.extend(recent_start..n);
+    }
+}
+
 /// The score-based choice of Keyformer and H2O: the first `sinks`, the last `recent`, and the
 /// highest scores in between; ties go to the lower (older) slot.
 pub(crate) fn select_by_score(scores: &[f32], budget: &Budget, out: &mut Vec<usize>) {
-    out.clear();
-    let n = scores.len();
-    let k = budget.kept_count(n);
-    if k == n {
-        out.extend(0..n);
-        return;
-    }
-    // k < n from here; the clamps are no-ops for a valid budget.
-    let sinks = budget.sinks().min(k);
-    let recent = budget.recent().min(k - sinks);
-    let top = k - sinks - recent;
-    let recent_start = n - recent;
-    out.extend(0..sinks);
-    if top > 0 {
-        let mut candidates: Vec<usize> = (sinks..recent_start).collect();
-        // Higher score first, then lower slot: a total order, so the chosen set is unique.
-        let better = |a: &usize, b: &usize| -> Ordering {
-            let (sa, sb) = (rank_key(scores[*a]), rank_key(scores[*b]));
-            sb.total_cmp(&sa).then(a.cmp(b))
-        };
-        if top < candidates.len() {
-            candidates.select_nth_unstable_by(top - 1, better);
-            candidates.truncate(top);
-        }
-        candidates.sort_unstable();
-        out.extend(candidates);
-    }
-    out.extend(recent_start..n);
+    KeepRule::by_score(budget).select_into(scores, scores.len(), budget.keep(), out);
 }
 
 /// The first `min(sinks, k)` and the most recent rest of `k = min(keep, n)` slots.

@@ -4,8 +4,8 @@
 use proptest::prelude::*;
 use turbo_keyformer::{
     compact_scores, gumbel, gumbel_uniform, score_increment_reference, select_kept, Budget,
-    BudgetConfig, BudgetSize, Dims, PolicyConfig, PolicyKind, ScoreFunction, SelectionMode,
-    StepContext, TauSchedule,
+    BudgetConfig, BudgetSize, Dims, KeepRule, PolicyConfig, PolicyKind, ScoreFunction,
+    SelectionMode, StepContext, TauSchedule,
 };
 
 fn kind() -> impl Strategy<Value = PolicyKind> {
@@ -157,6 +157,41 @@ proptest! {
         for (i, (&slot, &value)) in kept.iter().zip(&compacted).enumerate() {
             prop_assert_eq!(value.to_bits(), scores[(i / k) * n + slot].to_bits());
         }
+    }
+
+    /// A policy's `KeepRule` (what a device runs) chooses exactly what the policy does, also on
+    /// NaN, signed zeros and ties; a rule keeping a prefix keeps it and otherwise picks from the
+    /// rest as the rule would there.
+    #[test]
+    fn keep_rules_choose_what_their_policies_do(
+        row in prop::collection::vec(prop_oneof![score(), Just(f32::NAN), Just(-0.0f32), Just(0.0f32)], 0..48),
+        budget in budget(),
+        kind in kind(),
+        frozen in 0usize..12,
+    ) {
+        let policy = kind.build(&PolicyConfig::default());
+        let Some(rule) = policy.keep_rule(&budget) else {
+            return Err(TestCaseError::fail(format!("{kind:?} has no rule")));
+        };
+        let n = row.len();
+        let mut by_rule = Vec::new();
+        rule.select_into(&row, n, budget.keep(), &mut by_rule);
+        prop_assert_eq!(&by_rule, &policy.select(&row, &budget));
+        if !rule.needs_scores(n, budget.keep()) {
+            let mut blind = Vec::new();
+            rule.select_into(&[], n, budget.keep(), &mut blind);
+            prop_assert_eq!(&blind, &by_rule);
+        }
+        let frozen = frozen.min(budget.keep());
+        let kept = {
+            let mut out = Vec::new();
+            rule.keeping_prefix(frozen).select_into(&row, n, budget.keep(), &mut out);
+            out
+        };
+        prop_assert_eq!(kept.len(), budget.keep().min(n));
+        prop_assert!(kept.windows(2).all(|w| w[0] < w[1]));
+        prop_assert!((0..frozen.min(n)).all(|i| kept.contains(&i)));
+        prop_assert_eq!(KeepRule::sinks_and_recent(0).keeping_prefix(frozen).split(5).0, frozen.min(5));
     }
 
     #[test]

@@ -152,6 +152,10 @@ pub struct BatchStats {
     pub decode_steps: u64,
     pub decode_step_tokens: u64,
     pub decode_step_micros: u64,
+    /// KV compactions (eviction) and their host wall time in microseconds: choosing the kept
+    /// keys (with the scores read back), and issuing the move and the release of blocks.
+    pub compactions: u64,
+    pub compaction_micros: u64,
 }
 
 /// What one [`PersistentBatch::step`] did.
@@ -278,6 +282,8 @@ pub struct PersistentBatch<B: Backend> {
     prefill_tokens_run: u64,
     /// Decode-only steps: count, tokens, microseconds (see [`BatchStats`]).
     decode_steps: (u64, u64, u64),
+    /// Compactions and their microseconds (see [`BatchStats`]).
+    compactions: (u64, u64),
     kv_blocks_peak: usize,
     preemptions: u64,
 }
@@ -313,6 +319,7 @@ impl<B: Backend> PersistentBatch<B> {
             tokens_run: 0,
             prefill_tokens_run: 0,
             decode_steps: (0, 0, 0),
+            compactions: (0, 0),
             kv_blocks_peak: 0,
             preemptions: 0,
         })
@@ -368,6 +375,8 @@ impl<B: Backend> PersistentBatch<B> {
             decode_steps: self.decode_steps.0,
             decode_step_tokens: self.decode_steps.1,
             decode_step_micros: self.decode_steps.2,
+            compactions: self.compactions.0,
+            compaction_micros: self.compactions.1,
             kv_blocks_peak: self.kv_blocks_peak,
             preemptions: self.preemptions,
         }
@@ -883,6 +892,7 @@ impl<B: Backend> PersistentBatch<B> {
             return Ok(true);
         };
         let shape = (self.model.config.n_layers, self.model.config.n_kv_heads);
+        let started = Instant::now();
         let result = e.compact(
             self.model.backend(),
             &mut self.cache,
@@ -890,6 +900,8 @@ impl<B: Backend> PersistentBatch<B> {
             live.seq,
             shape,
         );
+        self.compactions.0 += 1;
+        self.compactions.1 += started.elapsed().as_micros() as u64;
         let Err(error) = result else {
             return Ok(true);
         };

@@ -252,3 +252,50 @@ fn evicting_during_the_prompt_bounds_the_peak_by_budget_chunk_and_block() {
     assert_eq!(b.kv().num_used(), 0);
     b.kv().check().unwrap();
 }
+
+/// A sequence that evicts after reusing cached prompt blocks (its frozen prefix) never moves keys
+/// into them, whatever its policy: a later request reusing the same blocks generates what it
+/// generates alone.
+#[test]
+fn evicting_sequences_never_rewrite_a_shared_prefix() {
+    let loaded = load_default_model();
+    let prompt = loaded.tokenizer.encode(TEXT).unwrap();
+    let plain = |max_tokens| Request {
+        max_tokens,
+        ignore_eos: true,
+        ..Request::new(prompt.clone())
+    };
+    let alone = {
+        let mut b = batch(&loaded);
+        let h = b.submit(plain(8));
+        b.run_until_idle().unwrap();
+        finished(&h).token_ids
+    };
+    for policy in [
+        PolicyKind::Window,
+        PolicyKind::Sink,
+        PolicyKind::Keyformer,
+        PolicyKind::H2O,
+    ] {
+        let mut b = batch(&loaded);
+        let first = b.submit(plain(1));
+        b.run_until_idle().unwrap();
+        finished(&first);
+        // The same prompt and more: it reuses the cached blocks, then evicts down to 96 keys.
+        let mut longer = prompt.clone();
+        longer.extend_from_slice(&prompt[..40]);
+        let h = b.submit(evicting(&longer, policy, 96));
+        b.run_until_idle().unwrap();
+        let c = finished(&h);
+        assert!(c.cached_prompt_tokens >= BLOCK, "{policy:?}: {c:?}");
+        assert!((96..96 + BLOCK).contains(&c.kv_tokens), "{policy:?}: {c:?}");
+        let h = b.submit(plain(8));
+        b.run_until_idle().unwrap();
+        let again = finished(&h);
+        assert!(again.cached_prompt_tokens >= BLOCK, "{policy:?}: {again:?}");
+        assert_eq!(
+            again.token_ids, alone,
+            "{policy:?}: the shared prefix changed"
+        );
+    }
+}

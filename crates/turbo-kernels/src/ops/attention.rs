@@ -299,6 +299,26 @@ fn grouped_kernel(head_dim: usize) -> Option<&'static str> {
     }
 }
 
+/// The grouped decode kernel that also writes the scaled logits of chosen rows.
+fn grouped_logits_kernel(head_dim: usize) -> Option<&'static str> {
+    match head_dim {
+        64 => Some("attn_decode_logits_d64"),
+        128 => Some("attn_decode_logits_d128"),
+        _ => None,
+    }
+}
+
+/// Where the row kernel writes the scaled logits `scale q.k` of the rows asked for (the KV
+/// eviction scores' input): span `s`'s are `[row][n_heads][kv_len]` f32 from `bases[s]`, each row
+/// filling the keys it sees.
+#[derive(Debug)]
+struct LogitRows {
+    /// Per span, the offset of its logits in the buffer, or `None` (not written).
+    bases: Vec<Option<u32>>,
+    /// Per query row, its logits' offset and row stride (`NO_STATE` for none): `[n_tokens][2]`.
+    at: Range<usize>,
+}
+
 /// A row kernel's launch: its work items, and how many CTAs each item takes (`grid.y`).
 #[derive(Debug)]
 struct RowLaunch {
@@ -345,6 +365,9 @@ pub struct AttentionPlan {
     prefill: Option<PrefillLaunch>,
     shared: Option<SharedLaunch>,
     rows: Option<RowLaunch>,
+    logit_rows: Option<LogitRows>,
+    /// The logits of `logit_rows` (one element when unused).
+    logits: CudaSlice<f32>,
     /// `[slot][n_heads][head_dim]` and `[slot][n_heads]` partial states (one element when unused).
     part_o: CudaSlice<f32>,
     part_lse: CudaSlice<f32>,
@@ -402,7 +425,15 @@ impl AttentionPlan {
     ) -> Result<Self> {
         let reuse = None;
         let plan = Self::new_reusing(
-            dev, layout, n_heads, n_tokens, spans, n_blocks, options, reuse,
+            dev,
+            layout,
+            n_heads,
+            n_tokens,
+            spans,
+            n_blocks,
+            options,
+            &[],
+            reuse,
         )?;
         Ok(plan.0)
     }
@@ -410,6 +441,11 @@ impl AttentionPlan {
     /// [`AttentionPlan::new`], keeping the device buffers of `reuse` (an earlier plan) where they
     /// are large enough; also says whether any buffer was replaced (which a recorded launch of
     /// the earlier plan would not follow).
+    ///
+    /// `want_logits` (per span, or empty) asks for the scaled logits of a span's rows: the plan
+    /// writes them for the spans the grouped decode kernel computes whole (fewer than
+    /// [`PREFILL_MIN_ROWS`] rows, head_dim 64 or 128, no fixed split; such spans then take no
+    /// part in cascade), see [`AttentionPlan::logit_base`].
     #[allow(clippy::too_many_arguments)]
     pub fn new_reusing(
         dev: &CudaDevice,
@@ -419,6 +455,7 @@ impl AttentionPlan {
         spans: &[QuerySpan],
         n_blocks: usize,
         options: PlanOptions,
+        want_logits: &[bool],
         reuse: Option<AttentionPlan>,
     ) -> Result<(Self, bool)> {
         let KvLayout {
@@ -582,6 +619,29 @@ impl AttentionPlan {
         let keys = |t: u32| token_pos[t as usize] as usize + 1;
         let sms = dev.sm_count();
 
+        // Spans whose logits the row kernel writes: whole spans of the grouped kernel.
+        let mut logit_bases: Vec<Option<u32>> = vec![None; spans.len()];
+        let mut logit_len = 0usize;
+        if grouped.is_some() && fixed.is_none() {
+            for (s, span) in spans.iter().enumerate() {
+                let rows = span.q_start..span.q_start + span.n_q;
+                if want_logits.get(s) != Some(&true)
+                    || span.n_q == 0
+                    || span.n_q >= PREFILL_MIN_ROWS
+                    || in_prefill[rows.clone()].iter().any(|&p| p)
+                    || token_seq[rows].iter().any(|&x| x as usize != s)
+                {
+                    continue;
+                }
+                logit_bases[s] = Some(logit_len as u32);
+                logit_len += span.n_q * n_heads * span.kv_len;
+                check(fits_u32(logit_len), || {
+                    format!("paged_attention: {logit_len} logits")
+                })?;
+            }
+        }
+        let has_logits = logit_bases.iter().any(|b| b.is_some());
+
         // Cascade groups among the spans left to the row kernels (those that own all their rows):
         // per row, the shared keys its states start after, and how many prefix chunks precede
         // its own states.
@@ -597,6 +657,7 @@ impl AttentionPlan {
                     let span = &spans[s];
                     let rows = span.q_start..span.q_start + span.n_q;
                     span.n_q > 0
+                        && logit_bases[s].is_none()
                         && !in_prefill[rows.clone()].iter().any(|&p| p)
                         && token_seq[rows].iter().all(|&x| x as usize == s)
                 })
@@ -698,6 +759,10 @@ impl AttentionPlan {
             n_items <= i32::MAX as usize && grid_y <= 65535 && fits_u32(meta.0.len() + items.len()),
             || format!("paged_attention: {n_items} work items"),
         )?;
+        let kernel = match has_logits {
+            true => grouped_logits_kernel(head_dim).expect("grouped above"),
+            false => kernel,
+        };
         let rows = (n_items > 0).then(|| RowLaunch {
             kernel,
             smem: if grouped.is_some() {
@@ -756,6 +821,24 @@ impl AttentionPlan {
             }
             _ => None,
         };
+        let logit_rows = match has_logits {
+            true => {
+                let mut at = vec![NO_STATE; 2 * n_tokens];
+                for (s, span) in spans.iter().enumerate() {
+                    let Some(base) = logit_bases[s] else { continue };
+                    for r in 0..span.n_q {
+                        let t = span.q_start + r;
+                        at[2 * t] = base + (r * n_heads * span.kv_len) as u32;
+                        at[2 * t + 1] = span.kv_len as u32;
+                    }
+                }
+                Some(LogitRows {
+                    bases: logit_bases,
+                    at: meta.push(&at),
+                })
+            }
+            false => None,
+        };
         // Last, so that every other section's offset is the same for plans of one shape.
         let tables_sec = meta.push(&tables);
         check(fits_u32(meta.0.len()), || {
@@ -763,14 +846,15 @@ impl AttentionPlan {
         })?;
 
         let slots = n_states.max(1);
-        let (old_meta, old_o, old_lse, old_counts) = match reuse {
+        let (old_meta, old_o, old_lse, old_counts, old_logits) = match reuse {
             Some(p) => (
                 Some(p.meta),
                 Some(p.part_o),
                 Some(p.part_lse),
                 Some(p.merge_counts),
+                Some(p.logits),
             ),
-            None => (None, None, None, None),
+            None => (None, None, None, None, None),
         };
         let (mut meta_dev, m1) = reuse_or_alloc(dev, old_meta, meta.0.len())?;
         dev.stream
@@ -779,6 +863,7 @@ impl AttentionPlan {
         let (part_lse, m3) = reuse_or_alloc(dev, old_lse, slots * n_heads)?;
         // The merge's counts, one per (first state slot, grid.y); zero between launches.
         let (merge_counts, m4) = reuse_or_alloc(dev, old_counts, slots * grid_y)?;
+        let (logits, m5) = reuse_or_alloc(dev, old_logits, logit_len)?;
         let plan = AttentionPlan {
             layout,
             n_heads,
@@ -790,11 +875,13 @@ impl AttentionPlan {
             prefill,
             shared,
             rows,
+            logit_rows,
+            logits,
             part_o,
             part_lse,
             merge_counts,
         };
-        Ok((plan, m1 || m2 || m3 || m4))
+        Ok((plan, m1 || m2 || m3 || m4 || m5))
     }
 
     /// The kernels the plan runs prefill spans and the cascade pass with, where it has them.
@@ -803,6 +890,18 @@ impl AttentionPlan {
             self.prefill.as_ref().map(|p| p.kernel.prefill),
             self.shared.as_ref().map(|s| s.kernel.shared),
         )
+    }
+
+    /// Where span `s`'s scaled logits start in [`AttentionPlan::logits`] after [`AttentionPlan::run`]
+    /// (`[row][n_heads][kv_len]`, each row filling the keys it sees), if the plan writes them.
+    pub fn logit_base(&self, s: usize) -> Option<u32> {
+        self.logit_rows.as_ref()?.bases.get(s).copied().flatten()
+    }
+
+    /// The logits written by the last [`AttentionPlan::run`] (see [`AttentionPlan::logit_base`]),
+    /// which the scoring kernels rewrite in place.
+    pub fn logits_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.logits
     }
 
     /// Query rows whose shared prefix the cascade pass computes (0 without cascade).
@@ -980,6 +1079,10 @@ impl AttentionPlan {
                 Some(l) => b.arg(l),
                 None => b.arg(&null),
             };
+            let logit_at = self.logit_rows.as_ref().map(|l| section(&l.at));
+            if let Some(at) = &logit_at {
+                b.arg(at).arg(&mut self.logits);
+            }
             let cfg = LaunchConfig {
                 grid_dim: (r.n_items as u32, r.grid_y as u32, 1),
                 block_dim: (ROW_THREADS, 1, 1),
@@ -989,7 +1092,9 @@ impl AttentionPlan {
             // item names a row of q and out, a key range within the row's keys (whose blocks were
             // checked when planning), and a state slot below the scratch's size or NO_STATE; its
             // table start is its row's, its row's state slots lie below the scratch's size and
-            // its count slot (first slot · grid.y + blockIdx.y) below merge_counts'.
+            // its count slot (first slot · grid.y + blockIdx.y) below merge_counts'. With logits
+            // (attn_decode_logits_d*), each row's entry names its span's rows × heads × kv_len
+            // floats of the logits buffer, sized to all of them when planning.
             unsafe { b.launch(cfg)? };
         }
 

@@ -46,7 +46,9 @@ impl ScoreGeometry {
 }
 
 /// One step's scoring work: its scored spans, their rows and key tiles and their block tables,
-/// uploaded once and run for every layer.
+/// uploaded once and run for every layer. Spans whose logits the attention plan writes
+/// ([`crate::ops::attention::AttentionPlan::logit_base`]: decode rows) are scored from those
+/// logits; the others (prompt chunks) from the queries and the cached keys.
 pub struct ScorePlan {
     upload: CudaSlice<u32>,
     spans: Range<usize>,
@@ -55,6 +57,16 @@ pub struct ScorePlan {
     tables: Range<usize>,
     n_rows: usize,
     n_tiles: usize,
+    /// Spans scored from logits, their (span, row, chunk) items and (span, first key) chunks.
+    logit_spans: Range<usize>,
+    logit_chunks: Range<usize>,
+    logit_tiles: Range<usize>,
+    n_logit_chunks: usize,
+    n_logit_tiles: usize,
+    /// Most rows of a span scored from logits.
+    logit_rows_max: usize,
+    /// Logits the spans scored from logits read (the end of the last span's).
+    logit_len: usize,
     n_heads: usize,
     tokens: usize,
     /// `[scored rows][n_heads]` normalisers, rewritten by every layer.
@@ -63,13 +75,52 @@ pub struct ScorePlan {
     partials: CudaSlice<f32>,
 }
 
+/// Keys per chunk of the kernels scoring from logits (`LOGIT_CHUNK`).
+const LOGIT_CHUNK: usize = 1024;
+/// Threads of those kernels (`LOGIT_THREADS`).
+const LOGIT_THREADS: u32 = 256;
+
+/// The span's words of the plan (see `kernels/scores.cu`).
+fn span_words(
+    span: &QuerySpan,
+    c: &KvScoring,
+    table_start: usize,
+    row_base: u32,
+    tiles: usize,
+    partial_base: usize,
+) -> [u32; SPAN_WORDS] {
+    let (function, tau) = match c.function {
+        ScoreFunction::None => (0, 1.0),
+        ScoreFunction::Softmax => (1u32, 1.0f32),
+        ScoreFunction::GumbelSoftmax(schedule) => {
+            (2, schedule.tau(c.iteration, c.total_iterations))
+        }
+    };
+    [
+        span.q_start as u32,
+        span.n_q as u32,
+        span.kv_len as u32,
+        table_start as u32,
+        function,
+        tau.to_bits(),
+        c.seed as u32,
+        (c.seed >> 32) as u32,
+        row_base,
+        tiles as u32,
+        partial_base as u32,
+    ]
+}
+
 impl ScorePlan {
     /// The plan of the spans whose `scoring` needs scores over a cache of `spec`, or `None` when
-    /// none does. `old`'s buffers are reused when large enough.
+    /// none does; `logit_bases` (per span, or empty) says where the attention plan writes a
+    /// span's logits. `old`'s buffers are reused when large enough.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         dev: &CudaDevice,
         spans: &[QuerySpan],
         scoring: &[Option<KvScoring>],
+        logit_bases: &[Option<u32>],
         n_heads: usize,
         tokens: usize,
         spec: &KvCacheSpec,
@@ -77,10 +128,14 @@ impl ScorePlan {
     ) -> Result<Option<ScorePlan>> {
         let max_blocks = spec.max_blocks;
         let geometry = ScoreGeometry::of(spec);
-        let scored: Vec<(&QuerySpan, KvScoring)> = spans
+        let scored: Vec<(&QuerySpan, KvScoring, Option<u32>)> = spans
             .iter()
             .zip(scoring)
-            .filter_map(|(s, c)| c.filter(|c| c.function.needs_scores()).map(|c| (s, c)))
+            .enumerate()
+            .filter_map(|(i, (s, c))| {
+                c.filter(|c| c.function.needs_scores())
+                    .map(|c| (s, c, logit_bases.get(i).copied().flatten()))
+            })
             .collect();
         if scored.is_empty() {
             return Ok(None);
@@ -93,10 +148,13 @@ impl ScorePlan {
                 && bs > 0,
             || format!("KV scores: {n_heads} heads over {geometry:?}"),
         )?;
-        let mut span_words = Vec::with_capacity(SPAN_WORDS * scored.len());
+        let (mut k_words, mut l_words) = (vec![], vec![]);
         let (mut rows, mut tiles, mut tables) = (vec![], vec![], vec![]);
+        let (mut l_chunks, mut l_tiles) = (vec![], vec![]);
         let mut partial_entries = 0usize;
-        for (i, (span, c)) in scored.iter().enumerate() {
+        let mut logit_rows_max = 0usize;
+        let mut logit_len = 0usize;
+        for (span, c, logit_base) in &scored {
             let table_len = span.kv_len.div_ceil(bs);
             check(
                 span.n_q >= 1
@@ -117,56 +175,77 @@ impl ScorePlan {
                     )
                 },
             )?;
-            let (function, tau) = match c.function {
-                ScoreFunction::None => unreachable!("filtered above"),
-                ScoreFunction::Softmax => (1u32, 1.0f32),
-                ScoreFunction::GumbelSoftmax(schedule) => {
-                    (2, schedule.tau(c.iteration, c.total_iterations))
-                }
-            };
-            span_words.extend_from_slice(&[
-                span.q_start as u32,
-                span.n_q as u32,
-                span.kv_len as u32,
-                tables.len() as u32,
-                function,
-                tau.to_bits(),
-                c.seed as u32,
-                (c.seed >> 32) as u32,
-                rows.len() as u32 / 2,
-                span.kv_len.div_ceil(TILE) as u32,
-                partial_entries as u32,
-            ]);
-            partial_entries += span.n_q * span.kv_len.div_ceil(TILE);
+            let table_start = tables.len();
             tables.extend_from_slice(&span.block_table[..table_len]);
-            for r in 0..span.n_q {
-                rows.extend_from_slice(&[i as u32, r as u32]);
-            }
-            for first in (0..span.kv_len).step_by(TILE) {
-                tiles.extend_from_slice(&[i as u32, first as u32]);
+            match logit_base {
+                Some(base) => {
+                    let i = (l_words.len() / SPAN_WORDS) as u32;
+                    let chunks = span.kv_len.div_ceil(LOGIT_CHUNK);
+                    l_words.extend(span_words(
+                        span,
+                        c,
+                        table_start,
+                        *base,
+                        chunks,
+                        partial_entries,
+                    ));
+                    partial_entries += span.n_q * chunks;
+                    logit_rows_max = logit_rows_max.max(span.n_q);
+                    logit_len = logit_len.max(*base as usize + span.n_q * n_heads * span.kv_len);
+                    let cached = span.kv_len - span.n_q;
+                    for r in 0..span.n_q {
+                        for chunk in 0..(cached + r + 1).div_ceil(LOGIT_CHUNK) {
+                            l_chunks.extend_from_slice(&[i, r as u32, chunk as u32]);
+                        }
+                    }
+                    for first in (0..span.kv_len).step_by(LOGIT_CHUNK) {
+                        l_tiles.extend_from_slice(&[i, first as u32]);
+                    }
+                }
+                None => {
+                    let i = (k_words.len() / SPAN_WORDS) as u32;
+                    k_words.extend(span_words(
+                        span,
+                        c,
+                        table_start,
+                        rows.len() as u32 / 2,
+                        span.kv_len.div_ceil(TILE),
+                        partial_entries,
+                    ));
+                    partial_entries += span.n_q * span.kv_len.div_ceil(TILE);
+                    for r in 0..span.n_q {
+                        rows.extend_from_slice(&[i, r as u32]);
+                    }
+                    for first in (0..span.kv_len).step_by(TILE) {
+                        tiles.extend_from_slice(&[i, first as u32]);
+                    }
+                }
             }
         }
         let (n_rows, n_tiles) = (rows.len() / 2, tiles.len() / 2);
+        let (n_logit_chunks, n_logit_tiles) = (l_chunks.len() / 3, l_tiles.len() / 2);
         let partial_len = partial_entries * n_heads * 2;
         check(
-            n_rows <= i32::MAX as usize
-                && n_tiles <= i32::MAX as usize
-                && u32::try_from(partial_entries).is_ok(),
+            n_rows.max(n_tiles).max(n_logit_chunks).max(n_logit_tiles) <= i32::MAX as usize
+                && n_heads <= 65_535
+                && u32::try_from(partial_entries).is_ok()
+                && u32::try_from(tables.len()).is_ok(),
             || format!("KV scores: {n_rows} rows, {n_tiles} tiles, {partial_entries} partials"),
         )?;
-        let mut host =
-            Vec::with_capacity(span_words.len() + rows.len() + tiles.len() + tables.len());
+        let mut host = Vec::new();
         let mut section = |data: &[u32]| {
             let start = host.len();
             host.extend_from_slice(data);
             start..host.len()
         };
         let (spans_r, rows_r, tiles_r, tables_r) = (
-            section(&span_words),
+            section(&k_words),
             section(&rows),
             section(&tiles),
             section(&tables),
         );
+        let (l_spans_r, l_chunks_r, l_tiles_r) =
+            (section(&l_words), section(&l_chunks), section(&l_tiles));
         let (mut upload, mut lse, mut partials) = match old {
             Some(p) => (p.upload, p.lse, p.partials),
             None => (
@@ -204,6 +283,13 @@ impl ScorePlan {
             tables: tables_r,
             n_rows,
             n_tiles,
+            logit_spans: l_spans_r,
+            logit_chunks: l_chunks_r,
+            logit_tiles: l_tiles_r,
+            n_logit_chunks,
+            n_logit_tiles,
+            logit_rows_max,
+            logit_len,
             n_heads,
             tokens,
             lse,
@@ -225,6 +311,7 @@ impl ScorePlan {
         layer: usize,
         geometry: ScoreGeometry,
         scale: f32,
+        logits: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let ScoreGeometry {
             n_kv_heads,
@@ -249,6 +336,12 @@ impl ScorePlan {
                 )
             },
         )?;
+        if self.n_logit_chunks > 0 {
+            self.run_from_logits(dev, logits, scores, positions, layer, geometry)?;
+        }
+        if self.n_rows == 0 {
+            return Ok(());
+        }
         let ints = [self.n_heads, n_kv_heads, head_dim, block_size, layer].map(|v| v as i32);
         let view = |r: &Range<usize>| self.upload.slice(r.clone());
         let (tables, spans) = (view(&self.tables), view(&self.spans));
@@ -311,6 +404,75 @@ impl ScorePlan {
         unsafe { b.launch(tile_grid) }?;
         Ok(())
     }
+
+    /// The increments of the spans scored from the logits the step's attention wrote.
+    fn run_from_logits(
+        &mut self,
+        dev: &CudaDevice,
+        logits: &mut CudaSlice<f32>,
+        scores: &mut CudaSlice<f32>,
+        positions: &CudaView<'_, u32>,
+        layer: usize,
+        geometry: ScoreGeometry,
+    ) -> Result<()> {
+        let group = self.n_heads / geometry.n_kv_heads;
+        check(
+            logits.len() >= self.logit_len && self.logit_rows_max * group * 4 <= 48 * 1024,
+            || {
+                format!(
+                    "KV scores: {} logits for {} ({} rows of {group} heads)",
+                    logits.len(),
+                    self.logit_len,
+                    self.logit_rows_max
+                )
+            },
+        )?;
+        let view = |r: &Range<usize>| self.upload.slice(r.clone());
+        let (tables, spans) = (view(&self.tables), view(&self.logit_spans));
+        let (chunks, tiles) = (view(&self.logit_chunks), view(&self.logit_tiles));
+        let n_heads = self.n_heads as i32;
+        let layer = layer as i32;
+        let f = dev.function("scores", "kv_score_logit_partial")?;
+        let mut b = dev.stream.launch_builder(&f);
+        b.arg(&mut *logits)
+            .arg(&spans)
+            .arg(&chunks)
+            .arg(positions)
+            .arg(&mut self.partials)
+            .arg(&n_heads)
+            .arg(&layer);
+        let cfg = LaunchConfig {
+            grid_dim: (self.n_logit_chunks as u32, self.n_heads as u32, 1),
+            block_dim: (LOGIT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature; every span's logits were sized by
+        // the attention plan that gave its base (rows × heads × kv_len), every chunk item lies
+        // within the keys its row sees, and the partials were sized for every (row, chunk).
+        unsafe { b.launch(cfg) }?;
+
+        let ints = [self.n_heads, geometry.n_kv_heads, geometry.block_size].map(|v| v as i32);
+        let f = dev.function("scores", "kv_score_logit_add")?;
+        let mut b = dev.stream.launch_builder(&f);
+        b.arg(&*logits)
+            .arg(scores)
+            .arg(&tables)
+            .arg(&spans)
+            .arg(&tiles)
+            .arg(&self.partials);
+        for a in &ints {
+            b.arg(a);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (self.n_logit_tiles as u32, geometry.n_kv_heads as u32, 1),
+            block_dim: (LOGIT_THREADS, 1, 1),
+            shared_mem_bytes: (self.logit_rows_max * group * 4) as u32,
+        };
+        // SAFETY: as above; the shared memory holds the normalisers of the longest span's rows
+        // for one KV head's query heads, and the block tables were checked against the cache.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
 }
 
 /// A sequence's scores, `[layer][kv head][key]` for its first `keys` keys, read back to the host.
@@ -362,4 +524,88 @@ pub fn gather(
         .memcpy_dtoh(&out, &mut host)
         .map_err(CudaError::from)?;
     Ok(host)
+}
+
+/// Threads of the kept-key selection (`SELECT_THREADS`).
+const SELECT_THREADS: u32 = 512;
+
+/// What [`select_kept`] keeps of each row's `keys` keys: `sinks + top + recent` of them (a
+/// [`turbo_keyformer::KeepRule`] split for that count).
+#[derive(Clone, Copy, Debug)]
+pub struct KeepSplit {
+    pub keys: usize,
+    pub sinks: usize,
+    pub top: usize,
+    pub recent: usize,
+}
+
+/// The kept keys `[n_layers][n_kv_heads][sinks + top + recent]` of one sequence, chosen on the
+/// device from the scores of every layer (`layer_scores`, unread when `top` is 0) through its
+/// block `table`: the first `sinks`, the last `recent`, and the `top` highest scores in between
+/// (ties to the lower key), each row increasing.
+pub fn select_kept(
+    dev: &CudaDevice,
+    layer_scores: &CudaView<'_, u64>,
+    table: &CudaView<'_, u32>,
+    n_layers: usize,
+    geometry: ScoreGeometry,
+    split: KeepSplit,
+) -> Result<CudaSlice<u32>> {
+    let KeepSplit {
+        keys,
+        sinks,
+        top,
+        recent,
+    } = split;
+    let k = sinks + top + recent;
+    let rows = n_layers * geometry.n_kv_heads;
+    check(
+        k <= keys
+            && (top == 0 || k < keys)
+            && layer_scores.len() >= n_layers
+            && table.len() * geometry.block_size >= keys
+            && keys <= i32::MAX as usize
+            && rows <= i32::MAX as usize
+            && geometry.block_size > 0,
+        || {
+            format!(
+                "KV selection: {split:?} over {} blocks, {} layer addresses for {n_layers}",
+                table.len(),
+                layer_scores.len()
+            )
+        },
+    )?;
+    let mut kept = dev
+        .stream
+        .alloc_zeros::<u32>((rows * k).max(1))
+        .map_err(CudaError::from)?;
+    if rows == 0 || k == 0 {
+        return Ok(kept);
+    }
+    let ints = [
+        geometry.n_kv_heads,
+        geometry.block_size,
+        keys,
+        k,
+        sinks,
+        recent,
+        top,
+    ]
+    .map(|v| v as i32);
+    let f = dev.function("scores", "kv_select_kept")?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(&mut kept).arg(layer_scores).arg(table);
+    for a in &ints {
+        b.arg(a);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (SELECT_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; kept holds rows × k, the table covers
+    // the keys, and the caller passes the addresses of a cache holding the table's blocks (with
+    // scores allocated when top > 0).
+    unsafe { b.launch(cfg) }?;
+    Ok(kept)
 }

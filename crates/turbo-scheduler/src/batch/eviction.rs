@@ -9,7 +9,7 @@
 //! prefix (shared blocks found at admission) is always kept: it counts as attention sinks.
 
 use crate::batch::request::RequestError;
-use turbo_core::{Backend, KvCompaction, KvScoring};
+use turbo_core::{Backend, KvCompaction, KvRuleCompaction, KvScoring};
 use turbo_keyformer::{
     select_kept, Budget, BudgetConfig, Dims, EvictionPolicy, PolicyConfig, PolicyKind,
     SelectionMode,
@@ -128,7 +128,10 @@ impl EvictionState {
     }
 
     /// Compacts `seq` to its budget: chooses the kept keys from its scores, has the backend move
-    /// them and releases its tail blocks.
+    /// them and releases its tail blocks. The built-in policies choose by a [`turbo_keyformer::KeepRule`] the
+    /// backend runs where the scores are (on a GPU: no read-back); a custom policy or shared
+    /// selection chooses on the host. Either way the frozen prefix (shared blocks) stays put: the
+    /// policy chooses among the keys after it.
     pub fn compact<B: Backend>(
         &self,
         backend: &B,
@@ -139,35 +142,91 @@ impl EvictionState {
     ) -> Result<(), CompactError> {
         let (layers, kv_heads) = shape;
         let keys = kv.keys(seq)?;
-        let frozen = kv.frozen(seq)?;
+        let frozen = kv.frozen(seq)?.min(keys);
         let table = kv.block_table(seq)?.to_vec();
-        let scores = match self.needs_scores() {
-            true => backend.read_kv_scores(cache, &table, keys)?,
-            false => Vec::new(),
-        };
-        // The frozen prefix is kept like sinks.
-        let sinks = self.budget.sinks().max(frozen);
-        let budget = Budget::new(self.budget.keep(), self.budget.recent(), sinks)
-            .map_err(|e| CompactError::Policy(e.to_string()))?;
+        let kept_per_row = self.budget.kept_count(keys).max(frozen);
         let dims = Dims {
             layers,
             kv_heads,
             keys,
         };
-        let kept = select_kept(self.policy.as_ref(), &scores, dims, &budget, self.mode)
-            .map_err(|e| CompactError::Policy(e.to_string()))?;
-        let kept_per_row = budget.kept_count(keys);
-        let kept: Vec<u32> = kept.into_iter().map(|k| k as u32).collect();
-        backend.compact_kv(
-            cache,
-            &KvCompaction {
-                block_table: &table,
-                kept: &kept,
-                kept_per_row,
-            },
-        )?;
+        let rule = match self.mode {
+            SelectionMode::PerLayer => self.policy.keep_rule(&self.budget),
+            SelectionMode::Shared => None,
+        };
+        match rule {
+            Some(rule) => backend.compact_kv_by_rule(
+                cache,
+                &KvRuleCompaction {
+                    block_table: &table,
+                    dims,
+                    kept_per_row,
+                    rule: rule.keeping_prefix(frozen),
+                },
+            )?,
+            None => {
+                let kept = self.select_on_host(backend, cache, &table, dims, frozen)?;
+                backend.compact_kv(
+                    cache,
+                    &KvCompaction {
+                        block_table: &table,
+                        kept: &kept,
+                        kept_per_row,
+                    },
+                )?;
+            }
+        }
         kv.compact(seq, kept_per_row)?;
         Ok(())
+    }
+
+    /// The policy's kept keys of every row, chosen on the host among the keys after the frozen
+    /// prefix (which is kept in front).
+    fn select_on_host<B: Backend>(
+        &self,
+        backend: &B,
+        cache: &B::KvCache,
+        table: &[u32],
+        dims: Dims,
+        frozen: usize,
+    ) -> Result<Vec<u32>, CompactError> {
+        let keys = dims.keys;
+        let k = self.budget.kept_count(keys).max(frozen);
+        let rows = dims.layers * dims.kv_heads;
+        let policy_err = |e: turbo_keyformer::Error| CompactError::Policy(e.to_string());
+        if k == frozen {
+            return Ok((0..rows).flat_map(|_| 0..frozen as u32).collect());
+        }
+        let scores = match self.needs_scores() {
+            true => backend.read_kv_scores(cache, table, keys)?,
+            false => Vec::new(),
+        };
+        // The rows' keys after the frozen prefix, chosen within a budget less the prefix.
+        let rest = keys - frozen;
+        let suffix: Vec<f32> = match scores.is_empty() {
+            true => Vec::new(),
+            false => scores
+                .chunks_exact(keys)
+                .flat_map(|row| row[frozen..].iter().copied())
+                .collect(),
+        };
+        let keep = k - frozen;
+        let recent = self.budget.recent().min(keep);
+        let sinks = self
+            .budget
+            .sinks()
+            .saturating_sub(frozen)
+            .min(keep - recent);
+        let budget = Budget::new(keep, recent, sinks).map_err(policy_err)?;
+        let dims = Dims { keys: rest, ..dims };
+        let chosen = select_kept(self.policy.as_ref(), &suffix, dims, &budget, self.mode)
+            .map_err(policy_err)?;
+        let mut kept = Vec::with_capacity(rows * k);
+        for row in chosen.chunks_exact(keep) {
+            kept.extend(0..frozen as u32);
+            kept.extend(row.iter().map(|&j| (j + frozen) as u32));
+        }
+        Ok(kept)
     }
 }
 
