@@ -308,6 +308,11 @@ fn grouped_logits_kernel(head_dim: usize) -> Option<&'static str> {
     }
 }
 
+/// The most logits a plan writes for KV eviction scores (256 MiB of f32): a step of longer or
+/// more scored decode rows scores the rest from the cached keys, so that the scratch stays small
+/// beside the KV cache.
+const MAX_LOGITS: usize = 1 << 26;
+
 /// Where the row kernel writes the scaled logits `scale q.k` of the rows asked for (the KV
 /// eviction scores' input): span `s`'s are `[row][n_heads][kv_len]` f32 from `bases[s]`, each row
 /// filling the keys it sees.
@@ -444,8 +449,8 @@ impl AttentionPlan {
     ///
     /// `want_logits` (per span, or empty) asks for the scaled logits of a span's rows: the plan
     /// writes them for the spans the grouped decode kernel computes whole (fewer than
-    /// [`PREFILL_MIN_ROWS`] rows, head_dim 64 or 128, no fixed split; such spans then take no
-    /// part in cascade), see [`AttentionPlan::logit_base`].
+    /// [`PREFILL_MIN_ROWS`] rows, head_dim 64 or 128, no fixed split, up to 2^26 logits in all;
+    /// such spans then take no part in cascade), see [`AttentionPlan::logit_base`].
     #[allow(clippy::too_many_arguments)]
     pub fn new_reusing(
         dev: &CudaDevice,
@@ -633,11 +638,13 @@ impl AttentionPlan {
                 {
                     continue;
                 }
+                let need = span.n_q * n_heads * span.kv_len;
+                if logit_len + need > MAX_LOGITS {
+                    // Past the bound the span's scores read the keys instead.
+                    continue;
+                }
                 logit_bases[s] = Some(logit_len as u32);
-                logit_len += span.n_q * n_heads * span.kv_len;
-                check(fits_u32(logit_len), || {
-                    format!("paged_attention: {logit_len} logits")
-                })?;
+                logit_len += need;
             }
         }
         let has_logits = logit_bases.iter().any(|b| b.is_some());
