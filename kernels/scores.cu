@@ -89,6 +89,20 @@ __device__ __forceinline__ size_t score_slot(const unsigned* __restrict__ tables
            key % (unsigned)block_size;
 }
 
+// logsumexp of query head h over a row's first n (max, sum of exp) partials, laid out
+// [partial][n_heads].
+__device__ __forceinline__ float score_merge_partials(const float2* __restrict__ in, unsigned n, int n_heads,
+                                                      int h) {
+    float m = -INFINITY, l = 0.f;
+    for (unsigned t = 0; t < n; t++) {
+        const float2 s = in[(size_t)t * n_heads + h];
+        const float nm = fmaxf(m, s.x);
+        l = l * __expf(m - nm) + s.y * __expf(s.x - nm);
+        m = nm;
+    }
+    return m + logf(l);
+}
+
 // Loads query heads h0 .. h0 + nh of row `token` into qs[h][d] as f32. Block-wide.
 __device__ __forceinline__ void score_load_q(float (*qs)[SCORE_MAX_HD], const __nv_bfloat16* __restrict__ q,
                                              size_t token, int n_heads, int h0, int nh, int head_dim) {
@@ -213,14 +227,7 @@ extern "C" __global__ void kv_score_merge(const unsigned* __restrict__ spans, co
     const unsigned seen_tiles = (p.kv_len - p.n_q + r) / SCORE_TILE + 1;
     const float2* in = partials + ((size_t)p.partial_base + (size_t)r * p.n_tiles) * n_heads;
     for (int h = threadIdx.x; h < n_heads; h += blockDim.x) {
-        float m = -INFINITY, l = 0.f;
-        for (unsigned t = 0; t < seen_tiles; t++) {
-            const float2 s = in[(size_t)t * n_heads + h];
-            const float nm = fmaxf(m, s.x);
-            l = l * __expf(m - nm) + s.y * __expf(s.x - nm);
-            m = nm;
-        }
-        lse[(size_t)row * n_heads + h] = m + logf(l);
+        lse[(size_t)row * n_heads + h] = score_merge_partials(in, seen_tiles, n_heads, h);
     }
 }
 
@@ -295,8 +302,8 @@ extern "C" __global__ void kv_score_gather(float* __restrict__ out, const unsign
 // at `row_base`, [row][n_heads][kv_len], each row filling the keys it sees). Two kernels, reading
 // no key:
 //   kv_score_logit_partial  one CTA per (row, chunk of LOGIT_CHUNK keys it sees) and query head:
-//                           rewrites each logit as f(x) in place and writes the chunk's (max,
-//                           sum of exp) of f(x)
+//                           rewrites each logit as f(x) in place (where f is not the identity)
+//                           and writes the chunk's (max, sum of exp) of f(x)
 //   kv_score_logit_add      one CTA per (key chunk, KV head) of a span: merges each row's chunk
 //                           partials into its normaliser, then each thread sums, for its keys,
 //                           exp(f(x) - lse) over the rows and query heads that see the key and
@@ -329,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
         y[i] = -INFINITY;
         if (j < end) {
             y[i] = score_adjust(p, row[j], pos, layer, h, j);
-            row[j] = y[i];
+            if (p.function == 2) row[j] = y[i];  // f(x) differs from x only with noise
             m = fmaxf(m, y[i]);
         }
     }
@@ -371,14 +378,7 @@ extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
         const unsigned r = i / group, h = g * group + i % group;
         const unsigned seen_chunks = (cached + r) / LOGIT_CHUNK + 1;
         const float2* in = partials + ((size_t)p.partial_base + (size_t)r * p.n_tiles) * n_heads;
-        float m = -INFINITY, l = 0.f;
-        for (unsigned t = 0; t < seen_chunks; t++) {
-            const float2 s = in[(size_t)t * n_heads + h];
-            const float nm = fmaxf(m, s.x);
-            l = l * __expf(m - nm) + s.y * __expf(s.x - nm);
-            m = nm;
-        }
-        lse[i] = m + logf(l);
+        lse[i] = score_merge_partials(in, seen_chunks, n_heads, h);
     }
     __syncthreads();
     for (unsigned j = first + threadIdx.x; j < min(p.kv_len, first + LOGIT_CHUNK); j += blockDim.x) {

@@ -553,9 +553,12 @@ impl Backend for CudaBackend {
             old,
         )?;
         moved |= plan_moved;
-        let logit_bases: Vec<Option<u32>> = (0..layout.spans.len())
-            .map(|s| plan.logit_base(s))
-            .collect();
+        let logit_bases: Vec<Option<u32>> = match layout.scoring.is_empty() {
+            true => Vec::new(),
+            false => (0..layout.spans.len())
+                .map(|s| plan.logit_base(s))
+                .collect(),
+        };
         *batch
             .attention
             .get_mut()

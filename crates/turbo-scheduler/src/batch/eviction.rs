@@ -128,10 +128,10 @@ impl EvictionState {
     }
 
     /// Compacts `seq` to its budget: chooses the kept keys from its scores, has the backend move
-    /// them and releases its tail blocks. The built-in policies choose by a [`turbo_keyformer::KeepRule`] the
-    /// backend runs where the scores are (on a GPU: no read-back); a custom policy or shared
-    /// selection chooses on the host. Either way the frozen prefix (shared blocks) stays put: the
-    /// policy chooses among the keys after it.
+    /// them and releases its tail blocks. The built-in policies choose by a
+    /// [`turbo_keyformer::KeepRule`] the backend runs where the scores are (on a GPU: no
+    /// read-back); a custom policy or shared selection chooses on the host. Either way the frozen
+    /// prefix (shared blocks) stays put: the policy chooses among the keys after it.
     pub fn compact<B: Backend>(
         &self,
         backend: &B,
@@ -165,7 +165,8 @@ impl EvictionState {
                 },
             )?,
             None => {
-                let kept = self.select_on_host(backend, cache, &table, dims, frozen)?;
+                let kept =
+                    self.select_on_host(backend, cache, &table, dims, frozen, kept_per_row)?;
                 backend.compact_kv(
                     cache,
                     &KvCompaction {
@@ -180,8 +181,8 @@ impl EvictionState {
         Ok(())
     }
 
-    /// The policy's kept keys of every row, chosen on the host among the keys after the frozen
-    /// prefix (which is kept in front).
+    /// The policy's `k` kept keys of every row, chosen on the host among the keys after the
+    /// frozen prefix (which is kept in front).
     fn select_on_host<B: Backend>(
         &self,
         backend: &B,
@@ -189,9 +190,9 @@ impl EvictionState {
         table: &[u32],
         dims: Dims,
         frozen: usize,
+        k: usize,
     ) -> Result<Vec<u32>, CompactError> {
         let keys = dims.keys;
-        let k = self.budget.kept_count(keys).max(frozen);
         let rows = dims.layers * dims.kv_heads;
         let policy_err = |e: turbo_keyformer::Error| CompactError::Policy(e.to_string());
         if k == frozen {
