@@ -7,13 +7,17 @@
 //! full attention's. With `--task summarize`, the prompt is wrapped in the chat template with a
 //! summary instruction, the model writes a greedy summary, and `rouge_l` compares it with full
 //! attention's (ROUGE-L F1 over lowercase words).
+//!
+//! `--plot` draws the means over the texts against budget (see `plot`); `--from-json` reads the
+//! rows of an earlier `--json` run instead of running the model, to print or plot them again.
 
 use crate::eviction::{budget_size, KvPolicyArgs};
+use crate::plot;
 use crate::runtime::ModelArgs;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use serde::Serialize;
-use std::path::PathBuf;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
 use turbo_engine::{ChatMessage, Engine, EngineConfig, KvSize, RequestStream};
 use turbo_keyformer::PolicyKind;
 use turbo_scheduler::{Event, Request};
@@ -31,7 +35,12 @@ pub struct EvalKvArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// Texts to evaluate on (e.g. from `scripts/fetch_eval_texts.py`).
-    #[arg(long, required = true, num_args = 1..)]
+    #[arg(
+        long,
+        required_unless_present = "from_json",
+        conflicts_with = "from_json",
+        num_args = 1..
+    )]
     text: Vec<PathBuf>,
     /// Prompt tokens taken from the start of each text.
     #[arg(long, default_value_t = 4096)]
@@ -62,21 +71,31 @@ pub struct EvalKvArgs {
     /// One JSON object per (text, policy, budget) instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also draw quality against budget into this PNG, one line per policy (means over the
+    /// texts, full attention the reference): the rows are hard to read at a glance. Checked
+    /// before the run starts, so that a bad path does not waste one.
+    #[arg(long, value_name = "FILE.png")]
+    plot: Option<PathBuf>,
+    /// Read the rows of an earlier `--json` run from this file instead of running the model,
+    /// to print or plot them again (the model, text and run options are not used).
+    #[arg(long, value_name = "FILE.jsonl")]
+    from_json: Option<PathBuf>,
 }
 
-/// One (text, policy, budget) result.
-#[derive(Serialize)]
-struct Row {
-    text: String,
-    task: &'static str,
-    policy: String,
-    budget: f64,
-    kv_tokens: usize,
-    nll: f64,
-    ppl: f64,
-    greedy_agree: f64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    rouge_l: Option<f64>,
+/// One (text, policy, budget) result: a line of `--json`'s output, read back by
+/// `--from-json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Row {
+    pub text: String,
+    pub task: String,
+    pub policy: String,
+    pub budget: f64,
+    pub kv_tokens: usize,
+    pub nll: f64,
+    pub ppl: f64,
+    pub greedy_agree: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rouge_l: Option<f64>,
 }
 
 /// What one request produced.
@@ -89,6 +108,103 @@ struct Outcome {
 }
 
 pub fn run(args: EvalKvArgs) -> Result<()> {
+    if let Some(path) = &args.plot {
+        plot::check_writable(path)?;
+    }
+    let (rows, source) = match &args.from_json {
+        Some(path) => {
+            let rows = read_rows(path)?;
+            // Rows that cannot be plotted fail before anything is printed.
+            if args.plot.is_some() {
+                plot::means(&rows)?;
+            }
+            print_header(args.json);
+            for row in &rows {
+                print_row(row, args.json)?;
+            }
+            let name = path.file_name().unwrap_or(path.as_os_str());
+            (rows, name.to_string_lossy().into_owned())
+        }
+        None => {
+            let model = args.model.model.as_deref().map_or_else(
+                || "the default model".to_string(),
+                |m| {
+                    m.file_name()
+                        .unwrap_or(m.as_os_str())
+                        .to_string_lossy()
+                        .into_owned()
+                },
+            );
+            let source = format!(
+                "{model}, N = {}, K = {}",
+                args.prompt_tokens, args.eval_tokens
+            );
+            (evaluate(&args)?, source)
+        }
+    };
+    if let Some(path) = &args.plot {
+        let means = plot::means(&rows)?;
+        plot::render(&means, &plot::caption(&means, &source), path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// Reads `--json` rows, one a line (blank lines skipped).
+fn read_rows(path: &Path) -> Result<Vec<Row>> {
+    let content =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut rows = Vec::new();
+    for (i, line) in content.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let row = serde_json::from_str(line).with_context(|| {
+            format!(
+                "{} line {}: not a row of `eval-kv --json`",
+                path.display(),
+                i + 1
+            )
+        })?;
+        rows.push(row);
+    }
+    anyhow::ensure!(!rows.is_empty(), "{} has no rows", path.display());
+    Ok(rows)
+}
+
+fn print_header(json: bool) {
+    if !json {
+        println!(
+            "{:<28} {:<10} {:>6} {:>9} {:>9} {:>9} {:>8}",
+            "text", "policy", "budget", "kv_tokens", "nll", "ppl", "agree"
+        );
+    }
+}
+
+fn print_row(row: &Row, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(row)?);
+    } else {
+        println!(
+            "{:<28} {:<10} {:>6.2} {:>9} {:>9.4} {:>9.3} {:>8.3}{}",
+            row.text.chars().take(28).collect::<String>(),
+            row.policy,
+            row.budget,
+            row.kv_tokens,
+            row.nll,
+            row.ppl,
+            row.greedy_agree,
+            row.rouge_l
+                .map(|r| format!(" rouge_l {r:.3}"))
+                .unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// Runs the model on every text with every policy and budget, printing each row as it comes
+/// (a run takes minutes) and returning them all.
+fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
     anyhow::ensure!(
         args.prompt_tokens > 0 && args.eval_tokens > 0,
         "--prompt-tokens and --eval-tokens must be positive"
@@ -120,12 +236,8 @@ pub fn run(args: EvalKvArgs) -> Result<()> {
         max_pending: configs.len() + 1,
         ..EngineConfig::new(args.model.options()?)
     })?;
-    if !args.json {
-        println!(
-            "{:<28} {:<10} {:>6} {:>9} {:>9} {:>9} {:>8}",
-            "text", "policy", "budget", "kv_tokens", "nll", "ppl", "agree"
-        );
-    }
+    print_header(args.json);
+    let mut rows = Vec::new();
     for path in &args.text {
         let name = path
             .file_name()
@@ -188,7 +300,8 @@ pub fn run(args: EvalKvArgs) -> Result<()> {
                 task: match args.task {
                     Task::Continue => "continue",
                     Task::Summarize => "summarize",
-                },
+                }
+                .to_string(),
                 policy: policy.to_string(),
                 budget,
                 kv_tokens: o.kv_tokens,
@@ -197,27 +310,12 @@ pub fn run(args: EvalKvArgs) -> Result<()> {
                 greedy_agree: agree,
                 rouge_l: (args.task == Task::Summarize).then(|| rouge_l(&o.text, &full.text)),
             };
-            if args.json {
-                println!("{}", serde_json::to_string(&row)?);
-            } else {
-                println!(
-                    "{:<28} {:<10} {:>6.2} {:>9} {:>9.4} {:>9.3} {:>8.3}{}",
-                    row.text.chars().take(28).collect::<String>(),
-                    row.policy,
-                    row.budget,
-                    row.kv_tokens,
-                    row.nll,
-                    row.ppl,
-                    row.greedy_agree,
-                    row.rouge_l
-                        .map(|r| format!(" rouge_l {r:.3}"))
-                        .unwrap_or_default()
-                );
-            }
+            print_row(&row, args.json)?;
+            rows.push(row);
         }
     }
     engine.shutdown(std::time::Duration::ZERO);
-    Ok(())
+    Ok(rows)
 }
 
 /// Reads a request's events to its end.

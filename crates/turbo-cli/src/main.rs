@@ -7,6 +7,7 @@ mod eval_kv;
 mod eviction;
 mod generate;
 mod info;
+mod plot;
 mod runtime;
 mod serve;
 

@@ -876,3 +876,152 @@ fn bench_shared_prefix_counts_prefill_and_blocks() {
         "context",
     );
 }
+
+/// The first 8 bytes and the IHDR width and height of a PNG file.
+fn png_size(path: &Path) -> (u32, u32) {
+    let bytes = std::fs::read(path).unwrap();
+    assert_eq!(
+        &bytes[..8],
+        b"\x89PNG\r\n\x1a\n",
+        "{} is not a PNG",
+        path.display()
+    );
+    assert_eq!(&bytes[12..16], b"IHDR");
+    let be = |i: usize| u32::from_be_bytes(bytes[i..i + 4].try_into().unwrap());
+    (be(16), be(20))
+}
+
+const EVAL_ROWS: &str = r#"{"text":"a.txt","task":"continue","policy":"full","budget":1.0,"kv_tokens":40,"nll":2.0,"ppl":7.38905609893065,"greedy_agree":1.0}
+{"text":"a.txt","task":"continue","policy":"h2o","budget":0.5,"kv_tokens":20,"nll":2.1,"ppl":8.16616991256765,"greedy_agree":0.75}
+
+{"text":"b.txt","task":"continue","policy":"full","budget":1.0,"kv_tokens":40,"nll":1.0,"ppl":2.718281828459045,"greedy_agree":1.0}
+{"text":"b.txt","task":"continue","policy":"h2o","budget":0.5,"kv_tokens":20,"nll":1.2,"ppl":3.3201169227365472,"greedy_agree":0.5}
+"#;
+
+#[test]
+fn eval_kv_from_json_prints_and_plots_saved_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = dir.path().join("rows.jsonl");
+    std::fs::write(&rows, EVAL_ROWS).unwrap();
+    // --json prints the rows back as they were written (no model is needed).
+    let out = turbo(&["eval-kv", "--from-json", p(&rows), "--json"], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let printed: Vec<serde_json::Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let saved: Vec<serde_json::Value> = EVAL_ROWS
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(printed, saved);
+    // The table and the plot.
+    let png = dir.path().join("quality.png");
+    let out = turbo(
+        &["eval-kv", "--from-json", p(&rows), "--plot", p(&png)],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.starts_with("text"), "{stdout}");
+    assert_eq!(stdout.lines().count(), 5, "{stdout}");
+    assert_eq!(png_size(&png), (1500, 620));
+}
+
+#[test]
+fn eval_kv_bad_saved_rows_and_plot_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = dir.path().join("rows.jsonl");
+    std::fs::write(&rows, EVAL_ROWS).unwrap();
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, EVAL_ROWS.replacen("\"h2o\"", "h2o", 1)).unwrap();
+    expect_error(&["eval-kv", "--from-json", p(&bad)], "line 2");
+    let no_full: String = EVAL_ROWS
+        .lines()
+        .filter(|l| !l.contains("\"full\""))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let no_full_path = dir.path().join("no-full.jsonl");
+    std::fs::write(&no_full_path, no_full).unwrap();
+    let png = dir.path().join("q.png");
+    expect_error(
+        &[
+            "eval-kv",
+            "--from-json",
+            p(&no_full_path),
+            "--plot",
+            p(&png),
+        ],
+        "full-attention",
+    );
+    expect_error(
+        &[
+            "eval-kv",
+            "--from-json",
+            p(&dir.path().join("missing.jsonl")),
+        ],
+        "cannot read",
+    );
+    let nowhere = dir.path().join("no-such-dir/q.png");
+    expect_error(
+        &["eval-kv", "--from-json", p(&rows), "--plot", p(&nowhere)],
+        "does not exist",
+    );
+    // The path is checked before the model is even looked for.
+    expect_error(
+        &[
+            "eval-kv",
+            "--model",
+            p(&dir.path().join("missing.gguf")),
+            "--text",
+            p(&rows),
+            "--plot",
+            p(&nowhere),
+        ],
+        "does not exist",
+    );
+    expect_usage_error(&["eval-kv"]); // neither --text nor --from-json
+    expect_usage_error(&["eval-kv", "--from-json", p(&rows), "--text", p(&rows)]);
+}
+
+#[test]
+fn eval_kv_plots_a_run() {
+    let (dir, path) = gguf_fixture(128);
+    let text_path = dir.path().join("story.txt");
+    let story =
+        "Once upon a time a small fox walked through the quiet forest and met an owl. ".repeat(20);
+    std::fs::write(&text_path, story).unwrap();
+    let png = dir.path().join("run.png");
+    let args = [
+        "eval-kv",
+        "--model",
+        p(&path),
+        "--text",
+        p(&text_path),
+        "--prompt-tokens",
+        "48",
+        "--eval-tokens",
+        "8",
+        "--policies",
+        "h2o,window",
+        "--budgets",
+        "0.5",
+        "--max-batch",
+        "3",
+        "--block-size",
+        "8",
+        "--json",
+        "--plot",
+        p(&png),
+    ];
+    let out = turbo(&args, None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout).lines().count(),
+        3,
+        "{}",
+        text(&out.stdout)
+    );
+    assert_eq!(png_size(&png), (1500, 620));
+}
