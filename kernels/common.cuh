@@ -67,3 +67,48 @@ __device__ __forceinline__ float2 rope_rotate(float2 ab, float pos, float f) {
     const float cs = fmaf(-lo, s, c);
     return make_float2(ab.x * cs - ab.y * sn, ab.x * sn + ab.y * cs);
 }
+
+// -- PTX primitives of the mma.sync kernels (sm_80+): prefill attention, prompt KV scores --
+__device__ __forceinline__ uint32_t pf_smem(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes from global to shared; with valid == false nothing is read and 16 zero bytes written.
+__device__ __forceinline__ void pf_cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(pf_smem(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void pf_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits for all of this thread's cp.async groups.
+__device__ __forceinline__ void pf_cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void pf_ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(pf_smem(p)));
+}
+
+__device__ __forceinline__ void pf_ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(pf_smem(p)));
+}
+
+// d += a·b for one 16×8×16 tile: a 16×16 row-major (4 regs), b 16×8 column-major (2 regs).
+__device__ __forceinline__ void pf_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Element offset of 16-byte chunk c of row r in a swizzled shared tile with rows of HD bf16.
+template <int HD>
+__device__ __forceinline__ int pf_swz(int r, int c) {
+    return r * HD + ((c ^ (r & 7)) << 3);
+}
+

@@ -5,7 +5,8 @@
 // turbo_keyformer::ScoreFunction::accumulate; the noise is turbo_keyformer::gumbel, bit for bit
 // up to logf's rounding.
 //
-// Three kernels, after the step's keys are written, all spread over tiles of SCORE_TILE keys:
+// Three kernels, after the step's keys are written, all spread over tiles of SCORE_TILE keys
+// (for head_dim 64 and 128 the two tile kernels run on tensor cores: kv_score_*_mma_d*, below):
 //   kv_score_partial_bf16  one CTA per (key tile of a scored sequence, KV head): for every row
 //                          that sees the tile and each query head of the group, the tile's
 //                          (max, sum of exp) of f(x) over the keys the row sees
@@ -21,7 +22,7 @@
 // Host tables (u32):
 //   spans [n][SPAN_WORDS]  q_start, n_q, kv_len, where its block table starts in `tables`,
 //                          function (1 softmax, 2 Gumbel softmax), tau (f32 bits), seed lo,
-//                          seed hi, its first row in `rows` (and in lse), its number of key
+//                          seed hi, its first row in lse, its number of key
 //                          tiles, where its partials start (in (row, tile) entries of n_heads
 //                          pairs)
 //   rows  [n][2]           span, row within the span
@@ -41,16 +42,26 @@ __device__ __forceinline__ unsigned long long score_mix(unsigned long long z) {
 }
 
 // turbo_keyformer::gumbel(seed, step, layer, head, key): -ln(-ln(u)), u in (0, 1) from a
-// splitmix64 hash of the counter (exact), the logs in f32.
-__device__ __forceinline__ float score_gumbel(unsigned long long seed, unsigned step, unsigned layer,
-                                              unsigned head, unsigned key) {
-    const unsigned long long gamma = 0x9E3779B97F4A7C15ull;
-    unsigned long long h = score_mix(seed ^ gamma);
-    h = score_mix(h ^ (((unsigned long long)step << 32) | (unsigned long long)layer) ^ gamma);
-    h = score_mix(h ^ (((unsigned long long)head << 32) | (unsigned long long)key) ^ gamma);
+// splitmix64 hash of the counter (exact), the logs in f32. The hash chains (seed), (step, layer),
+// (head, key): score_gumbel_base hashes the first two links once per query row, score_gumbel_at
+// the last per key.
+#define SCORE_GAMMA 0x9E3779B97F4A7C15ull
+__device__ __forceinline__ unsigned long long score_gumbel_base(unsigned long long seed, unsigned step,
+                                                                unsigned layer) {
+    const unsigned long long h = score_mix(seed ^ SCORE_GAMMA);
+    return score_mix(h ^ (((unsigned long long)step << 32) | (unsigned long long)layer) ^ SCORE_GAMMA);
+}
+
+__device__ __forceinline__ float score_gumbel_at(unsigned long long base, unsigned head, unsigned key) {
+    const unsigned long long h = score_mix(base ^ (((unsigned long long)head << 32) | (unsigned long long)key) ^ SCORE_GAMMA);
     const unsigned m = (unsigned)(h >> 41);
     const float u = __uint2float_rn(2u * m + 1u) * 0x1p-24f;
     return -logf(-logf(u));
+}
+
+__device__ __forceinline__ float score_gumbel(unsigned long long seed, unsigned step, unsigned layer,
+                                              unsigned head, unsigned key) {
+    return score_gumbel_at(score_gumbel_base(seed, step, layer), head, key);
 }
 
 struct ScoreSpan {
@@ -216,8 +227,8 @@ extern "C" __global__ void __launch_bounds__(SCORE_TILE)
     }
 }
 
-// lse[row][h] = the merge of the row's partials over the tiles it sees. One CTA per scored row,
-// threads over query heads.
+// lse[row_base + r][h] = the merge of row r's partials over the tiles it sees. One CTA per scored
+// row, threads over query heads.
 extern "C" __global__ void kv_score_merge(const unsigned* __restrict__ spans, const unsigned* __restrict__ rows,
                                           const float2* __restrict__ partials, float* __restrict__ lse,
                                           int n_heads) {
@@ -227,7 +238,7 @@ extern "C" __global__ void kv_score_merge(const unsigned* __restrict__ spans, co
     const unsigned seen_tiles = (p.kv_len - p.n_q + r) / SCORE_TILE + 1;
     const float2* in = partials + ((size_t)p.partial_base + (size_t)r * p.n_tiles) * n_heads;
     for (int h = threadIdx.x; h < n_heads; h += blockDim.x) {
-        lse[(size_t)row * n_heads + h] = score_merge_partials(in, seen_tiles, n_heads, h);
+        lse[((size_t)p.row_base + r) * n_heads + h] = score_merge_partials(in, seen_tiles, n_heads, h);
     }
 }
 
@@ -279,6 +290,224 @@ extern "C" __global__ void __launch_bounds__(SCORE_TILE)
     scores[at] = (j >= cached ? 0.f : scores[at]) + inc;
 }
 
+// ------------------------------------------------------------------------------------------------
+// The same two passes on tensor cores, for head_dim 64 and 128: kv_score_partial_mma_d* writes
+// the partials kv_score_partial_bf16 does, kv_score_add_mma_d* adds what kv_score_add_bf16 adds,
+// with the same tables, grid and arguments (SCORE_MMA_WARPS warps per CTA).
+//
+// One CTA per (key tile of SCORE_TILE keys, KV head g): the tile's keys go to shared memory once
+// (16-byte cp.async copies through the block table, swizzled rows as in the prefill attention),
+// then the CTA walks the flattened rows f = (r - r0) · group + h of the (query row r, query head
+// g · group + h) pairs that see the tile, 16 per m-tile, the warps taking m-tiles in turn. Per
+// m-tile, S = Q·Kᵀ (16 × SCORE_TILE) by mma.sync m16n8k16 (bf16 in, f32 accumulate; Q fragments
+// read straight from global memory, K fragments by ldmatrix), then f and the causal mask in
+// registers, and either
+//   partial: each row's (max, sum of exp) over the tile, reduced over the quad of lanes that
+//            holds the row, written to the row's partial of this tile, or
+//   add:     exp(f(x) - lse) summed per key column in registers; at the end the columns are
+//            reduced over each warp's lanes and then over the warps in a fixed order, and each
+//            key's score is updated once (no atomics: deterministic).
+#define SCORE_MMA_WARPS 4
+
+template <int HD, bool ADD>
+__device__ __forceinline__ void score_mma(const __nv_bfloat16* __restrict__ q,
+                                          const __nv_bfloat16* __restrict__ k_cache,
+                                          const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,
+                                          const unsigned* __restrict__ tiles, const unsigned* __restrict__ positions,
+                                          float2* __restrict__ partials, const float* __restrict__ lse,
+                                          float* __restrict__ scores, int n_heads, int n_kv_heads, int block_size,
+                                          int layer, float scale) {
+    constexpr int KSTEPS = HD / 16;                       // k-steps of Q·Kᵀ
+    constexpr int NTILES = SCORE_TILE / 8;                // 8-key n-tiles of S
+    constexpr int THREADS = SCORE_MMA_WARPS * TURBO_WARP;
+    constexpr int CPR = HD / 8;                           // 16-byte chunks per key row
+    constexpr int RPP = THREADS / CPR;                    // key rows copied per pass
+    static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
+    static_assert(SCORE_TILE % RPP == 0 && SCORE_TILE % 16 == 0, "copy shape");
+    __shared__ __align__(16) __nv_bfloat16 sK[SCORE_TILE * HD];
+    __shared__ float colsum[ADD ? SCORE_MMA_WARPS : 1][SCORE_TILE];
+
+    const int tid = threadIdx.x, lane = tid % TURBO_WARP, warp = tid / TURBO_WARP;
+    const int gid = lane >> 2, t = lane & 3;  // mma fragment row group and column pair
+    const int g = blockIdx.y;
+    const ScoreSpan p = score_span(spans, tiles[2 * blockIdx.x]);
+    const unsigned first = tiles[2 * blockIdx.x + 1];
+    const unsigned tile = first / SCORE_TILE;
+    const int group = n_heads / n_kv_heads;
+    const unsigned cached = p.kv_len - p.n_q;  // keys before this step's chunk
+    // Rows before r0 see no key of the tile; every row from r0 on sees its first key.
+    const unsigned r0 = first > cached ? first - cached : 0;
+
+    // The tile's keys of KV head g (zeros past the span).
+    const int cc = tid % CPR;
+#pragma unroll
+    for (int pass = 0; pass < SCORE_TILE / RPP; pass++) {
+        const int r = tid / CPR + RPP * pass;
+        const unsigned key = first + (unsigned)r;
+        const bool valid = key < p.kv_len;
+        const __nv_bfloat16* src =
+            valid ? k_cache + (score_slot(tables, p, key, block_size) * n_kv_heads + g) * HD + cc * 8 : k_cache;
+        pf_cp_async16(&sK[pf_swz<HD>(r, cc)], src, valid);
+    }
+    pf_cp_async_commit();
+    pf_cp_async_wait_all();
+    __syncthreads();
+
+    const unsigned n_flat = (p.n_q - r0) * (unsigned)group;
+    // ldmatrix lanes: keys 0-7 at dims 16ks.. and 16ks+8.., then keys 8-15 (b0, b1 of n-tile
+    // 2np, then of 2np + 1).
+    const int kr = (lane & 7) + ((lane >> 4) << 3);
+    const int kc = (lane >> 3) & 1;
+    float cs[NTILES][2];  // add: this thread's column sums (columns n · 8 + 2t, + 1)
+#pragma unroll
+    for (int n = 0; n < NTILES; n++) cs[n][0] = cs[n][1] = 0.f;
+
+    for (unsigned mt = (unsigned)warp; mt * 16 < n_flat; mt += SCORE_MMA_WARPS) {
+        // This thread's rows gid and gid + 8 of the m-tile.
+        bool live[2];
+        unsigned r[2], h[2];
+        const uint32_t* qrow[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const unsigned f = mt * 16 + (unsigned)(gid + 8 * i);
+            live[i] = f < n_flat;
+            r[i] = live[i] ? r0 + f / (unsigned)group : r0;
+            h[i] = (unsigned)g * group + (live[i] ? f % (unsigned)group : 0);
+            qrow[i] = reinterpret_cast<const uint32_t*>(
+                q + (((size_t)p.q_start + r[i]) * (size_t)n_heads + h[i]) * HD);
+        }
+        float s[NTILES][4];
+#pragma unroll
+        for (int n = 0; n < NTILES; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ks++) {
+            // a0..a3 of m16n8k16: (row gid, dims 2t..), (gid + 8, 2t..), (gid, 2t + 8..),
+            // (gid + 8, 2t + 8..) of this k-step; rows past the flattened rows are zeros.
+            uint32_t a[4];
+            a[0] = live[0] ? __ldg(qrow[0] + ks * 8 + t) : 0u;
+            a[1] = live[1] ? __ldg(qrow[1] + ks * 8 + t) : 0u;
+            a[2] = live[0] ? __ldg(qrow[0] + ks * 8 + 4 + t) : 0u;
+            a[3] = live[1] ? __ldg(qrow[1] + ks * 8 + 4 + t) : 0u;
+#pragma unroll
+            for (int np = 0; np < NTILES / 2; np++) {
+                uint32_t b[4];
+                pf_ldmatrix_x4(b, &sK[pf_swz<HD>(np * 16 + kr, 2 * ks + kc)]);
+                pf_mma(s[2 * np], a, b[0], b[1]);
+                pf_mma(s[2 * np + 1], a, b[2], b[3]);
+            }
+        }
+
+        // f(x) of the keys each row sees, -inf elsewhere.
+        unsigned long long base[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            base[i] = p.function == 2 && live[i]
+                          ? score_gumbel_base(p.seed, positions[p.q_start + r[i]], (unsigned)layer)
+                          : 0ull;
+        }
+#pragma unroll
+        for (int n = 0; n < NTILES; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = e >> 1;
+                const unsigned j = first + (unsigned)(n * 8 + 2 * t + (e & 1));
+                const bool sees = live[i] && j < p.kv_len && j <= cached + r[i];
+                float y = scale * s[n][e];
+                if (p.function == 2) y = (y + (sees ? score_gumbel_at(base[i], h[i], j) : 0.f)) / p.tau;
+                s[n][e] = sees ? y : -INFINITY;
+            }
+        }
+
+        if constexpr (ADD) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const float l = live[i] ? lse[((size_t)p.row_base + r[i]) * n_heads + h[i]] : 0.f;
+#pragma unroll
+                for (int n = 0; n < NTILES; n++) {
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        const float y = s[n][2 * i + c];
+                        cs[n][c] += y == -INFINITY ? 0.f : __expf(y - l);
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float m = -INFINITY;
+#pragma unroll
+                for (int n = 0; n < NTILES; n++) m = fmaxf(m, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+                float l = 0.f;
+#pragma unroll
+                for (int n = 0; n < NTILES; n++) {
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        const float y = s[n][2 * i + c];
+                        l += y == -INFINITY ? 0.f : __expf(y - m);
+                    }
+                }
+                l += __shfl_xor_sync(0xffffffffu, l, 1);
+                l += __shfl_xor_sync(0xffffffffu, l, 2);
+                // A live row sees the tile's first key, so m is finite.
+                if (t == 0 && live[i]) {
+                    partials[((size_t)p.partial_base + (size_t)r[i] * p.n_tiles + tile) * n_heads + h[i]] =
+                        make_float2(m, l);
+                }
+            }
+        }
+    }
+
+    if constexpr (ADD) {
+#pragma unroll
+        for (int n = 0; n < NTILES; n++) {
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                float v = cs[n][c];
+                v += __shfl_xor_sync(0xffffffffu, v, 4);
+                v += __shfl_xor_sync(0xffffffffu, v, 8);
+                v += __shfl_xor_sync(0xffffffffu, v, 16);
+                if (gid == 0) colsum[warp][n * 8 + 2 * t + c] = v;
+            }
+        }
+        __syncthreads();
+        if (tid < SCORE_TILE) {
+            const unsigned j = first + (unsigned)tid;
+            if (j < p.kv_len) {
+                float inc = 0.f;
+#pragma unroll
+                for (int w = 0; w < SCORE_MMA_WARPS; w++) inc += colsum[w][tid];
+                const size_t at = score_slot(tables, p, j, block_size) * n_kv_heads + g;
+                // A key written in this step (the chunk's own) starts from 0.
+                scores[at] = (j >= cached ? 0.f : scores[at]) + inc;
+            }
+        }
+    }
+}
+
+#define SCORE_MMA_KERNELS(HD)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(SCORE_MMA_WARPS * TURBO_WARP) kv_score_partial_mma_d##HD(      \
+        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                         \
+        const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,                                \
+        const unsigned* __restrict__ tiles, const unsigned* __restrict__ positions, float2* __restrict__ partials, \
+        int n_heads, int n_kv_heads, int head_dim, int block_size, int layer, float scale) {                    \
+        score_mma<HD, false>(q, k_cache, tables, spans, tiles, positions, partials, nullptr, nullptr, n_heads,  \
+                             n_kv_heads, block_size, layer, scale);                                             \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(SCORE_MMA_WARPS * TURBO_WARP) kv_score_add_mma_d##HD(          \
+        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                         \
+        float* __restrict__ scores, const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,    \
+        const unsigned* __restrict__ tiles, const unsigned* __restrict__ positions,                             \
+        const float* __restrict__ lse, int n_heads, int n_kv_heads, int head_dim, int block_size, int layer,    \
+        float scale) {                                                                                          \
+        score_mma<HD, true>(q, k_cache, tables, spans, tiles, positions, nullptr, lse, scores, n_heads,         \
+                            n_kv_heads, block_size, layer, scale);                                              \
+    }
+
+SCORE_MMA_KERNELS(64)
+SCORE_MMA_KERNELS(128)
+
 // out[layer][head][key] = scores of `layer` at the key's slot, for keys < keys of one sequence
 // (the host reads them to choose the kept keys). layer_scores holds each layer's scores pointer.
 extern "C" __global__ void kv_score_gather(float* __restrict__ out, const unsigned long long* __restrict__ layer_scores,
@@ -300,94 +529,77 @@ extern "C" __global__ void kv_score_gather(float* __restrict__ out, const unsign
 // Scores from logits: the spans whose rows the decode attention kernel computed with
 // attn_decode_logits_d*, which wrote their scaled logits x = scale q.k to `logits` (span s's rows
 // at `row_base`, [row][n_heads][kv_len], each row filling the keys it sees). Two kernels, reading
-// no key:
-//   kv_score_logit_partial  one CTA per (row, chunk of LOGIT_CHUNK keys it sees) and query head:
-//                           rewrites each logit as f(x) in place (where f is not the identity)
-//                           and writes the chunk's (max, sum of exp) of f(x)
-//   kv_score_logit_add      one CTA per (key chunk, KV head) of a span: merges each row's chunk
-//                           partials into its normaliser, then each thread sums, for its keys,
-//                           exp(f(x) - lse) over the rows and query heads that see the key and
-//                           adds that into the key's score (a key written in this step starts
-//                           from 0).
-// Tables: spans as above, with row_base the span's logits offset, n_tiles its number of key
-// chunks and partial_base where its partials start (in (row, chunk) entries of n_heads pairs);
-//   chunks [n][3]  span, row within the span, chunk (partial kernel: the chunks rows see)
-//   tiles  [n][2]  span, first key of the chunk (add kernel: every chunk of every span)
-#define LOGIT_CHUNK 1024
+// no key, with launch shapes fixed by the step's row count alone (so that a recorded decode step
+// replays them whatever its key counts):
+//   kv_score_logit_lse  one CTA per (scored row, query head): rewrites each logit as f(x) in place
+//                       (where f is not the identity) and writes the row's normaliser
+//                       logsumexp_j f(x_j) to lse
+//   kv_score_logit_add  one CTA per (span, part of its keys, KV head), its keys cut into `parts`
+//                       equal ranges: each thread sums, for its keys, exp(f(x) - lse) over the
+//                       rows and query heads that see the key and adds that into the key's score
+//                       (a key written in this step starts from 0). No atomics.
+// Tables: spans as above, with row_base the span's logits offset and partial_base its first row
+// in lse (padding spans are all zeros);
+//   lrows [n][2]  span (SCORE_NO_SPAN for padding), row within the span
 #define LOGIT_THREADS 256
+#define SCORE_NO_SPAN 0xffffffffu
 
 extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
-    kv_score_logit_partial(float* __restrict__ logits, const unsigned* __restrict__ spans,
-                           const unsigned* __restrict__ chunks, const unsigned* __restrict__ positions,
-                           float2* __restrict__ partials, int n_heads, int layer) {
+    kv_score_logit_lse(float* __restrict__ logits, const unsigned* __restrict__ spans,
+                       const unsigned* __restrict__ lrows, const unsigned* __restrict__ positions,
+                       float* __restrict__ lse, int n_heads, int layer) {
     __shared__ float red[LOGIT_THREADS / TURBO_WARP];
-    const unsigned s = chunks[3 * blockIdx.x], r = chunks[3 * blockIdx.x + 1], c = chunks[3 * blockIdx.x + 2];
+    const unsigned s = lrows[2 * blockIdx.x], r = lrows[2 * blockIdx.x + 1];
+    if (s == SCORE_NO_SPAN) return;
     const int h = blockIdx.y;
     const ScoreSpan p = score_span(spans, s);
     const unsigned seen = p.kv_len - p.n_q + r + 1;  // keys row r sees
-    const unsigned first = c * LOGIT_CHUNK, end = min(seen, first + LOGIT_CHUNK);
-    const unsigned pos = positions[p.q_start + r];
     float* row = logits + (size_t)p.row_base + ((size_t)r * n_heads + h) * p.kv_len;
+    const bool noisy = p.function == 2;
+    const unsigned long long base =
+        noisy ? score_gumbel_base(p.seed, positions[p.q_start + r], (unsigned)layer) : 0ull;
     float m = -INFINITY;
-    float y[LOGIT_CHUNK / LOGIT_THREADS];
-#pragma unroll
-    for (int i = 0; i < LOGIT_CHUNK / LOGIT_THREADS; i++) {
-        const unsigned j = first + threadIdx.x + i * LOGIT_THREADS;
-        y[i] = -INFINITY;
-        if (j < end) {
-            y[i] = score_adjust(p, row[j], pos, layer, h, j);
-            if (p.function == 2) row[j] = y[i];  // f(x) differs from x only with noise
-            m = fmaxf(m, y[i]);
+    for (unsigned j = threadIdx.x; j < seen; j += LOGIT_THREADS) {
+        float y = row[j];
+        if (noisy) {
+            y = (y + score_gumbel_at(base, (unsigned)h, j)) / p.tau;
+            row[j] = y;  // f(x) differs from x only with noise
         }
+        m = fmaxf(m, y);
     }
     const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
-    float wm = warp_max(m);
+    const float wm = warp_max(m);
     if (lane == 0) red[warp] = wm;
     __syncthreads();
     float bm = red[0];
     for (int w = 1; w < LOGIT_THREADS / TURBO_WARP; w++) bm = fmaxf(bm, red[w]);
-    __syncthreads();
+    // Each thread reads back only what it wrote above.
     float l = 0.f;
-#pragma unroll
-    for (int i = 0; i < LOGIT_CHUNK / LOGIT_THREADS; i++) {
-        if (y[i] != -INFINITY) l += __expf(y[i] - bm);
-    }
-    const float ws = warp_sum(l);
-    if (lane == 0) red[warp] = ws;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float bl = 0.f;
-        for (int w = 0; w < LOGIT_THREADS / TURBO_WARP; w++) bl += red[w];
-        partials[((size_t)p.partial_base + (size_t)r * p.n_tiles + c) * n_heads + h] = make_float2(bm, bl);
-    }
+    for (unsigned j = threadIdx.x; j < seen; j += LOGIT_THREADS) l += __expf(row[j] - bm);
+    const float total = block_sum(l);
+    if (threadIdx.x == 0) lse[((size_t)p.partial_base + r) * n_heads + h] = bm + logf(total);
 }
 
-// Dynamic shared memory: max rows of a span × group floats (the rows' normalisers).
 extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
     kv_score_logit_add(const float* __restrict__ logits, float* __restrict__ scores,
                        const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,
-                       const unsigned* __restrict__ tiles, const float2* __restrict__ partials, int n_heads,
-                       int n_kv_heads, int block_size) {
-    extern __shared__ float lse[];  // [row][h in group]
+                       const float* __restrict__ lse, int n_heads, int n_kv_heads, int block_size, int parts) {
     const int g = blockIdx.y;
-    const ScoreSpan p = score_span(spans, tiles[2 * blockIdx.x]);
-    const unsigned first = tiles[2 * blockIdx.x + 1];
+    const ScoreSpan p = score_span(spans, blockIdx.x / (unsigned)parts);
+    if (p.n_q == 0) return;
+    const unsigned part = blockIdx.x % (unsigned)parts;
+    const unsigned len = (p.kv_len + (unsigned)parts - 1) / (unsigned)parts;
+    const unsigned first = part * len, end = min(p.kv_len, first + len);
     const int group = n_heads / n_kv_heads;
     const unsigned cached = p.kv_len - p.n_q;
-    for (unsigned i = threadIdx.x; i < p.n_q * (unsigned)group; i += blockDim.x) {
-        const unsigned r = i / group, h = g * group + i % group;
-        const unsigned seen_chunks = (cached + r) / LOGIT_CHUNK + 1;
-        const float2* in = partials + ((size_t)p.partial_base + (size_t)r * p.n_tiles) * n_heads;
-        lse[i] = score_merge_partials(in, seen_chunks, n_heads, h);
-    }
-    __syncthreads();
-    for (unsigned j = first + threadIdx.x; j < min(p.kv_len, first + LOGIT_CHUNK); j += blockDim.x) {
+    for (unsigned j = first + threadIdx.x; j < end; j += blockDim.x) {
         // Rows before r0 do not see key j.
         const unsigned r0 = j > cached ? j - cached : 0;
         float inc = 0.f;
         for (unsigned r = r0; r < p.n_q; r++) {
             const float* y = logits + (size_t)p.row_base + ((size_t)r * n_heads + (size_t)g * group) * p.kv_len + j;
-            for (int h = 0; h < group; h++) inc += __expf(y[(size_t)h * p.kv_len] - lse[r * group + h]);
+            const float* row_lse = lse + ((size_t)p.partial_base + r) * n_heads + (size_t)g * group;
+            for (int h = 0; h < group; h++) inc += __expf(y[(size_t)h * p.kv_len] - row_lse[h]);
         }
         const size_t at = score_slot(tables, p, j, block_size) * n_kv_heads + g;
         scores[at] = (j >= cached ? 0.f : scores[at]) + inc;

@@ -6,7 +6,7 @@ use crate::ops;
 use crate::ops::attention::{AttentionPlan, KvLayout, KvSplit, PlanOptions};
 use crate::ops::elementwise::CompactShape;
 use crate::ops::gemv::{gemv_fits, GemvNorm, GemvOut, QkvRopeOut};
-use crate::ops::scores::{ScoreGeometry, ScorePlan};
+use crate::ops::scores::{FixedScoring, ScoreGeometry, ScorePlan};
 use cudarc::driver::sys::CUstreamCaptureMode;
 use cudarc::driver::{CudaGraph, CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
@@ -62,6 +62,8 @@ struct StepShape {
     /// Key ranges per row ([`KvSplit::Fixed`]).
     split: usize,
     sampling: bool,
+    /// Whether the step scores keys for KV eviction (its scoring kernels are recorded too).
+    scored: bool,
     /// The KV cache's id: a recording names the cache it ran on.
     cache: u64,
 }
@@ -235,10 +237,12 @@ impl CudaBackend {
         )?)
     }
 
-    /// The padded rows and key ranges per row of a step that can be recorded: a decode step
-    /// (one new token per sequence) of at most [`MAX_GRAPH_ROWS`] sequences, with a grouped
-    /// decode kernel for the head dimension and no shared prefix worth a cascade pass.
-    fn graph_shape(&self, layout: &BatchLayout, spec: &KvCacheSpec) -> Option<(usize, usize)> {
+    /// The padded rows, key ranges per row and KV eviction scoring of a step that can be
+    /// recorded: a decode step (one new token per sequence) of at most [`MAX_GRAPH_ROWS`]
+    /// sequences, with a grouped decode kernel for the head dimension and no shared prefix worth a
+    /// cascade pass; where rows are scored, their logits must fit the attention's logits buffer
+    /// (they are then scored from logits with launch shapes fixed by the rows).
+    fn graph_shape(&self, layout: &BatchLayout, spec: &KvCacheSpec) -> Option<GraphShape> {
         let n = layout.ids.len();
         let decode = n > 0
             && n <= MAX_GRAPH_ROWS
@@ -254,17 +258,25 @@ impl CudaBackend {
                 .iter()
                 .enumerate()
                 .all(|(i, &r)| r as usize == i);
-        // Scored steps run directly: their scoring plan changes every step.
+        if !self.graphs.load(Ordering::Relaxed)
+            || !decode
+            || !ops::attention::GROUPED_HEAD_DIMS.contains(&spec.head_dim)
+            || !layout.n_heads.is_multiple_of(spec.n_kv_heads)
+        {
+            return None;
+        }
+        let scored_logits: usize = layout
+            .spans
+            .iter()
+            .zip(layout.scoring)
+            .filter(|(_, c)| c.is_some_and(|c| c.function.needs_scores()))
+            .map(|(s, _)| layout.n_heads * s.kv_len)
+            .sum();
         let scored = layout
             .scoring
             .iter()
             .any(|s| s.is_some_and(|s| s.function.needs_scores()));
-        if !self.graphs.load(Ordering::Relaxed)
-            || !decode
-            || scored
-            || !ops::attention::GROUPED_HEAD_DIMS.contains(&spec.head_dim)
-            || !layout.n_heads.is_multiple_of(spec.n_kv_heads)
-        {
+        if scored && scored_logits > ops::attention::MAX_LOGITS {
             return None;
         }
         let shared = turbo_attention::cascade::cascade_groups(
@@ -287,8 +299,20 @@ impl CudaBackend {
         )
         .next_power_of_two()
         .min(MAX_GRAPH_SPLIT);
-        Some((rows, split))
+        Some(GraphShape {
+            rows,
+            split,
+            scored,
+        })
     }
+}
+
+/// What [`CudaBackend::graph_shape`] fixes of a recordable step.
+#[derive(Clone, Copy, Debug)]
+struct GraphShape {
+    rows: usize,
+    split: usize,
+    scored: bool,
 }
 
 fn to_bf16(v: &[f32]) -> Vec<bf16> {
@@ -434,7 +458,7 @@ impl Backend for CudaBackend {
             ))?;
         }
         let graph = self.graph_shape(layout, &spec);
-        let (tokens, split) = graph.unwrap_or((n, 0));
+        let (tokens, split) = graph.map_or((n, 0), |g| (g.rows, g.split));
         let outputs = if graph.is_some() {
             tokens
         } else {
@@ -569,7 +593,11 @@ impl Backend for CudaBackend {
             .get_mut()
             .map_err(|_| unsupported("poisoned".into()))?
             .take();
-        let scores = ScorePlan::new(
+        let fixed = graph.filter(|g| g.scored).map(|g| FixedScoring {
+            rows: g.rows,
+            parts: g.split,
+        });
+        let (scores, scores_moved) = ScorePlan::new(
             &self.dev,
             layout.spans,
             layout.scoring,
@@ -577,12 +605,14 @@ impl Backend for CudaBackend {
             layout.n_heads,
             tokens,
             &spec,
+            fixed,
             old,
         )?;
+        moved |= scores_moved;
         *batch
             .scores
             .get_mut()
-            .map_err(|_| unsupported("poisoned".into()))? = scores;
+            .map_err(|_| unsupported("poisoned".into()))? = Some(scores);
 
         batch.tokens = tokens;
         batch.outputs = outputs;
@@ -590,9 +620,10 @@ impl Backend for CudaBackend {
         batch.vocab = layout.vocab;
         batch.n_heads = layout.n_heads;
         batch.sampling = layout.sampling.is_some();
-        batch.shape = graph.map(|(rows, split)| StepShape {
-            rows,
-            split,
+        batch.shape = graph.map(|g| StepShape {
+            rows: g.rows,
+            split: g.split,
+            scored: g.scored,
             sampling: layout.sampling.is_some(),
             cache: cache.id(),
         });
@@ -1002,7 +1033,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         batch.check_cache(cache)?;
         let mut plan = lock(&batch.scores)?;
-        let Some(plan) = plan.as_mut() else {
+        let Some(plan) = plan.as_mut().filter(|p| !p.is_empty()) else {
             return Ok(());
         };
         let mut attention = lock(&batch.attention)?;

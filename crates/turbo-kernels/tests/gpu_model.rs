@@ -411,7 +411,9 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
     use turbo_keyformer::{PolicyConfig, PolicyKind, ScoreFunction, TauSchedule};
     let Some(gpu) = gpu() else { return };
     let cpu = CpuBackend::new();
-    for head_dim in [64, 128] {
+    // 64 and 128: tensor-core prompt scoring and decode scoring from the attention's logits;
+    // 96: the CUDA-core kernels reading the keys for both.
+    for head_dim in [64, 128, 96] {
         for (kind, function) in [
             (PolicyKind::H2O, ScoreFunction::Softmax),
             (

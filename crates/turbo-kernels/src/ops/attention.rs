@@ -311,7 +311,7 @@ fn grouped_logits_kernel(head_dim: usize) -> Option<&'static str> {
 /// The most logits a plan writes for KV eviction scores (256 MiB of f32): a step of longer or
 /// more scored decode rows scores the rest from the cached keys, so that the scratch stays small
 /// beside the KV cache.
-const MAX_LOGITS: usize = 1 << 26;
+pub const MAX_LOGITS: usize = 1 << 26;
 
 /// Where the row kernel writes the scaled logits `scale q.k` of the rows asked for (the KV
 /// eviction scores' input): span `s`'s are `[row][n_heads][kv_len]` f32 from `bases[s]`, each row
@@ -449,7 +449,7 @@ impl AttentionPlan {
     ///
     /// `want_logits` (per span, or empty) asks for the scaled logits of a span's rows: the plan
     /// writes them for the spans the grouped decode kernel computes whole (fewer than
-    /// [`PREFILL_MIN_ROWS`] rows, head_dim 64 or 128, no fixed split, up to 2^26 logits in all;
+    /// [`PREFILL_MIN_ROWS`] rows, head_dim 64 or 128, up to 2^26 logits in all;
     /// such spans then take no part in cascade), see [`AttentionPlan::logit_base`].
     #[allow(clippy::too_many_arguments)]
     pub fn new_reusing(
@@ -627,7 +627,7 @@ impl AttentionPlan {
         // Spans whose logits the row kernel writes: whole spans of the grouped kernel.
         let mut logit_bases: Vec<Option<u32>> = vec![None; spans.len()];
         let mut logit_len = 0usize;
-        if grouped.is_some() && fixed.is_none() {
+        if grouped.is_some() {
             for (s, span) in spans.iter().enumerate() {
                 let rows = span.q_start..span.q_start + span.n_q;
                 if want_logits.get(s) != Some(&true)

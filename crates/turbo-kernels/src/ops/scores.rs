@@ -19,6 +19,8 @@ const SPAN_WORDS: usize = 11;
 const TILE: usize = 64;
 /// Threads of the kernel merging a row's tile partials (one per query head).
 const MERGE_THREADS: u32 = 128;
+/// Threads of the tensor-core tile kernels (`SCORE_MMA_WARPS` warps).
+const MMA_THREADS: u32 = 128;
 /// The largest head dimension the kernels hold in shared memory.
 pub const MAX_HEAD_DIM: usize = 256;
 
@@ -45,10 +47,29 @@ impl ScoreGeometry {
     }
 }
 
+/// The tile kernels (partial, add) for keys of `head_dim`, and their threads per CTA: on tensor
+/// cores where there is a variant for it, else on CUDA cores.
+fn tile_kernels(head_dim: usize) -> (&'static str, &'static str, u32) {
+    match head_dim {
+        64 => (
+            "kv_score_partial_mma_d64",
+            "kv_score_add_mma_d64",
+            MMA_THREADS,
+        ),
+        128 => (
+            "kv_score_partial_mma_d128",
+            "kv_score_add_mma_d128",
+            MMA_THREADS,
+        ),
+        _ => ("kv_score_partial_bf16", "kv_score_add_bf16", TILE as u32),
+    }
+}
+
 /// One step's scoring work: its scored spans, their rows and key tiles and their block tables,
 /// uploaded once and run for every layer. Spans whose logits the attention plan writes
 /// ([`crate::ops::attention::AttentionPlan::logit_base`]: decode rows) are scored from those
-/// logits; the others (prompt chunks) from the queries and the cached keys.
+/// logits; the others (prompt chunks) from the queries and the cached keys. A plan may have no
+/// work (a step that scores nothing): it keeps its buffers for the next step that does.
 pub struct ScorePlan {
     upload: CudaSlice<u32>,
     spans: Range<usize>,
@@ -57,28 +78,38 @@ pub struct ScorePlan {
     tables: Range<usize>,
     n_rows: usize,
     n_tiles: usize,
-    /// Spans scored from logits, their (span, row, chunk) items and (span, first key) chunks.
+    /// Spans scored from logits (padded to `n_logit_spans`) and their rows (padded to
+    /// `n_logit_rows`), and how many parts each span's keys are cut into for the increments.
     logit_spans: Range<usize>,
-    logit_chunks: Range<usize>,
-    logit_tiles: Range<usize>,
-    n_logit_chunks: usize,
-    n_logit_tiles: usize,
-    /// Most rows of a span scored from logits.
-    logit_rows_max: usize,
+    logit_rows: Range<usize>,
+    n_logit_spans: usize,
+    n_logit_rows: usize,
+    logit_parts: usize,
     /// Logits the spans scored from logits read (the end of the last span's).
     logit_len: usize,
     n_heads: usize,
     tokens: usize,
-    /// `[scored rows][n_heads]` normalisers, rewritten by every layer.
+    /// `[logit rows, then the other scored rows][n_heads]` normalisers, rewritten by every layer.
     lse: CudaSlice<f32>,
     /// Per span `[row][tile][n_heads]` (max, sum) pairs, rewritten by every layer.
     partials: CudaSlice<f32>,
 }
 
-/// Keys per chunk of the kernels scoring from logits (`LOGIT_CHUNK`).
+/// Keys per part of a span scored from logits, when the parts are not fixed.
 const LOGIT_CHUNK: usize = 1024;
-/// Threads of those kernels (`LOGIT_THREADS`).
+/// Threads of the kernels scoring from logits (`LOGIT_THREADS`).
 const LOGIT_THREADS: u32 = 256;
+/// A padding entry of the logit rows (`SCORE_NO_SPAN`).
+const NO_SPAN: u32 = u32::MAX;
+
+/// Launch shapes of a plan that a recorded decode step replays: every scored span is a decode row
+/// scored from logits, the tables are padded to `rows` spans, and each span's keys are cut into
+/// `parts` ranges whatever its length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FixedScoring {
+    pub rows: usize,
+    pub parts: usize,
+}
 
 /// The span's words of the plan (see `kernels/scores.cu`).
 fn span_words(
@@ -111,10 +142,29 @@ fn span_words(
     ]
 }
 
+/// `buf` if it holds `len` elements, else a new zeroed one of the next power of two; true when new.
+fn grown<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    dev: &CudaDevice,
+    buf: Option<CudaSlice<T>>,
+    len: usize,
+) -> Result<(CudaSlice<T>, bool)> {
+    match buf {
+        Some(b) if b.len() >= len => Ok((b, false)),
+        _ => Ok((
+            dev.stream
+                .alloc_zeros::<T>(len.max(1).next_power_of_two())
+                .map_err(CudaError::from)?,
+            true,
+        )),
+    }
+}
+
 impl ScorePlan {
-    /// The plan of the spans whose `scoring` needs scores over a cache of `spec`, or `None` when
-    /// none does; `logit_bases` (per span, or empty) says where the attention plan writes a
-    /// span's logits. `old`'s buffers are reused when large enough.
+    /// The plan of the spans whose `scoring` needs scores over a cache of `spec` (empty when none
+    /// does); `logit_bases` (per span, or empty) says where the attention plan writes a span's
+    /// logits. With `fixed`, every scored span must have logits and the launch shapes depend on
+    /// `fixed` alone. `old`'s buffers are reused when large enough; the flag says whether any was
+    /// replaced (which a recorded launch of the old plan would not follow).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         dev: &CudaDevice,
@@ -124,8 +174,9 @@ impl ScorePlan {
         n_heads: usize,
         tokens: usize,
         spec: &KvCacheSpec,
+        fixed: Option<FixedScoring>,
         old: Option<ScorePlan>,
-    ) -> Result<Option<ScorePlan>> {
+    ) -> Result<(ScorePlan, bool)> {
         let max_blocks = spec.max_blocks;
         let geometry = ScoreGeometry::of(spec);
         let scored: Vec<(&QuerySpan, KvScoring, Option<u32>)> = spans
@@ -137,23 +188,48 @@ impl ScorePlan {
                     .map(|c| (s, c, logit_bases.get(i).copied().flatten()))
             })
             .collect();
-        if scored.is_empty() {
-            return Ok(None);
-        }
         let bs = geometry.block_size;
         check(
-            supports_head_dim(geometry.head_dim)
-                && geometry.n_kv_heads > 0
-                && n_heads.is_multiple_of(geometry.n_kv_heads)
-                && bs > 0,
+            scored.is_empty()
+                || (supports_head_dim(geometry.head_dim)
+                    && geometry.n_kv_heads > 0
+                    && n_heads.is_multiple_of(geometry.n_kv_heads)
+                    && bs > 0),
             || format!("KV scores: {n_heads} heads over {geometry:?}"),
         )?;
+        // Rows scored from logits come first in lse, so that their offsets do not depend on the
+        // rest.
+        let logit_row_count: usize = scored
+            .iter()
+            .filter(|(_, _, b)| b.is_some())
+            .map(|(s, _, _)| s.n_q)
+            .sum();
+        let n_logit_spans_real = scored.iter().filter(|(_, _, b)| b.is_some()).count();
+        if let Some(f) = fixed {
+            check(
+                scored.iter().all(|(s, _, b)| b.is_some() && s.n_q == 1)
+                    && n_logit_spans_real <= f.rows
+                    && f.parts >= 1,
+                || {
+                    format!(
+                        "KV scores: a recorded step of {} rows scores {} spans, not all decode rows \
+                         with logits",
+                        f.rows,
+                        scored.len()
+                    )
+                },
+            )?;
+        }
+        let (n_logit_spans, n_logit_rows) = match fixed {
+            Some(f) => (f.rows, f.rows),
+            None => (n_logit_spans_real, logit_row_count),
+        };
         let (mut k_words, mut l_words) = (vec![], vec![]);
         let (mut rows, mut tiles, mut tables) = (vec![], vec![], vec![]);
-        let (mut l_chunks, mut l_tiles) = (vec![], vec![]);
+        let mut l_rows: Vec<u32> = Vec::new();
         let mut partial_entries = 0usize;
-        let mut logit_rows_max = 0usize;
         let mut logit_len = 0usize;
+        let mut longest_logit_span = 0usize;
         for (span, c, logit_base) in &scored {
             let table_len = span.kv_len.div_ceil(bs);
             check(
@@ -180,35 +256,22 @@ impl ScorePlan {
             match logit_base {
                 Some(base) => {
                     let i = (l_words.len() / SPAN_WORDS) as u32;
-                    let chunks = span.kv_len.div_ceil(LOGIT_CHUNK);
-                    l_words.extend(span_words(
-                        span,
-                        c,
-                        table_start,
-                        *base,
-                        chunks,
-                        partial_entries,
-                    ));
-                    partial_entries += span.n_q * chunks;
-                    logit_rows_max = logit_rows_max.max(span.n_q);
+                    let lse_row = l_rows.len() / 2;
+                    l_words.extend(span_words(span, c, table_start, *base, 0, lse_row));
                     logit_len = logit_len.max(*base as usize + span.n_q * n_heads * span.kv_len);
-                    let cached = span.kv_len - span.n_q;
+                    longest_logit_span = longest_logit_span.max(span.kv_len);
                     for r in 0..span.n_q {
-                        for chunk in 0..(cached + r + 1).div_ceil(LOGIT_CHUNK) {
-                            l_chunks.extend_from_slice(&[i, r as u32, chunk as u32]);
-                        }
-                    }
-                    for first in (0..span.kv_len).step_by(LOGIT_CHUNK) {
-                        l_tiles.extend_from_slice(&[i, first as u32]);
+                        l_rows.extend_from_slice(&[i, r as u32]);
                     }
                 }
                 None => {
                     let i = (k_words.len() / SPAN_WORDS) as u32;
+                    let lse_row = n_logit_rows + rows.len() / 2;
                     k_words.extend(span_words(
                         span,
                         c,
                         table_start,
-                        rows.len() as u32 / 2,
+                        lse_row as u32,
                         span.kv_len.div_ceil(TILE),
                         partial_entries,
                     ));
@@ -222,60 +285,49 @@ impl ScorePlan {
                 }
             }
         }
+        // Padding: spans of no rows, rows of no span.
+        l_words.resize(n_logit_spans * SPAN_WORDS, 0);
+        l_rows.resize(2 * n_logit_rows, NO_SPAN);
+        let logit_parts = match fixed {
+            Some(f) => f.parts,
+            None => longest_logit_span.div_ceil(LOGIT_CHUNK).max(1),
+        };
         let (n_rows, n_tiles) = (rows.len() / 2, tiles.len() / 2);
-        let (n_logit_chunks, n_logit_tiles) = (l_chunks.len() / 3, l_tiles.len() / 2);
         let partial_len = partial_entries * n_heads * 2;
+        let lse_len = (n_logit_rows + n_rows) * n_heads;
         check(
-            n_rows.max(n_tiles).max(n_logit_chunks).max(n_logit_tiles) <= i32::MAX as usize
+            n_rows.max(n_tiles).max(n_logit_rows) <= i32::MAX as usize
+                && n_logit_spans.saturating_mul(logit_parts) <= i32::MAX as usize
                 && n_heads <= 65_535
                 && u32::try_from(partial_entries).is_ok()
+                && u32::try_from(lse_len).is_ok()
                 && u32::try_from(tables.len()).is_ok(),
             || format!("KV scores: {n_rows} rows, {n_tiles} tiles, {partial_entries} partials"),
         )?;
+        // The logit sections first and the block tables last: with `fixed`, every section a
+        // recorded step reads starts at the same offset in every step.
         let mut host = Vec::new();
         let mut section = |data: &[u32]| {
             let start = host.len();
             host.extend_from_slice(data);
             start..host.len()
         };
-        let (spans_r, rows_r, tiles_r, tables_r) = (
-            section(&k_words),
-            section(&rows),
-            section(&tiles),
-            section(&tables),
-        );
-        let (l_spans_r, l_chunks_r, l_tiles_r) =
-            (section(&l_words), section(&l_chunks), section(&l_tiles));
-        let (mut upload, mut lse, mut partials) = match old {
-            Some(p) => (p.upload, p.lse, p.partials),
-            None => (
-                dev.stream.alloc_zeros::<u32>(1).map_err(CudaError::from)?,
-                dev.stream.alloc_zeros::<f32>(1).map_err(CudaError::from)?,
-                dev.stream.alloc_zeros::<f32>(1).map_err(CudaError::from)?,
-            ),
+        let (l_spans_r, l_rows_r) = (section(&l_words), section(&l_rows));
+        let (spans_r, rows_r, tiles_r) = (section(&k_words), section(&rows), section(&tiles));
+        let tables_r = section(&tables);
+        let (upload, lse, partials) = match old {
+            Some(p) => (Some(p.upload), Some(p.lse), Some(p.partials)),
+            None => (None, None, None),
         };
-        if partials.len() < partial_len {
-            partials = dev
-                .stream
-                .alloc_zeros::<f32>(partial_len.next_power_of_two())
+        let (mut upload, m1) = grown(dev, upload, host.len())?;
+        let (lse, m2) = grown(dev, lse, lse_len)?;
+        let (partials, m3) = grown(dev, partials, partial_len)?;
+        if !host.is_empty() {
+            dev.stream
+                .memcpy_htod(&host, &mut upload.slice_mut(..host.len()))
                 .map_err(CudaError::from)?;
         }
-        if upload.len() < host.len() {
-            upload = dev
-                .stream
-                .alloc_zeros::<u32>(host.len().next_power_of_two())
-                .map_err(CudaError::from)?;
-        }
-        if lse.len() < n_rows * n_heads {
-            lse = dev
-                .stream
-                .alloc_zeros::<f32>((n_rows * n_heads).next_power_of_two())
-                .map_err(CudaError::from)?;
-        }
-        dev.stream
-            .memcpy_htod(&host, &mut upload.slice_mut(..host.len()))
-            .map_err(CudaError::from)?;
-        Ok(Some(ScorePlan {
+        let plan = ScorePlan {
             upload,
             spans: spans_r,
             rows: rows_r,
@@ -284,17 +336,22 @@ impl ScorePlan {
             n_rows,
             n_tiles,
             logit_spans: l_spans_r,
-            logit_chunks: l_chunks_r,
-            logit_tiles: l_tiles_r,
-            n_logit_chunks,
-            n_logit_tiles,
-            logit_rows_max,
+            logit_rows: l_rows_r,
+            n_logit_spans,
+            n_logit_rows,
+            logit_parts,
             logit_len,
             n_heads,
             tokens,
             lse,
             partials,
-        }))
+        };
+        Ok((plan, m1 || m2 || m3))
+    }
+
+    /// Whether the plan scores anything.
+    pub fn is_empty(&self) -> bool {
+        self.n_rows == 0 && self.n_logit_rows == 0
     }
 
     /// Adds `layer`'s increments into `scores` (`[slot][kv head]`), from the step's rotated
@@ -336,7 +393,7 @@ impl ScorePlan {
                 )
             },
         )?;
-        if self.n_logit_chunks > 0 {
+        if self.n_logit_rows > 0 {
             self.run_from_logits(dev, logits, scores, positions, layer, geometry)?;
         }
         if self.n_rows == 0 {
@@ -347,7 +404,8 @@ impl ScorePlan {
         let (tables, spans) = (view(&self.tables), view(&self.spans));
         let (rows, tiles) = (view(&self.rows), view(&self.tiles));
 
-        let f = dev.function("scores", "kv_score_partial_bf16")?;
+        let (partial_kernel, add_kernel, threads) = tile_kernels(head_dim);
+        let f = dev.function("scores", partial_kernel)?;
         let mut b = dev.stream.launch_builder(&f);
         b.arg(q)
             .arg(keys)
@@ -362,10 +420,11 @@ impl ScorePlan {
         b.arg(&scale);
         let tile_grid = LaunchConfig {
             grid_dim: (self.n_tiles as u32, n_kv_heads as u32, 1),
-            block_dim: (TILE as u32, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match the kernel's signature; `new` checked every span's rows
+        // SAFETY: the arguments match the kernel's signature (both variants take the same);
+        // `new` checked every span's rows
         // against the step's tokens and its block table against the cache's blocks, sized the
         // partials for every (row, tile) of every span, and the sizes of q, the positions and the
         // scores were checked above.
@@ -387,7 +446,7 @@ impl ScorePlan {
         // launch before on this stream, and writes its own normalisers.
         unsafe { b.launch(cfg) }?;
 
-        let f = dev.function("scores", "kv_score_add_bf16")?;
+        let f = dev.function("scores", add_kernel)?;
         let mut b = dev.stream.launch_builder(&f);
         b.arg(q)
             .arg(keys)
@@ -415,61 +474,64 @@ impl ScorePlan {
         layer: usize,
         geometry: ScoreGeometry,
     ) -> Result<()> {
-        let group = self.n_heads / geometry.n_kv_heads;
-        check(
-            logits.len() >= self.logit_len && self.logit_rows_max * group * 4 <= 48 * 1024,
-            || {
-                format!(
-                    "KV scores: {} logits for {} ({} rows of {group} heads)",
-                    logits.len(),
-                    self.logit_len,
-                    self.logit_rows_max
-                )
-            },
-        )?;
+        check(logits.len() >= self.logit_len, || {
+            format!("KV scores: {} logits for {}", logits.len(), self.logit_len)
+        })?;
         let view = |r: &Range<usize>| self.upload.slice(r.clone());
-        let (tables, spans) = (view(&self.tables), view(&self.logit_spans));
-        let (chunks, tiles) = (view(&self.logit_chunks), view(&self.logit_tiles));
-        let n_heads = self.n_heads as i32;
-        let layer = layer as i32;
-        let f = dev.function("scores", "kv_score_logit_partial")?;
+        let (tables, spans, rows) = (
+            view(&self.tables),
+            view(&self.logit_spans),
+            view(&self.logit_rows),
+        );
+        let (n_heads, layer) = (self.n_heads as i32, layer as i32);
+        let f = dev.function("scores", "kv_score_logit_lse")?;
         let mut b = dev.stream.launch_builder(&f);
         b.arg(&mut *logits)
             .arg(&spans)
-            .arg(&chunks)
+            .arg(&rows)
             .arg(positions)
-            .arg(&mut self.partials)
+            .arg(&mut self.lse)
             .arg(&n_heads)
             .arg(&layer);
         let cfg = LaunchConfig {
-            grid_dim: (self.n_logit_chunks as u32, self.n_heads as u32, 1),
+            grid_dim: (self.n_logit_rows as u32, self.n_heads as u32, 1),
             block_dim: (LOGIT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match the kernel's signature; every span's logits were sized by
-        // the attention plan that gave its base (rows × heads × kv_len), every chunk item lies
-        // within the keys its row sees, and the partials were sized for every (row, chunk).
+        // the attention plan that gave its base (rows × heads × kv_len, checked against the
+        // buffer above), every row entry names a row of its span or is padding, and lse holds
+        // every row's normalisers.
         unsafe { b.launch(cfg) }?;
 
-        let ints = [self.n_heads, geometry.n_kv_heads, geometry.block_size].map(|v| v as i32);
+        let ints = [
+            self.n_heads,
+            geometry.n_kv_heads,
+            geometry.block_size,
+            self.logit_parts,
+        ]
+        .map(|v| v as i32);
         let f = dev.function("scores", "kv_score_logit_add")?;
         let mut b = dev.stream.launch_builder(&f);
         b.arg(&*logits)
             .arg(scores)
             .arg(&tables)
             .arg(&spans)
-            .arg(&tiles)
-            .arg(&self.partials);
+            .arg(&self.lse);
         for a in &ints {
             b.arg(a);
         }
         let cfg = LaunchConfig {
-            grid_dim: (self.n_logit_tiles as u32, geometry.n_kv_heads as u32, 1),
+            grid_dim: (
+                (self.n_logit_spans * self.logit_parts) as u32,
+                geometry.n_kv_heads as u32,
+                1,
+            ),
             block_dim: (LOGIT_THREADS, 1, 1),
-            shared_mem_bytes: (self.logit_rows_max * group * 4) as u32,
+            shared_mem_bytes: 0,
         };
-        // SAFETY: as above; the shared memory holds the normalisers of the longest span's rows
-        // for one KV head's query heads, and the block tables were checked against the cache.
+        // SAFETY: as above; padding spans have no rows and return at once, and the block tables
+        // were checked against the cache.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
