@@ -42,9 +42,18 @@ __device__ __forceinline__ unsigned long long score_mix(unsigned long long z) {
 }
 
 // turbo_keyformer::gumbel(seed, step, layer, head, key): -ln(-ln(u)), u in (0, 1) from a
-// splitmix64 hash of the counter (exact), the logs in f32. The hash chains (seed), (step, layer),
-// (head, key): score_gumbel_base hashes the first two links once per query row, score_gumbel_at
-// the last per key.
+// splitmix64 hash of the counter (bit for bit), then the two logs. The hash chains (seed),
+// (step, layer), (head, key): score_gumbel_base hashes the first two links once per query row,
+// score_gumbel_at the last per key.
+//
+// The logs are the hardware's fast ones (__logf: one MUFU.LG2 each, against ~20 instructions
+// for logf), as the noise is drawn for every (row, head, key) and dominated the scoring time.
+// -ln(u) for u near 1 would lose most of its digits to __logf's absolute error (2^-21.4), so
+// there it is the series of -ln(1 - t) in t = 1 - u (exact): t + t^2/2 + t^3/3 + t^4/4, whose
+// relative error is below t^4/5 < 1.2e-8 for t < 2^-6. Elsewhere |ln u| >= 2^-6 and __logf's
+// error is below 2.3e-5 of it, so the draw differs from the CPU's (libm logs in f32) by at most
+// ~2.5e-5 absolute: far below the noise's spread (pi / sqrt 6), and rounding-sized in the
+// scores the CPU and GPU tests compare.
 #define SCORE_GAMMA 0x9E3779B97F4A7C15ull
 __device__ __forceinline__ unsigned long long score_gumbel_base(unsigned long long seed, unsigned step,
                                                                 unsigned layer) {
@@ -54,14 +63,15 @@ __device__ __forceinline__ unsigned long long score_gumbel_base(unsigned long lo
 
 __device__ __forceinline__ float score_gumbel_at(unsigned long long base, unsigned head, unsigned key) {
     const unsigned long long h = score_mix(base ^ (((unsigned long long)head << 32) | (unsigned long long)key) ^ SCORE_GAMMA);
-    const unsigned m = (unsigned)(h >> 41);
-    const float u = __uint2float_rn(2u * m + 1u) * 0x1p-24f;
-    return -logf(-logf(u));
-}
-
-__device__ __forceinline__ float score_gumbel(unsigned long long seed, unsigned step, unsigned layer,
-                                              unsigned head, unsigned key) {
-    return score_gumbel_at(score_gumbel_base(seed, step, layer), head, key);
+    const unsigned m = (unsigned)(h >> 41);  // u = (2m + 1) 2^-24
+    const float t = __uint2float_rn(0xFFFFFFu - 2u * m) * 0x1p-24f;  // 1 - u, exact
+    float e;  // -ln(u)
+    if (t < 0x1p-6f) {
+        e = t * fmaf(t, fmaf(t, fmaf(t, 0.25f, 1.f / 3.f), 0.5f), 1.f);
+    } else {
+        e = -__logf(__uint2float_rn(2u * m + 1u) * 0x1p-24f);
+    }
+    return -__logf(e);
 }
 
 struct ScoreSpan {
@@ -90,7 +100,7 @@ __device__ __forceinline__ ScoreSpan score_span(const unsigned* __restrict__ spa
 // The policy's f of one logit.
 __device__ __forceinline__ float score_adjust(const ScoreSpan& p, float x, unsigned pos, unsigned layer,
                                               unsigned head, unsigned key) {
-    if (p.function == 2) return (x + score_gumbel(p.seed, pos, layer, head, key)) / p.tau;
+    if (p.function == 2) return (x + score_gumbel_at(score_gumbel_base(p.seed, pos, layer), head, key)) / p.tau;
     return x;
 }
 
@@ -354,6 +364,7 @@ __device__ __forceinline__ void score_mma(const __nv_bfloat16* __restrict__ q,
     __syncthreads();
 
     const unsigned n_flat = (p.n_q - r0) * (unsigned)group;
+    const float inv_tau = 1.f / p.tau;
     // ldmatrix lanes: keys 0-7 at dims 16ks.. and 16ks+8.., then keys 8-15 (b0, b1 of n-tile
     // 2np, then of 2np + 1).
     const int kr = (lane & 7) + ((lane >> 4) << 3);
@@ -397,7 +408,8 @@ __device__ __forceinline__ void score_mma(const __nv_bfloat16* __restrict__ q,
             }
         }
 
-        // f(x) of the keys each row sees, -inf elsewhere.
+        // f(x) of the keys each row sees, -inf elsewhere (1/tau by one product: within an ulp of
+        // the CPU's quotient).
         unsigned long long base[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -413,7 +425,7 @@ __device__ __forceinline__ void score_mma(const __nv_bfloat16* __restrict__ q,
                 const unsigned j = first + (unsigned)(n * 8 + 2 * t + (e & 1));
                 const bool sees = live[i] && j < p.kv_len && j <= cached + r[i];
                 float y = scale * s[n][e];
-                if (p.function == 2) y = (y + (sees ? score_gumbel_at(base[i], h[i], j) : 0.f)) / p.tau;
+                if (p.function == 2) y = (y + (sees ? score_gumbel_at(base[i], h[i], j) : 0.f)) * inv_tau;
                 s[n][e] = sees ? y : -INFINITY;
             }
         }
@@ -556,13 +568,14 @@ extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
     const unsigned seen = p.kv_len - p.n_q + r + 1;  // keys row r sees
     float* row = logits + (size_t)p.row_base + ((size_t)r * n_heads + h) * p.kv_len;
     const bool noisy = p.function == 2;
+    const float inv_tau = 1.f / p.tau;
     const unsigned long long base =
         noisy ? score_gumbel_base(p.seed, positions[p.q_start + r], (unsigned)layer) : 0ull;
     float m = -INFINITY;
     for (unsigned j = threadIdx.x; j < seen; j += LOGIT_THREADS) {
         float y = row[j];
         if (noisy) {
-            y = (y + score_gumbel_at(base, (unsigned)h, j)) / p.tau;
+            y = (y + score_gumbel_at(base, (unsigned)h, j)) * inv_tau;
             row[j] = y;  // f(x) differs from x only with noise
         }
         m = fmaxf(m, y);
