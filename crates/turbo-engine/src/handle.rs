@@ -204,10 +204,10 @@ impl Engine {
     }
 
     /// A conversation as the prompt tokens the model was trained on: rendered with its chat
-    /// template, ending with the assistant's turn opened.
+    /// template, ending with the assistant's turn opened. Special tokens' texts in the messages
+    /// stay text: only the template's markup makes special tokens.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
-        let text = self.template()?.render(messages, true)?;
-        Ok(self.tokenizer.encode(&text)?)
+        Ok(self.template()?.encode(&self.tokenizer, messages, true)?)
     }
 
     /// Raw text as prompt tokens, with the BOS token when the model wants one.

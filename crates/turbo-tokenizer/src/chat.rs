@@ -5,9 +5,16 @@
 //! (`trim_blocks`, `lstrip_blocks`, Python string methods, `raise_exception`, HF-style
 //! `tojson`) so the prompt matches `apply_chat_template` byte for byte.
 
+use crate::tokenizer::TextTokenizer;
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{context, Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// Marks around a message's content while rendering (Unicode noncharacters: not for
+/// interchange, removed from content before rendering).
+const OPEN: char = '\u{FDD0}';
+const CLOSE: char = '\u{FDD1}';
 
 /// Name under which the template is stored in the environment.
 const TEMPLATE_NAME: &str = "chat";
@@ -25,6 +32,12 @@ pub enum ChatError {
     /// (e.g. "conversation roles must alternate").
     #[error("failed to render chat template: {0}")]
     Render(Error),
+    /// The template cut a message's content apart, so it cannot be kept apart from the markup.
+    #[error("the chat template transforms message content; it cannot be kept apart from the template's special tokens")]
+    Content,
+    /// Encoding the rendered text failed.
+    #[error("failed to encode the chat prompt: {0}")]
+    Encode(String),
 }
 
 /// One message of a conversation (`role` is "system", "user", "assistant", ...).
@@ -121,6 +134,74 @@ impl ChatTemplate {
             eos_token => self.eos_token.as_str(),
         })
         .map_err(ChatError::Render)
+    }
+
+    /// Renders `messages` and encodes the text with `tokenizer`, the messages' content as
+    /// untrusted text ([`TextTokenizer::encode_untrusted`]): a special token's text typed in a
+    /// message stays text, so only the template's own markup makes special tokens.
+    ///
+    /// The content is located by rendering each message with marks around it (Unicode
+    /// noncharacters, stripped from the content first); whitespace at its ends stays outside
+    /// the marks, so a template's `trim` acts as on the bare text and the rendered text is the
+    /// one [`ChatTemplate::render`] gives. A template that cuts a message's content apart
+    /// (the marks come out unpaired) is an error rather than a prompt whose user text might
+    /// hold special tokens.
+    pub fn encode(
+        &self,
+        tokenizer: &TextTokenizer,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, ChatError> {
+        let (text, content) = self.render_marked(messages, add_generation_prompt)?;
+        tokenizer
+            .encode_untrusted(&text, &content)
+            .map_err(|e| ChatError::Encode(e.to_string()))
+    }
+
+    /// The rendered text and the byte ranges of the messages' content in it.
+    fn render_marked(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<(String, Vec<Range<usize>>), ChatError> {
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .map(|m| {
+                let c: String = m
+                    .content
+                    .chars()
+                    .filter(|&ch| ch != OPEN && ch != CLOSE)
+                    .collect();
+                let start = c.len() - c.trim_start().len();
+                let end = start + c.trim().len();
+                ChatMessage {
+                    role: m.role.clone(),
+                    content: format!(
+                        "{}{OPEN}{}{CLOSE}{}",
+                        &c[..start],
+                        &c[start..end],
+                        &c[end..]
+                    ),
+                }
+            })
+            .collect();
+        let raw = self.render(&marked, add_generation_prompt)?;
+        let mut text = String::with_capacity(raw.len());
+        let mut content = Vec::new();
+        let mut open: Option<usize> = None;
+        let unpaired = || ChatError::Content;
+        for ch in raw.chars() {
+            match ch {
+                OPEN if open.is_none() => open = Some(text.len()),
+                CLOSE => content.push(open.take().ok_or_else(unpaired)?..text.len()),
+                OPEN => return Err(unpaired()),
+                _ => text.push(ch),
+            }
+        }
+        if open.is_some() {
+            return Err(unpaired());
+        }
+        Ok((text, content))
     }
 
     pub fn bos_token(&self) -> &str {
