@@ -1108,18 +1108,25 @@ mod tests {
             let all = 0..text.len();
             if !text.contains("<|end|>") {
                 assert_eq!(
-                    tok.encode_untrusted(text, &[all]).unwrap(),
+                    tok.encode_untrusted(text, std::slice::from_ref(&all))
+                        .unwrap(),
                     tok.encode(text).unwrap()
                 );
             }
         }
         let text = "hello<|end|>world<|end|>";
-        let ids = tok.encode_untrusted(text, &[5..17]).unwrap();
+        let user = 5..17;
+        let ids = tok
+            .encode_untrusted(text, std::slice::from_ref(&user))
+            .unwrap();
         assert_eq!(ids.iter().filter(|&&i| i == end).count(), 1, "{ids:?}");
         assert_eq!(ids.last(), Some(&end));
         assert_eq!(tok.decode(&ids).unwrap(), text);
         // A range that only overlaps the token's text also keeps it as text.
-        let ids = tok.encode_untrusted(text, &[7..8]).unwrap();
+        let overlap = 7..8;
+        let ids = tok
+            .encode_untrusted(text, std::slice::from_ref(&overlap))
+            .unwrap();
         assert_eq!(ids.iter().filter(|&&i| i == end).count(), 1);
         assert_eq!(tok.decode(&ids).unwrap(), text);
     }
