@@ -73,6 +73,18 @@ fn finished(handle: RequestHandle, what: &str) -> Completion {
     c
 }
 
+/// The steps `backend` recorded and replayed since it reported `before`.
+fn graphs_since(
+    backend: &CudaBackend,
+    before: turbo_kernels::GraphStats,
+) -> turbo_kernels::GraphStats {
+    let after = backend.graph_stats();
+    turbo_kernels::GraphStats {
+        recorded: after.recorded - before.recorded,
+        replayed: after.replayed - before.replayed,
+    }
+}
+
 /// Panics unless `got` equals `alone` (greedy after `prompt`) or leaves it at a near tie; returns
 /// whether they are equal.
 fn same_greedy<B: Backend>(
@@ -260,11 +272,7 @@ fn gpu_graph_replay_equals_direct_launches() {
                     .collect::<Vec<_>>(),
             );
         }
-        let after = backend.graph_stats();
-        let stats = turbo_kernels::GraphStats {
-            recorded: after.recorded - before.recorded,
-            replayed: after.replayed - before.replayed,
-        };
+        let stats = graphs_since(&backend, before);
         let sampled_out = outputs.pop().unwrap();
         (outputs.pop().unwrap(), sampled_out, stats)
     };
@@ -652,11 +660,7 @@ fn gpu_scored_decode_steps_replay_as_launched() {
             })
             .collect();
         assert_eq!(batch.kv().num_used(), 0);
-        let after = backend.graph_stats();
-        let stats = turbo_kernels::GraphStats {
-            recorded: after.recorded - before.recorded,
-            replayed: after.replayed - before.replayed,
-        };
+        let stats = graphs_since(&backend, before);
         (out, stats)
     };
     let (direct, none) = run(false);

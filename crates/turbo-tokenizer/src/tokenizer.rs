@@ -4,6 +4,7 @@
 //! The GGUF path mirrors llama.cpp (`src/llama-vocab.cpp`) so that a GGUF model tokenizes the
 //! same way here as it does in llama.cpp and in the model's original `tokenizer.json`.
 
+use aho_corasick::{AhoCorasick, MatchKind};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -170,8 +171,10 @@ pub struct TextTokenizer {
     /// Sorted, deduplicated ids that end generation.
     eos_ids: Vec<u32>,
     add_bos: bool,
-    /// The special tokens' texts and ids, longest first (see [`TextTokenizer::encode_untrusted`]).
-    specials: Vec<(String, u32)>,
+    /// The special tokens' ids, and a matcher of their texts (leftmost, longest, as the
+    /// tokenizer's own splitting), for [`TextTokenizer::encode_untrusted`].
+    special_ids: Vec<u32>,
+    specials: AhoCorasick,
     /// `inner` with special tokens' texts encoded as plain text, made on first need.
     plain: std::sync::OnceLock<Tokenizer>,
 }
@@ -382,13 +385,18 @@ impl TextTokenizer {
             .filter(|(_, t)| t.special && !t.content.is_empty())
             .map(|(id, t)| (t.content, id))
             .collect();
-        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        specials.sort_by_key(|s| s.1);
+        let matcher = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(specials.iter().map(|s| s.0.as_str()))
+            .expect("a few hundred literal patterns build");
         Self {
             inner,
             bos_id,
             eos_ids,
             add_bos,
-            specials,
+            special_ids: specials.iter().map(|s| s.1).collect(),
+            specials: matcher,
             plain: std::sync::OnceLock::new(),
         }
     }
@@ -416,38 +424,30 @@ impl TextTokenizer {
     /// between are encoded alone, as `encode` encodes them.
     pub fn encode_untrusted(&self, text: &str, untrusted: &[Range<usize>]) -> Result<Vec<u32>> {
         let inside = |at: usize, end: usize| untrusted.iter().any(|r| at < r.end && r.start < end);
-        // Special tokens' matches, leftmost first and longest at a position, those overlapping
-        // untrusted text left in the pieces.
-        let mut matches: Vec<(usize, usize, u32)> = Vec::new();
-        for (tok, id) in &self.specials {
-            for (at, _) in text.match_indices(tok.as_str()) {
-                matches.push((at, at + tok.len(), *id));
-            }
-        }
-        matches.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
         let mut ids = Vec::new();
         let mut cursor = 0;
-        for (at, end, id) in matches {
-            if at < cursor || inside(at, end) {
+        // Whether the piece since `cursor` holds a special token's text (left there as text).
+        let mut held = false;
+        for m in self.specials.find_iter(text) {
+            if inside(m.start(), m.end()) {
+                held = true;
                 continue;
             }
-            self.encode_piece(&text[cursor..at], &mut ids)?;
-            ids.push(id);
-            cursor = end;
+            self.encode_piece(&text[cursor..m.start()], held, &mut ids)?;
+            ids.push(self.special_ids[m.pattern().as_usize()]);
+            cursor = m.end();
+            held = false;
         }
-        self.encode_piece(&text[cursor..], &mut ids)?;
+        self.encode_piece(&text[cursor..], held, &mut ids)?;
         Ok(ids)
     }
 
-    /// Appends the ids of `piece`, whose special tokens' texts are plain text.
-    fn encode_piece(&self, piece: &str, ids: &mut Vec<u32>) -> Result<()> {
+    /// Appends the ids of `piece`; where it holds a special token's text (`has_special`), that
+    /// text is encoded as plain text.
+    fn encode_piece(&self, piece: &str, has_special: bool, ids: &mut Vec<u32>) -> Result<()> {
         if piece.is_empty() {
             return Ok(());
         }
-        let has_special = self
-            .specials
-            .iter()
-            .any(|(t, _)| piece.contains(t.as_str()));
         let tokenizer = match has_special {
             false => &self.inner,
             true => self.plain.get_or_init(|| {

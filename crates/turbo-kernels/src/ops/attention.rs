@@ -30,7 +30,7 @@
 //! A batch may mix all of them: the launches cover disjoint rows (or, with cascade, disjoint keys
 //! of a row, merged).
 
-use super::check;
+use super::{check, reuse_or_alloc};
 use crate::device::CudaDevice;
 use crate::error::Result;
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
@@ -379,23 +379,6 @@ pub struct AttentionPlan {
     /// The row kernels' count of finished ranges per split row and `grid.y`, which the last range
     /// resets: all zero between launches.
     merge_counts: CudaSlice<u32>,
-}
-
-/// `old` if it holds at least `len` elements, else a new buffer of a power-of-two length (so that a
-/// growing need reallocates rarely); true when new.
-fn reuse_or_alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-    dev: &CudaDevice,
-    old: Option<CudaSlice<T>>,
-    len: usize,
-) -> Result<(CudaSlice<T>, bool)> {
-    match old {
-        Some(buf) if buf.len() >= len => Ok((buf, false)),
-        _ => Ok((
-            dev.stream
-                .alloc_zeros::<T>(len.max(1).next_power_of_two())?,
-            true,
-        )),
-    }
 }
 
 /// Host-side tables of a plan, concatenated into one upload.

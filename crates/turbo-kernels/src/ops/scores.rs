@@ -2,7 +2,7 @@
 //! tiles, the two kernels that add one layer's increments into the cache's scores, and the gather
 //! that reads a sequence's scores back for the host's choice of kept keys.
 
-use super::check;
+use super::{check, reuse_or_alloc};
 use crate::device::CudaDevice;
 use crate::error::{CudaError, Result};
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
@@ -140,23 +140,6 @@ fn span_words(
         tiles as u32,
         partial_base as u32,
     ]
-}
-
-/// `buf` if it holds `len` elements, else a new zeroed one of the next power of two; true when new.
-fn grown<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-    dev: &CudaDevice,
-    buf: Option<CudaSlice<T>>,
-    len: usize,
-) -> Result<(CudaSlice<T>, bool)> {
-    match buf {
-        Some(b) if b.len() >= len => Ok((b, false)),
-        _ => Ok((
-            dev.stream
-                .alloc_zeros::<T>(len.max(1).next_power_of_two())
-                .map_err(CudaError::from)?,
-            true,
-        )),
-    }
 }
 
 impl ScorePlan {
@@ -319,9 +302,9 @@ impl ScorePlan {
             Some(p) => (Some(p.upload), Some(p.lse), Some(p.partials)),
             None => (None, None, None),
         };
-        let (mut upload, m1) = grown(dev, upload, host.len())?;
-        let (lse, m2) = grown(dev, lse, lse_len)?;
-        let (partials, m3) = grown(dev, partials, partial_len)?;
+        let (mut upload, m1) = reuse_or_alloc(dev, upload, host.len())?;
+        let (lse, m2) = reuse_or_alloc(dev, lse, lse_len)?;
+        let (partials, m3) = reuse_or_alloc(dev, partials, partial_len)?;
         if !host.is_empty() {
             dev.stream
                 .memcpy_htod(&host, &mut upload.slice_mut(..host.len()))
