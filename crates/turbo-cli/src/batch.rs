@@ -4,26 +4,15 @@ use crate::eviction::{budget_size, KvPolicyArgs};
 use crate::generate::Output;
 use crate::runtime::{KvArgs, ModelArgs};
 use anyhow::{bail, Context, Result};
-use serde::Deserialize;
+use serde::Serialize;
+use std::io::Read;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
+use turbo_engine::limits::MAX_REQUESTS_FILE_BYTES;
+use turbo_engine::requests_file::{parse_requests, RequestLine};
 use turbo_engine::{Engine, EngineConfig};
-use turbo_scheduler::{Completion, Request, SamplingParams};
-
-/// One line of the prompts file.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Line {
-    prompt: String,
-    max_tokens: Option<usize>,
-    temperature: Option<f32>,
-    seed: Option<u64>,
-    session: Option<String>,
-    /// KV eviction of this request, overriding the flags.
-    kv_policy: Option<String>,
-    kv_budget: Option<f64>,
-    kv_budget_tokens: Option<usize>,
-}
+use turbo_scheduler::{FinishReason, Request, SamplingParams};
 
 /// Options of batch mode.
 pub struct BatchArgs {
@@ -38,91 +27,91 @@ pub struct BatchArgs {
     pub eviction: KvPolicyArgs,
 }
 
-/// Runs every request of the file through one engine and prints their outcomes in input order.
+/// One request's failure, as its line of output.
+#[derive(Serialize)]
+struct FailedLine<'a> {
+    /// The request's line in the requests file (1-based).
+    line: usize,
+    error: &'a str,
+}
+
+/// Runs every request of the file through one engine and prints their outcomes in input
+/// order. A request that cannot run (a malformed line, a prompt over the context, a failure
+/// while it runs) gets a line with its `error` and line number, the others run; the command
+/// fails at the end if any did. Ctrl-C cancels what is still running: those requests print what
+/// they generated, with finish reason `cancelled`.
 pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&args.file)
-        .with_context(|| format!("cannot read prompts file {}", args.file.display()))?;
-    let mut lines = Vec::new();
-    for (i, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
-        let line: Line = serde_json::from_str(line).with_context(|| {
-            format!(
-                "{} line {}: not a request object",
-                args.file.display(),
-                i + 1
-            )
-        })?;
-        lines.push(line);
-    }
+    let bytes = read_requests_file(&args.file)?;
+    let lines = parse_requests(&bytes);
+    drop(bytes);
     if lines.is_empty() {
         bail!("{} holds no requests", args.file.display());
     }
     // CPU default: room for every slot to hold a full context (capped at 4096 tokens each). The
     // whole file is queued at once.
-    let engine = Engine::start(EngineConfig {
+    let engine = Arc::new(Engine::start(EngineConfig {
         kv: args.kv.size(args.max_batch, 4096)?,
         max_batch: args.max_batch,
         max_batched_tokens: args.max_batched_tokens.max(args.max_batch),
         prefill_chunk: 512,
         max_pending: lines.len(),
         ..EngineConfig::new(model.options()?)
-    })?;
-    let mut requests = Vec::new();
-    for line in lines {
-        let prompt = engine.text_prompt(&line.prompt)?;
-        let mut request = Request::new(prompt);
-        request.sampling = SamplingParams {
-            temperature: line.temperature.unwrap_or(args.sampling.temperature),
-            seed: line.seed.unwrap_or(args.sampling.seed),
-            ..args.sampling.clone()
-        };
-        request.max_tokens = line.max_tokens.unwrap_or(args.max_tokens);
-        request.stop_strings = args.stop.clone();
-        request.ignore_eos = args.ignore_eos;
-        request.session = line.session;
-        let size = budget_size(line.kv_budget, line.kv_budget_tokens);
-        request.kv_eviction = match (line.kv_policy, size) {
-            (None, None) => args.eviction.eviction(request.sampling.seed)?,
-            (policy, size) => {
-                let policy = match policy {
-                    Some(p) => p
-                        .parse()
-                        .map_err(|e| anyhow::anyhow!("{}: kv_policy: {e}", args.file.display()))?,
-                    None => args.eviction.kv_policy,
-                };
-                args.eviction
-                    .eviction_with(policy, size, request.sampling.seed)?
-            }
-        };
-        requests.push(request);
-    }
-    let prompts: Vec<Vec<u32>> = requests.iter().map(|r| r.prompt.clone()).collect();
+    })?);
     let started = Instant::now();
-    let streams = requests
-        .into_iter()
-        .map(|r| engine.submit(r))
-        .collect::<Result<Vec<_>, _>>()?;
-    let completions = streams
-        .into_iter()
-        .map(|s| s.wait())
-        .collect::<Result<Vec<Completion>, _>>()?;
-    let elapsed = started.elapsed().as_secs_f64();
-    let mut generated = 0usize;
-    for (c, prompt) in completions.iter().zip(&prompts) {
-        generated += c.token_ids.len();
-        let out = Output::new(prompt, c);
-        println!("{}", serde_json::to_string(&out)?);
+    let mut outcomes = Vec::with_capacity(lines.len());
+    let mut ids = Vec::new();
+    for line in &lines {
+        let submitted = line
+            .request
+            .clone()
+            .map_err(anyhow::Error::msg)
+            .and_then(|request| make_request(&engine, &args, request))
+            .and_then(|request| {
+                let prompt = request.prompt.clone();
+                let stream = engine.submit(request)?;
+                ids.push(stream.id());
+                Ok((prompt, stream))
+            });
+        outcomes.push(submitted);
     }
+    let cancel = engine.clone();
+    crate::interrupt::cancel_on_ctrl_c(move || {
+        for &id in &ids {
+            cancel.cancel(id);
+        }
+    })?;
+    let (mut failed, mut cancelled, mut generated) = (0usize, false, 0usize);
+    let mut prompt_tokens = 0usize;
+    for (line, outcome) in lines.iter().zip(outcomes) {
+        let finished = outcome.and_then(|(prompt, stream)| {
+            let completion = stream.wait()?;
+            Ok((prompt, completion))
+        });
+        match finished {
+            Ok((prompt, c)) => {
+                generated += c.token_ids.len();
+                prompt_tokens += prompt.len();
+                cancelled |= c.finish_reason == FinishReason::Cancelled;
+                outln!("{}", serde_json::to_string(&Output::new(&prompt, &c))?)?;
+            }
+            Err(e) => {
+                failed += 1;
+                let error = format!("{e:#}");
+                let out = FailedLine {
+                    line: line.number,
+                    error: &error,
+                };
+                outln!("{}", serde_json::to_string(&out)?)?;
+            }
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let requests = lines.len();
     engine.shutdown(std::time::Duration::ZERO); // every request has ended: the stats are final
     let stats = engine.stats().batch;
-    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     eprintln!(
-        "{} requests ({prompt_tokens} prompt tokens) in {elapsed:.2} s: {:.2} requests/s, {:.1} output tok/s ({generated} tokens), {} preemptions, {} KV blocks of {}",
-        prompts.len(),
-        prompts.len() as f64 / elapsed,
+        "{requests} requests ({prompt_tokens} prompt tokens) in {elapsed:.2} s: {:.2} requests/s, {:.1} output tok/s ({generated} tokens), {} preemptions, {} KV blocks of {}",
+        requests as f64 / elapsed,
         generated as f64 / elapsed,
         stats.preemptions,
         engine.info().num_blocks,
@@ -146,5 +135,57 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
             stats.compaction_micros as f64 / 1e3 / stats.compactions as f64,
         );
     }
+    if cancelled {
+        return Err(crate::interrupt::Interrupted.into());
+    }
+    if failed > 0 {
+        bail!(
+            "{failed} of {requests} requests of {} failed (their lines say why)",
+            args.file.display()
+        );
+    }
     Ok(())
+}
+
+/// The requests file's bytes, refused past [`MAX_REQUESTS_FILE_BYTES`].
+fn read_requests_file(path: &std::path::Path) -> Result<Vec<u8>> {
+    let file = std::fs::File::open(path)
+        .with_context(|| format!("cannot read prompts file {}", path.display()))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_REQUESTS_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("cannot read prompts file {}", path.display()))?;
+    anyhow::ensure!(
+        bytes.len() as u64 <= MAX_REQUESTS_FILE_BYTES,
+        "prompts file {} is longer than {MAX_REQUESTS_FILE_BYTES} bytes",
+        path.display()
+    );
+    Ok(bytes)
+}
+
+/// The engine request of one line, with the flags for what the line leaves out.
+fn make_request(engine: &Engine, args: &BatchArgs, line: RequestLine) -> Result<Request> {
+    let mut request = Request::new(engine.text_prompt(&line.prompt)?);
+    request.sampling = SamplingParams {
+        temperature: line.temperature.unwrap_or(args.sampling.temperature),
+        seed: line.seed.unwrap_or(args.sampling.seed),
+        ..args.sampling.clone()
+    };
+    request.max_tokens = line.max_tokens.unwrap_or(args.max_tokens);
+    request.stop_strings = args.stop.clone();
+    request.ignore_eos = args.ignore_eos;
+    request.session = line.session;
+    let size = budget_size(line.kv_budget, line.kv_budget_tokens);
+    request.kv_eviction = match (line.kv_policy, size) {
+        (None, None) => args.eviction.eviction(request.sampling.seed)?,
+        (policy, size) => {
+            let policy = match policy {
+                Some(p) => p.parse().map_err(|e| anyhow::anyhow!("kv_policy: {e}"))?,
+                None => args.eviction.kv_policy,
+            };
+            args.eviction
+                .eviction_with(policy, size, request.sampling.seed)?
+        }
+    };
+    Ok(request)
 }

@@ -257,11 +257,11 @@ impl ModelTask for Bench {
             decode_tok_s: decode,
         };
         if args.json {
-            println!("{}", serde_json::to_string(&report)?);
+            outln!("{}", serde_json::to_string(&report)?)?;
         } else {
-            println!("device   {}", report.device);
-            println!("model    {}", report.model);
-            println!(
+            outln!("device   {}", report.device)?;
+            outln!("model    {}", report.model)?;
+            outln!(
                 "pp{:<6} {:8.1} tok/s (median of {}; runs {:?})",
                 report.prompt_tokens,
                 report.prefill_tok_s_median,
@@ -271,8 +271,8 @@ impl ModelTask for Bench {
                     .iter()
                     .map(|x| (x * 10.0).round() / 10.0)
                     .collect::<Vec<_>>()
-            );
-            println!(
+            )?;
+            outln!(
                 "tg{:<6} {:8.1} tok/s from context {} (median of {}; runs {:?})",
                 report.gen_tokens,
                 report.decode_tok_s_median,
@@ -283,7 +283,7 @@ impl ModelTask for Bench {
                     .iter()
                     .map(|x| (x * 10.0).round() / 10.0)
                     .collect::<Vec<_>>()
-            );
+            )?;
         }
         Ok(())
     }

@@ -118,7 +118,7 @@ pub fn run(args: EvalKvArgs) -> Result<()> {
             if args.plot.is_some() {
                 plot::means(&rows)?;
             }
-            print_header(args.json);
+            print_header(args.json)?;
             for row in &rows {
                 print_row(row, args.json)?;
             }
@@ -172,20 +172,27 @@ fn read_rows(path: &Path) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-fn print_header(json: bool) {
+fn print_header(json: bool) -> Result<()> {
     if !json {
-        println!(
+        outln!(
             "{:<28} {:<10} {:>6} {:>9} {:>9} {:>9} {:>8}",
-            "text", "policy", "budget", "kv_tokens", "nll", "ppl", "agree"
-        );
+            "text",
+            "policy",
+            "budget",
+            "kv_tokens",
+            "nll",
+            "ppl",
+            "agree"
+        )?;
     }
+    Ok(())
 }
 
 fn print_row(row: &Row, json: bool) -> Result<()> {
     if json {
-        println!("{}", serde_json::to_string(row)?);
+        outln!("{}", serde_json::to_string(row)?)?;
     } else {
-        println!(
+        outln!(
             "{:<28} {:<10} {:>6.2} {:>9} {:>9.4} {:>9.3} {:>8.3}{}",
             row.text.chars().take(28).collect::<String>(),
             row.policy,
@@ -197,7 +204,7 @@ fn print_row(row: &Row, json: bool) -> Result<()> {
             row.rouge_l
                 .map(|r| format!(" rouge_l {r:.3}"))
                 .unwrap_or_default()
-        );
+        )?;
     }
     Ok(())
 }
@@ -236,7 +243,7 @@ fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
         max_pending: configs.len() + 1,
         ..EngineConfig::new(args.model.options()?)
     })?;
-    print_header(args.json);
+    print_header(args.json)?;
     let mut rows = Vec::new();
     for path in &args.text {
         let name = path

@@ -2,11 +2,12 @@
 
 use crate::eviction::KvPolicyArgs;
 use crate::runtime::{KvArgs, ModelArgs, SamplingArgs};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use serde::Serialize;
-use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use turbo_engine::limits::ReadError;
 use turbo_engine::{ChatMessage, Engine, EngineConfig, KvSize};
 use turbo_scheduler::{Completion, Event, FinishReason, Request, Timings};
 
@@ -111,21 +112,20 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         "--kv-blocks, --kv-cache-gb and --kv-cache-fraction size the persistent batch of \
          --prompts-file; a single prompt runs with room for one full context"
     );
-    let prompt = match (&args.prompt, &args.prompt_file) {
-        (Some(p), _) => p.clone(),
-        (None, Some(f)) => std::fs::read_to_string(f)
-            .with_context(|| format!("cannot read prompt file {}", f.display()))?,
-        (None, None) => unreachable!("clap requires one of them"),
-    };
     let model = args.model.options()?;
     // One request: room for one full context, prefilled in chunks of 512 tokens.
-    let engine = Engine::start(EngineConfig {
+    let engine = Arc::new(Engine::start(EngineConfig {
         kv: KvSize::Contexts(1),
         max_batch: 1,
         max_batched_tokens: 512,
         prefill_chunk: 512,
         ..EngineConfig::new(model)
-    })?;
+    })?);
+    let prompt = match (&args.prompt, &args.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => read_prompt_file(f, engine.info().max_prompt_bytes)?,
+        (None, None) => unreachable!("clap requires one of them"),
+    };
     let ids = if args.chat {
         engine.chat_prompt(&[ChatMessage::new("user", prompt)])?
     } else {
@@ -140,41 +140,44 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         ..Request::new(ids.clone())
     };
     let mut stream = engine.submit(request)?;
-    let mut stdout = std::io::stdout().lock();
-    let mut closed = false;
+    let id = stream.id();
+    let cancel = engine.clone();
+    crate::interrupt::cancel_on_ctrl_c(move || {
+        cancel.cancel(id);
+    })?;
     let completion = loop {
         match stream.blocking_next() {
-            Some(Event::Text(text)) if !args.json && !closed => {
-                // A closed stdout (e.g. `| head`) cancels generation.
-                if stdout
-                    .write_all(text.as_bytes())
-                    .and_then(|_| stdout.flush())
-                    .is_err()
-                {
-                    closed = true;
-                    stream.cancel();
-                }
-            }
+            // A closed stdout (e.g. `| head`) ends the command; dropping the stream cancels
+            // generation.
+            Some(Event::Text(text)) if !args.json => out!("{text}")?,
             Some(Event::Finished(c)) => break c,
             Some(Event::Failed(e)) => bail!(e),
             Some(_) => {}
             None => bail!("the engine stopped before the request ended"),
         }
     };
-    if closed {
-        return Ok(());
-    }
-    let written = if args.json {
-        let out = Output::new(&ids, &completion);
-        writeln!(stdout, "{}", serde_json::to_string(&out)?)
+    if args.json {
+        outln!(
+            "{}",
+            serde_json::to_string(&Output::new(&ids, &completion))?
+        )?;
     } else {
-        writeln!(stdout)
-    };
-    // A reader that went away is not an error of ours.
-    if let Err(e) = written {
-        if e.kind() != std::io::ErrorKind::BrokenPipe {
-            return Err(e).context("cannot write the output");
-        }
+        outln!()?;
+    }
+    if completion.finish_reason == FinishReason::Cancelled {
+        return Err(crate::interrupt::Interrupted.into());
     }
     Ok(())
+}
+
+/// The prompt in `path`, refused without reading further once it is longer than `limit` bytes
+/// (more than the context holds) or is not UTF-8.
+pub fn read_prompt_file(path: &Path, limit: u64) -> Result<String> {
+    turbo_engine::limits::read_file_bounded(path, limit).map_err(|e| match e {
+        ReadError::TooLong { limit } => anyhow::anyhow!(
+            "prompt file {} is longer than {limit} bytes, more than the model's context holds",
+            path.display()
+        ),
+        e => anyhow::anyhow!("cannot read prompt file {}: {e}", path.display()),
+    })
 }

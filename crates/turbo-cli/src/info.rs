@@ -13,38 +13,40 @@ pub struct InfoArgs {
 pub fn run(args: InfoArgs) -> Result<()> {
     let m = args.model.options()?.load()?;
     let c = &m.config;
-    println!("model        {}", m.path.display());
-    println!("format       {}", m.format);
-    println!("layers       {}", c.n_layers);
-    println!("hidden       {}", c.hidden_size);
-    println!("ffn          {}", c.intermediate_size);
-    println!(
+    outln!("model        {}", m.path.display())?;
+    outln!("format       {}", m.format)?;
+    outln!("layers       {}", c.n_layers)?;
+    outln!("hidden       {}", c.hidden_size)?;
+    outln!("ffn          {}", c.intermediate_size)?;
+    outln!(
         "heads        {} (KV heads {}, head dim {})",
-        c.n_heads, c.n_kv_heads, c.head_dim
-    );
-    println!("vocab        {}", c.vocab_size);
-    println!("context      {}", c.context_length);
-    println!("rope theta   {}", c.rope_theta);
+        c.n_heads,
+        c.n_kv_heads,
+        c.head_dim
+    )?;
+    outln!("vocab        {}", c.vocab_size)?;
+    outln!("context      {}", c.context_length)?;
+    outln!("rope theta   {}", c.rope_theta)?;
     if let Some(s) = &c.rope_scaling {
-        println!("rope scaling {s:?}");
+        outln!("rope scaling {s:?}")?;
     }
-    println!("rms eps      {}", c.rms_norm_eps);
-    println!("tied embed   {}", c.tie_word_embeddings);
+    outln!("rms eps      {}", c.rms_norm_eps)?;
+    outln!("tied embed   {}", c.tie_word_embeddings)?;
     let types: Vec<String> = m
         .tensor_types()
         .iter()
         .map(|(t, n)| format!("{t} x{n}"))
         .collect();
-    println!("matrices     {}", types.join(", "));
+    outln!("matrices     {}", types.join(", "))?;
     let params = c.parameter_count();
-    println!("parameters   {params} ({:.1}M)", params as f64 / 1e6);
-    println!(
+    outln!("parameters   {params} ({:.1}M)", params as f64 / 1e6)?;
+    outln!(
         "chat template {}",
         if m.chat_template.is_some() {
             "yes"
         } else {
             "no (ChatML fallback)"
         }
-    );
+    )?;
     Ok(())
 }

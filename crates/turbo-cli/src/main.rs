@@ -1,5 +1,7 @@
 //! `turbo`: chat with, run, inspect and benchmark LLaMA-family models.
 
+#[macro_use]
+mod output;
 mod batch;
 mod bench;
 mod chat;
@@ -7,6 +9,7 @@ mod eval_kv;
 mod eviction;
 mod generate;
 mod info;
+mod interrupt;
 mod plot;
 mod runtime;
 mod serve;
@@ -47,12 +50,14 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TURBO_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
@@ -64,8 +69,19 @@ fn main() -> ExitCode {
         Some(Command::Bench(args)) => bench::run(args),
         Some(Command::EvalKv(args)) => eval_kv::run(args),
     };
+    exit_code(result)
+}
+
+/// How a command's outcome ends the process: a reader that went away ends it quietly with
+/// success (its output was not wanted any more), Ctrl-C with 130, any other error with one line
+/// on stderr and 1.
+fn exit_code(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if output::is_closed_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) if e.downcast_ref::<interrupt::Interrupted>().is_some() => {
+            ExitCode::from(interrupt::EXIT_CODE)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

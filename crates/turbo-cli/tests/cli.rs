@@ -2,100 +2,12 @@
 //! a non-zero exit and a one-line `error: ...` that says what is wrong (never a panic), and the
 //! happy paths must produce what scripts rely on.
 
-use std::io::Write;
+mod common;
+
+use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
 use turbo_tests::files::{gguf_metadata, gguf_tensors, gguf_writer};
-use turbo_tests::{write_gguf, write_hf, DType, TinySpec, TinyWeights};
-
-fn turbo(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_turbo"))
-        .args(args)
-        .env_remove("TURBO_LOG")
-        .env("RAYON_NUM_THREADS", "2")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the turbo binary runs");
-    let mut input = child.stdin.take().unwrap();
-    if let Some(text) = stdin {
-        input.write_all(text.as_bytes()).unwrap();
-    }
-    drop(input);
-    child.wait_with_output().unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-/// Runs `turbo args` and checks it fails with a single `error:` line containing `phrase`.
-#[track_caller]
-fn expect_error(args: &[&str], phrase: &str) -> String {
-    let out = turbo(args, None);
-    let stderr = text(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "turbo {args:?} succeeded; stderr: {stderr}"
-    );
-    assert!(
-        !stderr.contains("panicked"),
-        "turbo {args:?} panicked: {stderr}"
-    );
-    let line = stderr.trim_end_matches('\n');
-    assert!(
-        !line.contains('\n'),
-        "turbo {args:?}: stderr is not one line:\n{stderr}"
-    );
-    assert!(
-        line.starts_with("error: "),
-        "turbo {args:?}: stderr does not start with 'error: ': {stderr}"
-    );
-    assert!(
-        line.contains(phrase),
-        "turbo {args:?}: stderr does not mention {phrase:?}: {stderr}"
-    );
-    eprintln!("{line}");
-    line.to_string()
-}
-
-/// A failure whose message clap owns (usage errors): non-zero and no panic is all we ask.
-#[track_caller]
-fn expect_usage_error(args: &[&str]) {
-    let out = turbo(args, None);
-    let stderr = text(&out.stderr);
-    assert!(!out.status.success(), "turbo {args:?} succeeded");
-    assert!(!stderr.contains("panicked"), "turbo {args:?}: {stderr}");
-    assert!(!stderr.trim().is_empty(), "turbo {args:?}: no message");
-}
-
-fn spec(context: usize) -> TinySpec {
-    TinySpec {
-        context,
-        seed: 3,
-        ..TinySpec::default()
-    }
-}
-
-/// A temporary directory holding `tiny.gguf` (Q8_0, the given context).
-fn gguf_fixture(context: usize) -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    let s = spec(context);
-    write_gguf(&path, &s, &TinyWeights::random(&s), DType::Q8_0);
-    (dir, path)
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
-}
-
-fn generate_args<'a>(model: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec!["generate", "--model", model, "--prompt", "hi"];
-    args.extend_from_slice(extra);
-    args
-}
+use turbo_tests::{write_hf, DType, TinySpec, TinyWeights};
 
 #[test]
 fn missing_model_path() {
@@ -638,8 +550,18 @@ fn prompts_file_runs_every_request_in_input_order() {
     }
     assert!(text(&out.stderr).contains("requests/s"));
 
-    std::fs::write(&file, "{\"prompt\": \"ok\"}\nnot json\n").unwrap();
-    expect_error(&args, "line 2");
+    // A malformed line fails alone, with its line number; the command fails at the end.
+    std::fs::write(&file, "{\"prompt\": \"ok\", \"max_tokens\": 1}\nnot json\n").unwrap();
+    let out = turbo(&args, None);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert_eq!(rows[1]["line"], 2);
+    assert!(text(&out.stderr).contains("error: 1 of 2 requests"));
 }
 
 #[test]

@@ -25,6 +25,15 @@ pub enum EngineError {
     /// The model's chat template did not compile when the engine started.
     #[error("{0}")]
     Template(String),
+    #[error(
+        "the prompt is {bytes} bytes of text, more than a prompt within the model's context of \
+         {context} tokens can be ({limit} bytes)"
+    )]
+    PromptTextTooLong {
+        bytes: u64,
+        limit: u64,
+        context: usize,
+    },
     #[error("the engine thread stopped before the model was loaded")]
     Stopped,
 }

@@ -72,6 +72,9 @@ pub struct EngineInfo {
     pub max_pending: usize,
     /// What a request may ask (context, vocabulary, KV cache size).
     pub limits: RequestLimits,
+    /// Longest prompt text, in bytes, worth tokenizing: any longer text is more tokens than
+    /// the context holds (see [`max_prompt_bytes`]), so it is refused before tokenizing.
+    pub max_prompt_bytes: u64,
 }
 
 /// A snapshot of the engine, published after every step.
@@ -132,11 +135,19 @@ impl Engine {
     /// Loads the model and starts the engine thread; returns once the model is on the device
     /// and the KV cache is made (or why it could not be).
     pub fn start(config: EngineConfig) -> Result<Engine, EngineError> {
-        if config.max_batch == 0 || config.prefill_chunk == 0 || config.max_pending == 0 {
-            return Err(EngineError::Config(
-                "the batch size, prefill chunk and queue bound must be positive".into(),
-            ));
-        }
+        use crate::limits::{check_positive, MAX_BATCH, MAX_BATCHED_TOKENS};
+        check_positive("the batch size", config.max_batch, MAX_BATCH)?;
+        check_positive(
+            "the tokens per step",
+            config.max_batched_tokens.max(1),
+            MAX_BATCHED_TOKENS,
+        )?;
+        check_positive(
+            "the prefill chunk",
+            config.prefill_chunk,
+            MAX_BATCHED_TOKENS,
+        )?;
+        check_positive("the queue bound", config.max_pending, usize::MAX)?;
         config.model.validate()?;
         let shared = Arc::new(Shared {
             pending: AtomicUsize::new(0),
@@ -205,14 +216,35 @@ impl Engine {
 
     /// A conversation as the prompt tokens the model was trained on: rendered with its chat
     /// template, ending with the assistant's turn opened. Special tokens' texts in the messages
-    /// stay text: only the template's markup makes special tokens.
+    /// stay text: only the template's markup makes special tokens. Messages longer in all than
+    /// any prompt the context holds are refused before rendering.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+        let bytes = messages
+            .iter()
+            .map(|m| m.content.len() as u64)
+            .fold(0u64, u64::saturating_add);
+        self.check_prompt_bytes(bytes)?;
         Ok(self.template()?.encode(&self.tokenizer, messages, true)?)
     }
 
-    /// Raw text as prompt tokens, with the BOS token when the model wants one.
+    /// Raw text as prompt tokens, with the BOS token when the model wants one. Text longer
+    /// than any prompt the context holds is refused before tokenizing.
     pub fn text_prompt(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        self.check_prompt_bytes(text.len() as u64)?;
         Ok(self.tokenizer.encode_with_bos(text)?)
+    }
+
+    /// Refuses prompt text of `bytes` bytes when it cannot fit the context.
+    pub fn check_prompt_bytes(&self, bytes: u64) -> Result<(), EngineError> {
+        let limit = self.info.max_prompt_bytes;
+        if bytes > limit {
+            return Err(EngineError::PromptTextTooLong {
+                bytes,
+                limit,
+                context: self.info.context_length,
+            });
+        }
+        Ok(())
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -466,6 +498,7 @@ impl ModelTask for EngineThread {
                     block_size: info.block_size,
                     num_blocks,
                 },
+                max_prompt_bytes: max_prompt_bytes(&tokenizer, info.context_length),
             };
             let batch = PersistentBatch::new(model, tokenizer.clone(), batch_config)?;
             Ok::<_, EngineError>((batch, (engine_info, tokenizer, template)))
@@ -551,4 +584,20 @@ fn model_id(path: &std::path::Path) -> String {
     name.strip_suffix(".gguf")
         .map(str::to_string)
         .unwrap_or(name)
+}
+
+/// Longest prompt text that can still fit a context of `context` tokens: no token stands for
+/// more than the longest token's bytes, with a factor of 4 for normalizers that shrink text
+/// (NFKC folding, dropped characters), capped at [`crate::limits::MAX_PROMPT_BYTES`].
+fn max_prompt_bytes(tokenizer: &TextTokenizer, context: usize) -> u64 {
+    let longest = (0..tokenizer.vocab_size() as u32)
+        .filter_map(|id| tokenizer.token_bytes(id).ok())
+        .map(|b| b.len() as u64)
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    (context as u64)
+        .saturating_mul(longest)
+        .saturating_mul(4)
+        .min(crate::limits::MAX_PROMPT_BYTES)
 }

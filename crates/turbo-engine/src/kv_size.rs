@@ -28,17 +28,51 @@ pub enum KvSize {
 
 impl KvSize {
     /// KV blocks for `model`. Refuses sizes that are not positive, a fraction outside (0, 1],
-    /// and sizes below one block.
+    /// sizes below one block, and explicit sizes (blocks, bytes) past the device's free memory;
+    /// sizes derived from the model's context (room for N contexts, the CPU default) are cut to
+    /// [`DEFAULT_GPU_KV_FRACTION`] of free memory instead, so that a model declaring a huge
+    /// context still runs, its requests bounded by the cache.
     pub fn num_blocks<B: Backend>(
         &self,
         model: &Llama<B>,
         info: &LoadedModelInfo,
     ) -> Result<usize, EngineError> {
         let block_size = info.block_size;
-        let block_bytes = model.kv_spec(block_size, 1).bytes_per_token() / 4
-            * model.backend().kv_element_bytes()
-            * block_size;
+        let block_bytes = (model.kv_spec(block_size, 1).bytes_per_token() / 4)
+            .checked_mul(model.backend().kv_element_bytes())
+            .and_then(|b| b.checked_mul(block_size))
+            .filter(|&b| b > 0)
+            .ok_or_else(|| {
+                EngineError::Config(format!("a KV block of {block_size} tokens is too large"))
+            })?;
+        let free = model.backend().free_memory();
+        let backend = model.backend().name();
         let config = |m: String| Err(EngineError::Config(m));
+        // Explicit sizes past free memory are refused, naming what they need.
+        let at_most_free = |blocks: usize, what: String| -> Result<usize, EngineError> {
+            let bytes = (blocks as u128) * (block_bytes as u128);
+            match free {
+                Some(free) if bytes > free as u128 => config(format!(
+                    "{what} needs {bytes} bytes of KV, more than the {free} bytes free on \
+                     {backend}"
+                )),
+                _ => Ok(blocks),
+            }
+        };
+        // Sizes derived from the context fit in memory instead.
+        let cut_to_free = |blocks: usize, what: &str| -> usize {
+            let Some(free) = free else { return blocks };
+            let fits = ((free as f64 * DEFAULT_GPU_KV_FRACTION) / block_bytes as f64) as usize;
+            if blocks > fits {
+                tracing::warn!(
+                    "{what} needs {blocks} KV blocks; {fits} fit in {DEFAULT_GPU_KV_FRACTION} of \
+                     the {free} bytes free, so longer sequences are refused"
+                );
+                fits.max(1)
+            } else {
+                blocks
+            }
+        };
         let from_bytes = |bytes: f64, what: String| -> Result<usize, EngineError> {
             let blocks = (bytes / block_bytes as f64).floor();
             if blocks < 1.0 {
@@ -49,32 +83,30 @@ impl KvSize {
             Ok(blocks.min(u32::MAX as f64) as usize)
         };
         let fraction_of_free = |f: f64, what: String| -> Result<usize, EngineError> {
-            let Some(free) = model.backend().free_memory() else {
+            let Some(free) = free else {
                 return config(format!(
-                    "{what}: {} does not report its free memory; give the KV cache's size in \
-                     blocks or bytes",
-                    model.backend().name()
+                    "{what}: {backend} does not report its free memory; give the KV cache's size \
+                     in blocks or bytes"
                 ));
             };
             from_bytes(f * free as f64, format!("{what} of {free} free bytes"))
         };
-        match *self {
+        let blocks = match *self {
             KvSize::Blocks(0) => config("the KV cache needs at least one block".into()),
             KvSize::Blocks(n) if u32::try_from(n).is_err() => config(format!(
                 "{n} KV blocks is more than the {} allowed",
                 u32::MAX
             )),
-            KvSize::Blocks(n) => Ok(n),
+            KvSize::Blocks(n) => at_most_free(n, format!("a KV cache of {n} blocks")),
+            KvSize::Contexts(0) => {
+                config("the KV cache needs room for at least one sequence".into())
+            }
             KvSize::Contexts(n) => {
                 let blocks = info.context_length.div_ceil(block_size).saturating_mul(n);
-                match blocks {
-                    0 => config("the KV cache needs room for at least one sequence".into()),
-                    b if u32::try_from(b).is_err() => config(format!(
-                        "{n} contexts of KV is more than {} blocks",
-                        u32::MAX
-                    )),
-                    b => Ok(b),
-                }
+                Ok(cut_to_free(
+                    blocks.min(u32::MAX as usize),
+                    &format!("room for {n} contexts of {} tokens", info.context_length),
+                ))
             }
             KvSize::Bytes(bytes) => {
                 if !(bytes.is_finite() && bytes > 0.0) {
@@ -82,7 +114,13 @@ impl KvSize {
                         "the KV cache size must be a positive number of bytes, got {bytes}"
                     ));
                 }
-                from_bytes(bytes, format!("a KV cache of {bytes} bytes"))
+                let what = format!("a KV cache of {bytes} bytes");
+                match free {
+                    Some(free) if bytes > free as f64 => config(format!(
+                        "{what} is more than the {free} bytes free on {backend}"
+                    )),
+                    _ => from_bytes(bytes, what),
+                }
             }
             KvSize::Fraction(f) => {
                 if !(f > 0.0 && f <= 1.0) {
@@ -101,9 +139,13 @@ impl KvSize {
                 _ => {
                     let tokens = cpu_tokens_per_slot.min(info.context_length);
                     let blocks = tokens.div_ceil(block_size).saturating_mul(cpu_slots);
-                    Ok(blocks.clamp(1, u32::MAX as usize))
+                    Ok(cut_to_free(
+                        blocks.clamp(1, u32::MAX as usize),
+                        &format!("room for {cpu_slots} sequences of {tokens} tokens"),
+                    ))
                 }
             },
-        }
+        }?;
+        Ok(blocks)
     }
 }

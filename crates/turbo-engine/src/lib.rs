@@ -14,7 +14,9 @@ mod device;
 mod error;
 mod handle;
 mod kv_size;
+pub mod limits;
 pub mod load;
+pub mod requests_file;
 
 pub use device::Device;
 pub use error::{EngineError, SubmitError};

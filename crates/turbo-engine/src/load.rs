@@ -83,18 +83,27 @@ pub trait ModelTask {
 }
 
 impl ModelOptions {
-    /// Refuses settings that can never work, before anything is loaded.
+    /// Refuses settings that can never work or that are past what this machine and the code can
+    /// hold ([`crate::limits`]), before anything is loaded.
     pub fn validate(&self) -> Result<(), EngineError> {
-        let positive = [
-            ("threads", self.threads),
-            ("block size", Some(self.block_size)),
-            ("context", self.context),
-            ("KV allocation chunk", self.kv_alloc_chunk),
-        ];
-        match positive.iter().find(|(_, v)| *v == Some(0)) {
-            Some((name, _)) => Err(EngineError::Config(format!("the {name} must be positive"))),
-            None => Ok(()),
+        use crate::limits::{check_positive, max_threads, MAX_BLOCK_SIZE, MAX_CONTEXT};
+        if let Some(threads) = self.threads {
+            let cores = max_threads();
+            if threads > cores {
+                return Err(EngineError::Config(format!(
+                    "{threads} threads is more than the {cores} CPUs of this machine"
+                )));
+            }
+            check_positive("the thread count", threads, cores)?;
         }
+        check_positive("the block size", self.block_size, MAX_BLOCK_SIZE)?;
+        if let Some(context) = self.context {
+            check_positive("the context", context, MAX_CONTEXT)?;
+        }
+        if let Some(chunk) = self.kv_alloc_chunk {
+            check_positive("the KV allocation chunk", chunk, u32::MAX as usize)?;
+        }
+        Ok(())
     }
 
     /// The model's path, fetching the default model if none was given.
@@ -121,6 +130,13 @@ impl ModelOptions {
                 );
             }
             loaded.config.context_length = context;
+        } else if loaded.config.context_length > crate::limits::MAX_CONTEXT {
+            tracing::warn!(
+                "the model declares a context of {} tokens; sequences are limited to {}",
+                loaded.config.context_length,
+                crate::limits::MAX_CONTEXT
+            );
+            loaded.config.context_length = crate::limits::MAX_CONTEXT;
         }
         Ok(loaded)
     }

@@ -237,6 +237,13 @@ impl Live {
         }
     }
 
+    /// Sends the request's last event even when its sink says the client stopped listening:
+    /// a request cancelled by its id (not by its client leaving) still hears how it ended.
+    fn send_terminal(&mut self, event: Event) {
+        self.events.send(event);
+        self.connected = false;
+    }
+
     fn completion(&self, finish_reason: FinishReason) -> Completion {
         let ms = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64() * 1e3;
         let now = Instant::now();
@@ -615,8 +622,9 @@ impl<B: Backend> PersistentBatch<B> {
             }
         }
         while let Some(i) = self.waiting.iter().position(|l| !l.connected) {
-            let live = self.waiting.remove(i).expect("found above");
+            let mut live = self.waiting.remove(i).expect("found above");
             self.release(&live, false)?;
+            live.send_terminal(Event::Finished(live.completion(FinishReason::Cancelled)));
             report.ended += 1;
         }
         // Requests that waited too long for their first admission (a preempted one has started
@@ -1006,7 +1014,7 @@ impl<B: Backend> PersistentBatch<B> {
         let mut live = self.slots[slot].take().expect("an occupied slot");
         self.release(&live, true)?;
         let completion = live.completion(reason);
-        live.send(Event::Finished(completion));
+        live.send_terminal(Event::Finished(completion));
         Ok(())
     }
 

@@ -126,9 +126,9 @@ impl ModelTask for MultiRound {
             uncached: per_round(&uncached),
         };
         if self.json {
-            println!("{}", serde_json::to_string(&report)?);
+            outln!("{}", serde_json::to_string(&report)?)?;
         } else {
-            print_table(&report);
+            print_table(&report)?;
         }
         Ok(())
     }
@@ -210,18 +210,26 @@ fn per_round(runs: &[Vec<Round>]) -> Vec<RoundReport> {
         .collect()
 }
 
-fn print_table(report: &Report) {
-    println!("device   {}", report.device);
-    println!("model    {}", report.model);
-    println!(
+fn print_table(report: &Report) -> Result<()> {
+    outln!("device   {}", report.device)?;
+    outln!("model    {}", report.model)?;
+    outln!(
         "{} rounds of ~{} user tokens, {} generated tokens each; TTFT median of {} conversations",
-        report.rounds, report.user_tokens, report.gen_tokens, report.repeats
-    );
-    println!("round  prompt tokens  cached tokens  TTFT cached (ms)  TTFT uncached (ms)");
+        report.rounds,
+        report.user_tokens,
+        report.gen_tokens,
+        report.repeats
+    )?;
+    outln!("round  prompt tokens  cached tokens  TTFT cached (ms)  TTFT uncached (ms)")?;
     for (c, u) in report.cached.iter().zip(&report.uncached) {
-        println!(
+        outln!(
             "{:>5}  {:>13}  {:>13}  {:>16.1}  {:>18.1}",
-            c.round, c.prompt_tokens, c.cached_tokens, c.ttft_ms_median, u.ttft_ms_median
-        );
+            c.round,
+            c.prompt_tokens,
+            c.cached_tokens,
+            c.ttft_ms_median,
+            u.ttft_ms_median
+        )?;
     }
+    Ok(())
 }

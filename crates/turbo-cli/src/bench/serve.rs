@@ -84,7 +84,7 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
     config.timeout = Some(crate::runtime::seconds("--timeout", args.timeout)?);
     config.ignore_eos = !args.honor_eos;
     let report = turbo_loadgen::run_blocking(&config)?;
-    print!("{}", report.table());
+    out!("{}", report.table())?;
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("cannot write {}", path.display()))?;

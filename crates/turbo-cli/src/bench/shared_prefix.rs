@@ -135,9 +135,9 @@ impl ModelTask for SharedPrefix {
             unshared,
         };
         if self.json {
-            println!("{}", serde_json::to_string(&report)?);
+            outln!("{}", serde_json::to_string(&report)?)?;
         } else {
-            print_table(&report);
+            print_table(&report)?;
         }
         Ok(())
     }
@@ -248,10 +248,10 @@ fn summarize(sharing: bool, mut runs: Vec<Run>) -> (Variant, Vec<Vec<u32>>) {
     (variant, outputs)
 }
 
-fn print_table(r: &Report) {
-    println!("device   {}", r.device);
-    println!("model    {}", r.model);
-    println!(
+fn print_table(r: &Report) -> Result<()> {
+    outln!("device   {}", r.device)?;
+    outln!("model    {}", r.model)?;
+    outln!(
         "{} requests: a {}-token shared system prompt + {} distinct tokens each, {} generated; \
          {} slots, {} tokens per step, {} KV blocks of {} tokens",
         r.requests,
@@ -262,57 +262,59 @@ fn print_table(r: &Report) {
         r.max_batched_tokens,
         r.kv_blocks,
         r.block_size
-    );
+    )?;
     let (s, u) = (&r.shared, &r.unshared);
-    let row = |name: &str, a: String, b: String| println!("{name:<24} {a:>12} {b:>12}");
-    row("", "shared".into(), "unshared".into());
+    let row = |name: &str, a: String, b: String| outln!("{name:<24} {a:>12} {b:>12}");
+    row("", "shared".into(), "unshared".into())?;
     row(
         "prompt tokens",
         s.prompt_tokens.to_string(),
         u.prompt_tokens.to_string(),
-    );
+    )?;
     row(
         "prefill tokens run",
         s.prefill_tokens_run.to_string(),
         u.prefill_tokens_run.to_string(),
-    );
+    )?;
     row(
         "cached prompt tokens",
         s.cached_prompt_tokens.to_string(),
         u.cached_prompt_tokens.to_string(),
-    );
+    )?;
     row(
         "KV blocks (peak)",
         s.kv_blocks_peak.to_string(),
         u.kv_blocks_peak.to_string(),
-    );
+    )?;
     row(
         "preemptions",
         s.preemptions.to_string(),
         u.preemptions.to_string(),
-    );
+    )?;
     row(
         "wall time (s)",
         format!("{:.2}", s.wall_s_median),
         format!("{:.2}", u.wall_s_median),
-    );
+    )?;
     row(
         "TTFT mean (ms)",
         format!("{:.0}", s.ttft_ms_mean),
         format!("{:.0}", u.ttft_ms_mean),
-    );
+    )?;
     row(
         "TTFT median (ms)",
         format!("{:.0}", s.ttft_ms_median),
         format!("{:.0}", u.ttft_ms_median),
-    );
+    )?;
     row(
         "output tok/s",
         format!("{:.1}", s.output_tok_s),
         format!("{:.1}", u.output_tok_s),
-    );
-    println!(
+    )?;
+    outln!(
         "same generated tokens with and without sharing: {}/{}",
-        r.same_outputs, r.requests
-    );
+        r.same_outputs,
+        r.requests
+    )?;
+    Ok(())
 }
