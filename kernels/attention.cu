@@ -855,7 +855,9 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
                                             float* __restrict__ part_o, float* __restrict__ part_lse,
                                             uint32_t* __restrict__ counters,
                                             __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out,
-                                            const uint32_t* __restrict__ logit_at, float* __restrict__ logits) {
+                                            const uint32_t* __restrict__ logit_at, float* __restrict__ logits,
+                                            int layer, float* __restrict__ score_lse,
+                                            float2* __restrict__ part_score) {
     static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
     constexpr int KSTEPS = HD / 16;            // k-steps of Q·Kᵀ
     constexpr int NT = HD / 8;                 // 8-wide n-tiles of the output
@@ -878,12 +880,28 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     const int nh = min(DEC_ROWS, group - DEC_ROWS * sub);
     const uint32_t* table = tables + it2.x;
     const size_t slot_stride = (size_t)n_kv_heads * HD;
-    // Where this row's logits go (LOGITS only): [head][stride] f32 from logit_base, or nowhere.
+    // Where this row's logits go (LOGITS only): [head][stride] f32 from logit_base, or nowhere;
+    // and the scoring policy's f that turns each logit x into what is written: x (softmax) or
+    // (x + g) / tau with g the key's Gumbel draw for this (row, layer, head).
     uint32_t logit_base = ATTN_NO_STATE, logit_stride = 0;
+    bool noisy = false;
+    float inv_tau = 1.f;
+    unsigned long long gumbel_base = 0ull;
     if constexpr (LOGITS) {
-        logit_base = logit_at[2 * token];
-        logit_stride = logit_at[2 * token + 1];
+        const uint4 la = reinterpret_cast<const uint4*>(logit_at)[2 * token];
+        logit_base = la.x;
+        logit_stride = la.y;
+        if (logit_base != ATTN_NO_STATE && la.z == 2u) {
+            const uint4 lb = reinterpret_cast<const uint4*>(logit_at)[2 * token + 1];
+            noisy = true;
+            inv_tau = 1.f / __uint_as_float(la.w);
+            gumbel_base = score_gumbel_base((unsigned long long)lb.x | ((unsigned long long)lb.y << 32), lb.z,
+                                            (unsigned)layer);
+        }
     }
+    // Each thread's running (max, sum of exp) of f over the keys it wrote, rows g and g + 8
+    // (natural log domain): the normaliser logsumexp_j f(x_j) of the eviction scores.
+    float fm[2] = {attn_neg_inf(), attn_neg_inf()}, fl[2] = {0.f, 0.f};
     const __nv_bfloat16* kb = k_cache + (size_t)kvh * HD;
     const __nv_bfloat16* vb = v_cache + (size_t)kvh * HD;
 
@@ -970,17 +988,34 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             pf_mma(s[1], qa[ks], b[2], b[3]);
         }
         if constexpr (LOGITS) {
-            // The scaled logits x = scale q.k of this row's scored keys, for the eviction scores.
+            // f(x) of this row's scored keys, x = scale q.k, for the eviction scores.
             if (logit_base != ATTN_NO_STATE) {
+                float y[2][4];
 #pragma unroll
                 for (int n = 0; n < 2; n++) {
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const uint32_t key = base + (uint32_t)(8 * n + 2 * t + (e & 1));
                         const int r = g + 8 * (e >> 1);
+                        y[n][e] = attn_neg_inf();
                         if (key < k1 && r < nh) {
-                            logits[(size_t)logit_base + (size_t)(h0 + r) * logit_stride + key] = s[n][e] * scale;
+                            float v = s[n][e] * scale;
+                            if (noisy) v = (v + score_gumbel_at(gumbel_base, (unsigned)(h0 + r), key)) * inv_tau;
+                            logits[(size_t)logit_base + (size_t)(h0 + r) * logit_stride + key] = v;
+                            y[n][e] = v;
                         }
+                    }
+                }
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const float mx = fmaxf(fmaxf(fm[h], fmaxf(y[0][2 * h], y[0][2 * h + 1])),
+                                           fmaxf(y[1][2 * h], y[1][2 * h + 1]));
+                    if (mx != attn_neg_inf()) {
+                        float sum = fl[h] * __expf(fm[h] - mx);  // 0 while fm is -inf
+#pragma unroll
+                        for (int n = 0; n < 2; n++) sum += __expf(y[n][2 * h] - mx) + __expf(y[n][2 * h + 1] - mx);
+                        fm[h] = mx;
+                        fl[h] = sum;
                     }
                 }
             }
@@ -1058,8 +1093,47 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             dst[8 * n + 1] = o[n][2 * h + 1];
         }
     }
+    // The normaliser's (max, sum) of each row over this CTA's keys: a quad holds a row's keys,
+    // the warps' through shared memory (after the output states).
+    float* const sm_fm = sm_l + DEC_WARPS * DEC_ROWS;  // [warp][row]
+    float* const sm_fl = sm_fm + DEC_WARPS * DEC_ROWS;  // [warp][row]
+    if constexpr (LOGITS) {
+        if (logit_base != ATTN_NO_STATE) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float mq = fmaxf(fm[h], __shfl_xor_sync(0xffffffffu, fm[h], 1));
+                mq = fmaxf(mq, __shfl_xor_sync(0xffffffffu, mq, 2));
+                float lq = mq == attn_neg_inf() ? 0.f : fl[h] * __expf(fm[h] - mq);
+                lq += __shfl_xor_sync(0xffffffffu, lq, 1);
+                lq += __shfl_xor_sync(0xffffffffu, lq, 2);
+                if (t == 0) {
+                    sm_fm[warp * DEC_ROWS + g + 8 * h] = mq;
+                    sm_fl[warp * DEC_ROWS + g + 8 * h] = lq;
+                }
+            }
+        }
+    }
     __syncthreads();
     const bool direct = state == ATTN_NO_STATE;
+    if constexpr (LOGITS) {
+        if (logit_base != ATTN_NO_STATE && tid < nh) {
+            float mx = attn_neg_inf();
+#pragma unroll
+            for (int w = 0; w < DEC_WARPS; w++) mx = fmaxf(mx, sm_fm[w * DEC_ROWS + tid]);
+            float sum = 0.f;
+#pragma unroll
+            for (int w = 0; w < DEC_WARPS; w++) {
+                const float mw = sm_fm[w * DEC_ROWS + tid];
+                if (mw != attn_neg_inf()) sum += sm_fl[w * DEC_ROWS + tid] * __expf(mw - mx);
+            }
+            const size_t head = (size_t)(h0 + tid);
+            if (direct) {
+                score_lse[(size_t)token * (size_t)n_heads + head] = sum > 0.f ? mx + logf(sum) : attn_neg_inf();
+            } else {
+                part_score[(size_t)state * (size_t)n_heads + head] = make_float2(mx, sum);
+            }
+        }
+    }
     for (int idx = tid; idx < nh * HD; idx += DEC_THREADS) {
         const int r = idx / HD, d = idx % HD;
         float mx = attn_neg_inf();
@@ -1095,6 +1169,22 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     if (!attn_last_range(counters, it2.y, it2.w)) return;
     attn_merge_row<HD, DEC_THREADS, DEC_MERGE_UNROLL(HD)>(part_o, part_lse, it2.y, it2.z, n_heads, h0, nh, token,
                                                           out, lse_out, reinterpret_cast<float*>(pf_dyn_smem));
+    if constexpr (LOGITS) {
+        // And the normaliser's (max, sum) pairs (other CTAs' writes: read from L2, after the
+        // acquire in attn_last_range).
+        if (logit_base != ATTN_NO_STATE && tid < nh) {
+            const size_t head = (size_t)(h0 + tid);
+            float mx = attn_neg_inf(), sum = 0.f;
+            for (uint32_t i = 0; i < it2.z; i++) {
+                const float2 p = __ldcg(part_score + (size_t)(it2.y + i) * (size_t)n_heads + head);
+                if (p.x == attn_neg_inf()) continue;
+                const float nm = fmaxf(mx, p.x);
+                sum = sum * __expf(mx - nm) + p.y * __expf(p.x - nm);
+                mx = nm;
+            }
+            score_lse[(size_t)token * (size_t)n_heads + head] = sum > 0.f ? mx + logf(sum) : attn_neg_inf();
+        }
+    }
 }
 
 #define ATTN_DECODE_KERNEL(HD)                                                                            \
@@ -1106,7 +1196,7 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
         uint32_t* __restrict__ counters, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) { \
         attn_decode<HD, false>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size, \
                                block_shift, scale, part_o, part_lse, counters, out, lse_out, nullptr,      \
-                               nullptr);                                                                   \
+                               nullptr, 0, nullptr, nullptr);                                              \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) attn_decode_logits_d##HD(                \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
@@ -1114,15 +1204,19 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
         const uint32_t* __restrict__ items, int n_heads, int group, int n_kv_heads, int block_size,      \
         int block_shift, float scale, float* __restrict__ part_o, float* __restrict__ part_lse,          \
         uint32_t* __restrict__ counters, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out,   \
-        const uint32_t* __restrict__ logit_at, float* __restrict__ logits) {                              \
+        const uint32_t* __restrict__ logit_at, float* __restrict__ logits, int layer,                     \
+        float* __restrict__ score_lse, float2* __restrict__ part_score) {                                 \
         attn_decode<HD, true>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size, \
                               block_shift, scale, part_o, part_lse, counters, out, lse_out, logit_at,     \
-                              logits);                                                                    \
+                              logits, layer, score_lse, part_score);                                      \
     }
 
-// attn_decode_logits_d*: the same, and for rows whose logit_at entry [2 token] is not
-// ATTN_NO_STATE, each CTA also writes the scaled logits of its keys to
-// logits[logit_at[2 token] + head * logit_at[2 token + 1] + key] (the eviction scores' input, so
-// that scoring a decode step reads no key twice).
+// attn_decode_logits_d*: the same, and for rows whose logit_at entry (8 words a token: logits
+// offset, row stride, function (1 softmax, 2 Gumbel softmax), tau (f32 bits), seed lo, seed hi,
+// position, unused) has an offset other than ATTN_NO_STATE, each CTA also writes f(x) of its
+// keys' scaled logits x to logits[offset + head * stride + key], and the row's normaliser
+// logsumexp_j f(x_j) per head to score_lse[token][head] (split rows through part_score, merged by
+// the last range): the eviction scores' inputs, so that scoring a decode step reads no key
+// twice and its logits once.
 ATTN_DECODE_KERNEL(64)
 ATTN_DECODE_KERNEL(128)

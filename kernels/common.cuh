@@ -112,3 +112,44 @@ __device__ __forceinline__ int pf_swz(int r, int c) {
     return r * HD + ((c ^ (r & 7)) << 3);
 }
 
+// ---- KV eviction noise, shared by the scoring kernels (scores.cu) and the decode attention
+// kernel that scores its rows as it goes (attention.cu).
+
+__device__ __forceinline__ unsigned long long score_mix(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// turbo_keyformer::gumbel(seed, step, layer, head, key): -ln(-ln(u)), u in (0, 1) from a
+// splitmix64 hash of the counter (bit for bit), then the two logs. The hash chains (seed),
+// (step, layer), (head, key): score_gumbel_base hashes the first two links once per query row,
+// score_gumbel_at the last per key.
+//
+// The logs are the hardware's fast ones (__logf: one MUFU.LG2 each, against ~20 instructions
+// for logf), as the noise is drawn for every (row, head, key) and dominated the scoring time.
+// -ln(u) for u near 1 would lose most of its digits to __logf's absolute error (2^-21.4), so
+// there it is the series of -ln(1 - t) in t = 1 - u (exact): t + t^2/2 + t^3/3 + t^4/4, whose
+// relative error is below t^4/5 < 1.2e-8 for t < 2^-6. Elsewhere |ln u| >= 2^-6 and __logf's
+// error is below 2.3e-5 of it, so the draw differs from the CPU's (libm logs in f32) by at most
+// ~2.5e-5 absolute: far below the noise's spread (pi / sqrt 6), and rounding-sized in the
+// scores the CPU and GPU tests compare.
+#define SCORE_GAMMA 0x9E3779B97F4A7C15ull
+__device__ __forceinline__ unsigned long long score_gumbel_base(unsigned long long seed, unsigned step,
+                                                                unsigned layer) {
+    const unsigned long long h = score_mix(seed ^ SCORE_GAMMA);
+    return score_mix(h ^ (((unsigned long long)step << 32) | (unsigned long long)layer) ^ SCORE_GAMMA);
+}
+
+__device__ __forceinline__ float score_gumbel_at(unsigned long long base, unsigned head, unsigned key) {
+    const unsigned long long h = score_mix(base ^ (((unsigned long long)head << 32) | (unsigned long long)key) ^ SCORE_GAMMA);
+    const unsigned m = (unsigned)(h >> 41);  // u = (2m + 1) 2^-24
+    const float t = __uint2float_rn(0xFFFFFFu - 2u * m) * 0x1p-24f;  // 1 - u, exact
+    float e;  // -ln(u)
+    if (t < 0x1p-6f) {
+        e = t * fmaf(t, fmaf(t, fmaf(t, 0.25f, 1.f / 3.f), 0.5f), 1.f);
+    } else {
+        e = -__logf(__uint2float_rn(2u * m + 1u) * 0x1p-24f);
+    }
+    return -__logf(e);
+}

@@ -35,45 +35,6 @@
 #define SCORE_MAX_GROUP 8
 #define SCORE_MAX_HD 256
 
-__device__ __forceinline__ unsigned long long score_mix(unsigned long long z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-// turbo_keyformer::gumbel(seed, step, layer, head, key): -ln(-ln(u)), u in (0, 1) from a
-// splitmix64 hash of the counter (bit for bit), then the two logs. The hash chains (seed),
-// (step, layer), (head, key): score_gumbel_base hashes the first two links once per query row,
-// score_gumbel_at the last per key.
-//
-// The logs are the hardware's fast ones (__logf: one MUFU.LG2 each, against ~20 instructions
-// for logf), as the noise is drawn for every (row, head, key) and dominated the scoring time.
-// -ln(u) for u near 1 would lose most of its digits to __logf's absolute error (2^-21.4), so
-// there it is the series of -ln(1 - t) in t = 1 - u (exact): t + t^2/2 + t^3/3 + t^4/4, whose
-// relative error is below t^4/5 < 1.2e-8 for t < 2^-6. Elsewhere |ln u| >= 2^-6 and __logf's
-// error is below 2.3e-5 of it, so the draw differs from the CPU's (libm logs in f32) by at most
-// ~2.5e-5 absolute: far below the noise's spread (pi / sqrt 6), and rounding-sized in the
-// scores the CPU and GPU tests compare.
-#define SCORE_GAMMA 0x9E3779B97F4A7C15ull
-__device__ __forceinline__ unsigned long long score_gumbel_base(unsigned long long seed, unsigned step,
-                                                                unsigned layer) {
-    const unsigned long long h = score_mix(seed ^ SCORE_GAMMA);
-    return score_mix(h ^ (((unsigned long long)step << 32) | (unsigned long long)layer) ^ SCORE_GAMMA);
-}
-
-__device__ __forceinline__ float score_gumbel_at(unsigned long long base, unsigned head, unsigned key) {
-    const unsigned long long h = score_mix(base ^ (((unsigned long long)head << 32) | (unsigned long long)key) ^ SCORE_GAMMA);
-    const unsigned m = (unsigned)(h >> 41);  // u = (2m + 1) 2^-24
-    const float t = __uint2float_rn(0xFFFFFFu - 2u * m) * 0x1p-24f;  // 1 - u, exact
-    float e;  // -ln(u)
-    if (t < 0x1p-6f) {
-        e = t * fmaf(t, fmaf(t, fmaf(t, 0.25f, 1.f / 3.f), 0.5f), 1.f);
-    } else {
-        e = -__logf(__uint2float_rn(2u * m + 1u) * 0x1p-24f);
-    }
-    return -__logf(e);
-}
-
 struct ScoreSpan {
     unsigned q_start, n_q, kv_len, table_start, function;
     float tau;
@@ -539,59 +500,17 @@ extern "C" __global__ void kv_score_gather(float* __restrict__ out, const unsign
 
 // ------------------------------------------------------------------------------------------------
 // Scores from logits: the spans whose rows the decode attention kernel computed with
-// attn_decode_logits_d*, which wrote their scaled logits x = scale q.k to `logits` (span s's rows
-// at `row_base`, [row][n_heads][kv_len], each row filling the keys it sees). Two kernels, reading
-// no key, with launch shapes fixed by the step's row count alone (so that a recorded decode step
-// replays them whatever its key counts):
-//   kv_score_logit_lse  one CTA per (scored row, query head): rewrites each logit as f(x) in place
-//                       (where f is not the identity) and writes the row's normaliser
-//                       logsumexp_j f(x_j) to lse
+// attn_decode_logits_d*, which wrote f(x) of their scaled logits x = scale q.k to `logits` (span
+// s's rows at `row_base`, [row][n_heads][kv_len], each row filling the keys it sees) and each
+// row's normaliser logsumexp_j f(x_j) to `lse` ([token][n_heads]). One kernel, reading no key,
+// with a launch shape fixed by the step's row count alone (so that a recorded decode step replays
+// it whatever its key counts):
 //   kv_score_logit_add  one CTA per (span, part of its keys, KV head), its keys cut into `parts`
 //                       equal ranges: each thread sums, for its keys, exp(f(x) - lse) over the
 //                       rows and query heads that see the key and adds that into the key's score
 //                       (a key written in this step starts from 0). No atomics.
-// Tables: spans as above, with row_base the span's logits offset and partial_base its first row
-// in lse (padding spans are all zeros);
-//   lrows [n][2]  span (SCORE_NO_SPAN for padding), row within the span
+// Tables: spans as above, with row_base the span's logits offset (padding spans are all zeros).
 #define LOGIT_THREADS 256
-#define SCORE_NO_SPAN 0xffffffffu
-
-extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
-    kv_score_logit_lse(float* __restrict__ logits, const unsigned* __restrict__ spans,
-                       const unsigned* __restrict__ lrows, const unsigned* __restrict__ positions,
-                       float* __restrict__ lse, int n_heads, int layer) {
-    __shared__ float red[LOGIT_THREADS / TURBO_WARP];
-    const unsigned s = lrows[2 * blockIdx.x], r = lrows[2 * blockIdx.x + 1];
-    if (s == SCORE_NO_SPAN) return;
-    const int h = blockIdx.y;
-    const ScoreSpan p = score_span(spans, s);
-    const unsigned seen = p.kv_len - p.n_q + r + 1;  // keys row r sees
-    float* row = logits + (size_t)p.row_base + ((size_t)r * n_heads + h) * p.kv_len;
-    const bool noisy = p.function == 2;
-    const float inv_tau = 1.f / p.tau;
-    const unsigned long long base =
-        noisy ? score_gumbel_base(p.seed, positions[p.q_start + r], (unsigned)layer) : 0ull;
-    float m = -INFINITY;
-    for (unsigned j = threadIdx.x; j < seen; j += LOGIT_THREADS) {
-        float y = row[j];
-        if (noisy) {
-            y = (y + score_gumbel_at(base, (unsigned)h, j)) * inv_tau;
-            row[j] = y;  // f(x) differs from x only with noise
-        }
-        m = fmaxf(m, y);
-    }
-    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
-    const float wm = warp_max(m);
-    if (lane == 0) red[warp] = wm;
-    __syncthreads();
-    float bm = red[0];
-    for (int w = 1; w < LOGIT_THREADS / TURBO_WARP; w++) bm = fmaxf(bm, red[w]);
-    // Each thread reads back only what it wrote above.
-    float l = 0.f;
-    for (unsigned j = threadIdx.x; j < seen; j += LOGIT_THREADS) l += __expf(row[j] - bm);
-    const float total = block_sum(l);
-    if (threadIdx.x == 0) lse[((size_t)p.partial_base + r) * n_heads + h] = bm + logf(total);
-}
 
 extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
     kv_score_logit_add(const float* __restrict__ logits, float* __restrict__ scores,
@@ -611,7 +530,7 @@ extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
         float inc = 0.f;
         for (unsigned r = r0; r < p.n_q; r++) {
             const float* y = logits + (size_t)p.row_base + ((size_t)r * n_heads + (size_t)g * group) * p.kv_len + j;
-            const float* row_lse = lse + ((size_t)p.partial_base + r) * n_heads + (size_t)g * group;
+            const float* row_lse = lse + ((size_t)p.q_start + r) * n_heads + (size_t)g * group;
             for (int h = 0; h < group; h++) inc += __expf(y[(size_t)h * p.kv_len] - row_lse[h]);
         }
         const size_t at = score_slot(tables, p, j, block_size) * n_kv_heads + g;

@@ -135,7 +135,7 @@ fn bench(c: &mut Criterion) {
                     let mut next = caches.iter().cycle();
                     time_gpu(&dev, iters, || {
                         let (k, v) = next.next().unwrap();
-                        plan.run(&dev, &q, k, v, 0.088, &mut out, None).unwrap()
+                        plan.run(&dev, &q, k, v, 0.088, &mut out, None, 0).unwrap()
                     })
                 })
             });
@@ -146,11 +146,11 @@ fn bench(c: &mut Criterion) {
         // host work sits between them.
         const LAYERS: u32 = 32;
         let (k, v) = &caches[0];
-        plan.run(&dev, &q, k, v, 0.088, &mut out, None).unwrap(); // module load, smem opt-in
+        plan.run(&dev, &q, k, v, 0.088, &mut out, None, 0).unwrap(); // module load, smem opt-in
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .unwrap();
         for (k, v) in caches.iter().cycle().take(LAYERS as usize) {
-            plan.run(&dev, &q, k, v, 0.088, &mut out, None).unwrap();
+            plan.run(&dev, &q, k, v, 0.088, &mut out, None, 0).unwrap();
         }
         let step = s
             .end_capture(CUgraphInstantiate_flags(0))
@@ -247,7 +247,7 @@ fn bench(c: &mut Criterion) {
             g.bench_function(format!("{name}_causal_s{n}_h32_d128"), |b| {
                 b.iter_custom(|iters| {
                     time_gpu(&dev, iters, || {
-                        plan.run(&dev, &q, &k, &v, 0.088, &mut out, None).unwrap()
+                        plan.run(&dev, &q, &k, &v, 0.088, &mut out, None, 0).unwrap()
                     })
                 })
             });
@@ -579,7 +579,7 @@ fn bench_cascade(c: &mut Criterion) {
                 g.bench_function(format!("{name}_prefix{prefix}_b{batch}"), |b| {
                     b.iter_custom(|iters| {
                         time_gpu(&dev, iters, || {
-                            plan.run(&dev, &q, &k, &v, 0.088, &mut out, None).unwrap()
+                            plan.run(&dev, &q, &k, &v, 0.088, &mut out, None, 0).unwrap()
                         })
                     })
                 });

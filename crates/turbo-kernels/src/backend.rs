@@ -3,10 +3,10 @@
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::ops;
-use crate::ops::attention::{AttentionPlan, KvLayout, KvSplit, PlanOptions};
+use crate::ops::attention::{AttentionPlan, KvLayout, KvSplit, LogitScoring, PlanOptions};
 use crate::ops::elementwise::CompactShape;
 use crate::ops::gemv::{gemv_fits, GemvNorm, GemvOut, QkvRopeOut};
-use crate::ops::scores::{FixedScoring, ScoreGeometry, ScorePlan};
+use crate::ops::scores::{self, FixedScoring, ScoreGeometry, ScorePlan};
 use cudarc::driver::sys::CUstreamCaptureMode;
 use cudarc::driver::{CudaGraph, CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
@@ -560,10 +560,11 @@ impl Backend for CudaBackend {
             .map_err(|_| unsupported("poisoned".into()))?
             .take();
         // Scored decode rows have the attention kernel write their logits for the scores.
-        let want_logits: Vec<bool> = layout
+        let logit_scoring: Vec<Option<LogitScoring>> = layout
             .scoring
             .iter()
-            .map(|c| c.is_some_and(|c| c.function.needs_scores()))
+            .zip(layout.spans)
+            .map(|(c, span)| c.and_then(|c| scores::logit_scoring(span, &c, layout.positions)))
             .collect();
         let (plan, plan_moved) = AttentionPlan::new_reusing(
             &self.dev,
@@ -573,7 +574,7 @@ impl Backend for CudaBackend {
             layout.spans,
             spec.max_blocks,
             options,
-            &want_logits,
+            &logit_scoring,
             old,
         )?;
         moved |= plan_moved;
@@ -1057,7 +1058,7 @@ impl Backend for CudaBackend {
             layer,
             geometry,
             scale,
-            attention.logits_mut(),
+            attention.scored_logits(),
         )?)
     }
 
@@ -1214,7 +1215,16 @@ impl Backend for CudaBackend {
             BackendError::Unsupported("attention over a batch that was never prepared".into())
         })?;
         let (keys, values) = cache.layer(layer);
-        Ok(plan.run(&self.dev, &q.data, keys, values, scale, &mut out.data, None)?)
+        Ok(plan.run(
+            &self.dev,
+            &q.data,
+            keys,
+            values,
+            scale,
+            &mut out.data,
+            None,
+            layer,
+        )?)
     }
 
     /// Free device memory as the driver reports it (`cuMemGetInfo` in this device's context),

@@ -33,7 +33,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use turbo_attention::{PagedKv, QuerySpan};
 use turbo_kernels::ops::attention::{
-    paged_attention, paged_attention_with, AttentionPlan, KvLayout, KvSplit, PlanOptions,
+    paged_attention, paged_attention_with, AttentionPlan, KvLayout, KvSplit, LogitScoring,
+    PlanOptions,
     PrefillKernel, RowKernel, PREFILL_MIN_ROWS,
 };
 use turbo_kernels::CudaDevice;
@@ -610,7 +611,7 @@ fn plans_run_repeatedly() {
                 gpu.poison(&dev);
                 let with_lse = run != 1;
                 let lse = with_lse.then_some(&mut gpu.lse);
-                plan.run(&dev, &gpu.q, &gpu.k, &gpu.v, scale, &mut gpu.out, lse)
+                plan.run(&dev, &gpu.q, &gpu.k, &gpu.v, scale, &mut gpu.out, lse, 0)
                     .unwrap();
                 let out = to_f32(&dev.stream.clone_dtoh(&gpu.out).unwrap());
                 let lse = with_lse.then(|| dev.stream.clone_dtoh(&gpu.lse).unwrap());
@@ -1045,12 +1046,17 @@ fn cascade_shared_prefixes() {
     }
 }
 
-/// Decode rows asked for their logits (KV eviction scoring) get `scale q.k` of every key they see,
+/// Decode rows asked for their logits (KV eviction scoring) get f(x) of x = `scale q.k` for every
+/// key they see (x for H2O's softmax, (x + g) / tau for Keyformer's, g the CPU's Gumbel draw of
+/// the row's position, the layer, head and key) and per head the normaliser logsumexp_j f(x_j),
 /// against an f64 reference, for whole spans of the grouped kernel only, with the attention
-/// output unchanged under every split (a fixed split too: recorded decode steps score from logits);
-/// spans not asked for and prefill spans write none.
+/// output unchanged under every split (a fixed split too: recorded decode steps score from
+/// logits); spans not asked for and prefill spans write none.
 /// Tolerance: the kernel's dot products are f32 sums of exact bf16 products (the same as f64 up
-/// to summation rounding, ~1e-6 relative to Σ|q_i k_i| <= head_dim), so 1e-4 absolute.
+/// to summation rounding, ~1e-6 relative to Σ|q_i k_i| <= head_dim), so 1e-4 absolute; the
+/// kernel's noise uses fast logs (within 2.5e-5 of the CPU's, see kernels/common.cuh), divided
+/// by tau >= 1: 2e-4 absolute for f(x); the normaliser is an f32 sum of fast exps over up to
+/// 3000 keys: 1e-4 relative to its sum, 2e-4 absolute in the log.
 #[test]
 fn decode_rows_write_their_logits() {
     require_gpu!();
@@ -1070,7 +1076,14 @@ fn decode_rows_write_their_logits() {
             ],
             seed,
         };
-        let want = [true, true, true, false, true];
+        let gumbel = LogitScoring::GumbelSoftmax {
+            tau: 1.5,
+            seed: 0x5eed + seed,
+            position: 4000,
+        };
+        let soft = Some(LogitScoring::Softmax);
+        let want = [soft, Some(gumbel), soft, None, Some(gumbel)];
+        let layer = 3u32;
         let p = Problem::new(&case);
         let mut gpu = Device::upload(&dev, &p);
         let scale = 1.0 / (head_dim as f32).sqrt();
@@ -1108,16 +1121,19 @@ fn decode_rows_write_their_logits() {
                 scale,
                 &mut gpu.out,
                 Some(&mut gpu.lse),
+                layer as usize,
             )
             .unwrap();
             let out = to_f32(&dev.stream.clone_dtoh(&gpu.out).unwrap());
             let lse = dev.stream.clone_dtoh(&gpu.lse).unwrap();
             let what = format!("{case:?}, {split:?}, logits");
             compare(&what, &p, (&out, Some(&lse)), (&ref_out, &ref_lse));
-            let logits = dev.stream.clone_dtoh(plan.logits_mut()).unwrap();
+            let (logits, normalisers) = plan.scored_logits();
+            let logits = dev.stream.clone_dtoh(logits).unwrap();
+            let normalisers = dev.stream.clone_dtoh(normalisers).unwrap();
             let group = case.n_heads / case.n_kv_heads;
             for (s, span) in spans.iter().enumerate() {
-                let expect = want[s] && span.n_q < PREFILL_MIN_ROWS;
+                let expect = want[s].is_some() && span.n_q < PREFILL_MIN_ROWS;
                 let base = plan.logit_base(s);
                 assert_eq!(base.is_some(), expect, "{what}: span {s} logits {base:?}");
                 let Some(base) = base else { continue };
@@ -1125,6 +1141,7 @@ fn decode_rows_write_their_logits() {
                     let token = span.q_start + r;
                     for h in 0..case.n_heads {
                         let qr = &p.q[(token * case.n_heads + h) * head_dim..][..head_dim];
+                        let mut fs = Vec::new();
                         for j in 0..span.kv_len - span.n_q + r + 1 {
                             let bs = case.block_size;
                             let slot = span.block_table[j / bs] as usize * bs + j % bs;
@@ -1135,14 +1152,39 @@ fn decode_rows_write_their_logits() {
                                 .zip(kr)
                                 .map(|(a, b)| a.to_f64() * b.to_f64())
                                 .sum();
-                            let want = dot * scale as f64;
+                            let x = dot * scale as f64;
+                            let want = match want[s] {
+                                Some(LogitScoring::GumbelSoftmax {
+                                    tau,
+                                    seed,
+                                    position,
+                                }) => {
+                                    let g = turbo_keyformer::gumbel(
+                                        seed,
+                                        position + r as u32,
+                                        layer,
+                                        h as u32,
+                                        j as u32,
+                                    );
+                                    (x + g as f64) / tau as f64
+                                }
+                                _ => x,
+                            };
+                            fs.push(want);
                             let at = base as usize + (r * case.n_heads + h) * span.kv_len + j;
                             let got = logits[at] as f64;
                             assert!(
-                                (got - want).abs() <= 1e-4,
+                                (got - want).abs() <= 2e-4,
                                 "{what}: span {s} row {r} head {h} key {j}: {got} vs {want}"
                             );
                         }
+                        let m = fs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let lse = m + fs.iter().map(|f| (f - m).exp()).sum::<f64>().ln();
+                        let got = normalisers[token * case.n_heads + h] as f64;
+                        assert!(
+                            (got - lse).abs() <= 2e-4,
+                            "{what}: span {s} row {r} head {h} normaliser: {got} vs {lse}"
+                        );
                     }
                 }
             }

@@ -313,14 +313,30 @@ fn grouped_logits_kernel(head_dim: usize) -> Option<&'static str> {
 /// beside the KV cache.
 pub const MAX_LOGITS: usize = 1 << 26;
 
-/// Where the row kernel writes the scaled logits `scale q.k` of the rows asked for (the KV
-/// eviction scores' input): span `s`'s are `[row][n_heads][kv_len]` f32 from `bases[s]`, each row
-/// filling the keys it sees.
+/// What the decode kernel writes of a span's logits x = scale q.k for the KV eviction scores:
+/// f(x), and per row and head the normaliser logsumexp_j f(x_j) (turbo_keyformer's score
+/// functions: Keyformer's Gumbel noise is drawn in the kernel, by the same counter as the CPU's).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LogitScoring {
+    /// f(x) = x (H2O).
+    Softmax,
+    /// f(x) = (x + g) / tau, g the Gumbel draw of (seed, the row's position, layer, head, key);
+    /// the span's first row is at `position`, the next ones follow.
+    GumbelSoftmax { tau: f32, seed: u64, position: u32 },
+}
+
+/// Words per query row of the logit table (`kernels/attention.cu`, attn_decode_logits_d*).
+const LOGIT_WORDS: usize = 8;
+
+/// Where the row kernel writes f(x) of the logits of the rows asked for (the KV eviction scores'
+/// input): span `s`'s are `[row][n_heads][kv_len]` f32 from `bases[s]`, each row filling the keys
+/// it sees; and each row's normalisers.
 #[derive(Debug)]
 struct LogitRows {
     /// Per span, the offset of its logits in the buffer, or `None` (not written).
     bases: Vec<Option<u32>>,
-    /// Per query row, its logits' offset and row stride (`NO_STATE` for none): `[n_tokens][2]`.
+    /// Per query row, [`LOGIT_WORDS`] words: its logits' offset (`NO_STATE` for none), row stride,
+    /// function, tau, seed and position.
     at: Range<usize>,
 }
 
@@ -373,6 +389,10 @@ pub struct AttentionPlan {
     logit_rows: Option<LogitRows>,
     /// The logits of `logit_rows` (one element when unused).
     logits: CudaSlice<f32>,
+    /// `[n_tokens][n_heads]` normalisers of the rows of `logit_rows`, and their partial
+    /// (max, sum) pairs per state slot of split rows (one element each when unused).
+    score_lse: CudaSlice<f32>,
+    part_score: CudaSlice<f32>,
     /// `[slot][n_heads][head_dim]` and `[slot][n_heads]` partial states (one element when unused).
     part_o: CudaSlice<f32>,
     part_lse: CudaSlice<f32>,
@@ -430,10 +450,11 @@ impl AttentionPlan {
     /// are large enough; also says whether any buffer was replaced (which a recorded launch of
     /// the earlier plan would not follow).
     ///
-    /// `want_logits` (per span, or empty) asks for the scaled logits of a span's rows: the plan
-    /// writes them for the spans the grouped decode kernel computes whole (fewer than
-    /// [`PREFILL_MIN_ROWS`] rows, head_dim 64 or 128, up to 2^26 logits in all;
-    /// such spans then take no part in cascade), see [`AttentionPlan::logit_base`].
+    /// `logit_scoring` (per span, or empty) asks for f(x) of the scaled logits of a span's rows
+    /// and their normalisers: the plan writes them for the spans the grouped decode kernel
+    /// computes whole (fewer than [`PREFILL_MIN_ROWS`] rows, head_dim 64 or 128, up to 2^26
+    /// logits in all; such spans then take no part in cascade), see
+    /// [`AttentionPlan::logit_base`] and [`AttentionPlan::scored_logits`].
     #[allow(clippy::too_many_arguments)]
     pub fn new_reusing(
         dev: &CudaDevice,
@@ -443,7 +464,7 @@ impl AttentionPlan {
         spans: &[QuerySpan],
         n_blocks: usize,
         options: PlanOptions,
-        want_logits: &[bool],
+        logit_scoring: &[Option<LogitScoring>],
         reuse: Option<AttentionPlan>,
     ) -> Result<(Self, bool)> {
         let KvLayout {
@@ -613,7 +634,7 @@ impl AttentionPlan {
         if grouped.is_some() {
             for (s, span) in spans.iter().enumerate() {
                 let rows = span.q_start..span.q_start + span.n_q;
-                if want_logits.get(s) != Some(&true)
+                if logit_scoring.get(s).copied().flatten().is_none()
                     || span.n_q == 0
                     || span.n_q >= PREFILL_MIN_ROWS
                     || in_prefill[rows.clone()].iter().any(|&p| p)
@@ -813,13 +834,33 @@ impl AttentionPlan {
         };
         let logit_rows = match has_logits {
             true => {
-                let mut at = vec![NO_STATE; 2 * n_tokens];
+                let mut at = vec![0; LOGIT_WORDS * n_tokens];
+                for t in 0..n_tokens {
+                    at[LOGIT_WORDS * t] = NO_STATE;
+                }
                 for (s, span) in spans.iter().enumerate() {
                     let Some(base) = logit_bases[s] else { continue };
+                    let scoring = logit_scoring[s].expect("spans with logits are scored");
                     for r in 0..span.n_q {
                         let t = span.q_start + r;
-                        at[2 * t] = base + (r * n_heads * span.kv_len) as u32;
-                        at[2 * t + 1] = span.kv_len as u32;
+                        let (function, tau, seed, position) = match scoring {
+                            LogitScoring::Softmax => (1u32, 1.0f32, 0u64, 0u32),
+                            LogitScoring::GumbelSoftmax {
+                                tau,
+                                seed,
+                                position,
+                            } => (2, tau, seed, position.wrapping_add(r as u32)),
+                        };
+                        at[LOGIT_WORDS * t..LOGIT_WORDS * (t + 1)].copy_from_slice(&[
+                            base + (r * n_heads * span.kv_len) as u32,
+                            span.kv_len as u32,
+                            function,
+                            tau.to_bits(),
+                            seed as u32,
+                            (seed >> 32) as u32,
+                            position,
+                            0,
+                        ]);
                     }
                 }
                 Some(LogitRows {
@@ -836,16 +877,18 @@ impl AttentionPlan {
         })?;
 
         let slots = n_states.max(1);
-        let (old_meta, old_o, old_lse, old_counts, old_logits) = match reuse {
+        let (old_meta, old_o, old_lse, old_counts, old_logits, old_score) = match reuse {
             Some(p) => (
                 Some(p.meta),
                 Some(p.part_o),
                 Some(p.part_lse),
                 Some(p.merge_counts),
                 Some(p.logits),
+                Some((p.score_lse, p.part_score)),
             ),
-            None => (None, None, None, None, None),
+            None => (None, None, None, None, None, None),
         };
+        let (old_score_lse, old_part_score) = old_score.unzip();
         let (mut meta_dev, m1) = reuse_or_alloc(dev, old_meta, meta.0.len())?;
         dev.stream
             .memcpy_htod(&meta.0, &mut meta_dev.slice_mut(..meta.0.len()))?;
@@ -854,6 +897,18 @@ impl AttentionPlan {
         // The merge's counts, one per (first state slot, grid.y); zero between launches.
         let (merge_counts, m4) = reuse_or_alloc(dev, old_counts, slots * grid_y)?;
         let (logits, m5) = reuse_or_alloc(dev, old_logits, logit_len)?;
+        let (score_lse, part_score, m6) = match has_logits {
+            true => {
+                let (l, a) = reuse_or_alloc(dev, old_score_lse, n_tokens * n_heads)?;
+                let (p, b) = reuse_or_alloc(dev, old_part_score, 2 * slots * n_heads)?;
+                (l, p, a || b)
+            }
+            false => {
+                let (l, a) = reuse_or_alloc(dev, old_score_lse, 1)?;
+                let (p, b) = reuse_or_alloc(dev, old_part_score, 1)?;
+                (l, p, a || b)
+            }
+        };
         let plan = AttentionPlan {
             layout,
             n_heads,
@@ -867,11 +922,13 @@ impl AttentionPlan {
             rows,
             logit_rows,
             logits,
+            score_lse,
+            part_score,
             part_o,
             part_lse,
             merge_counts,
         };
-        Ok((plan, m1 || m2 || m3 || m4 || m5))
+        Ok((plan, m1 || m2 || m3 || m4 || m5 || m6))
     }
 
     /// The kernels the plan runs prefill spans and the cascade pass with, where it has them.
@@ -888,10 +945,11 @@ impl AttentionPlan {
         self.logit_rows.as_ref()?.bases.get(s).copied().flatten()
     }
 
-    /// The logits written by the last [`AttentionPlan::run`] (see [`AttentionPlan::logit_base`]),
-    /// which the scoring kernels rewrite in place.
-    pub fn logits_mut(&mut self) -> &mut CudaSlice<f32> {
-        &mut self.logits
+    /// What the last [`AttentionPlan::run`] wrote for the eviction scores: f(x) of the logits
+    /// (see [`AttentionPlan::logit_base`]) and the `[n_tokens][n_heads]` normalisers
+    /// logsumexp_j f(x_j) of their rows.
+    pub fn scored_logits(&self) -> (&CudaSlice<f32>, &CudaSlice<f32>) {
+        (&self.logits, &self.score_lse)
     }
 
     /// Query rows whose shared prefix the cascade pass computes (0 without cascade).
@@ -908,9 +966,9 @@ impl AttentionPlan {
             && self.n_blocks <= n_blocks
     }
 
-    /// Runs the planned attention on one layer's cache: `q` and `out` are `[tokens, n_heads,
+    /// Runs the planned attention on layer `layer`'s cache: `q` and `out` are `[tokens, n_heads,
     /// head_dim]` bf16; `lse`, when given, receives `[tokens, n_heads]` natural-log sum-exps of the
-    /// scaled scores.
+    /// scaled scores. The layer seeds Keyformer's noise of rows whose logits are scored.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &mut self,
@@ -921,6 +979,7 @@ impl AttentionPlan {
         scale: f32,
         out: &mut CudaSlice<bf16>,
         mut lse: Option<&mut CudaSlice<f32>>,
+        layer: usize,
     ) -> Result<()> {
         let KvLayout {
             block_size,
@@ -1070,8 +1129,13 @@ impl AttentionPlan {
                 None => b.arg(&null),
             };
             let logit_at = self.logit_rows.as_ref().map(|l| section(&l.at));
+            let layer_i = layer as i32;
             if let Some(at) = &logit_at {
-                b.arg(at).arg(&mut self.logits);
+                b.arg(at)
+                    .arg(&mut self.logits)
+                    .arg(&layer_i)
+                    .arg(&mut self.score_lse)
+                    .arg(&mut self.part_score);
             }
             let cfg = LaunchConfig {
                 grid_dim: (r.n_items as u32, r.grid_y as u32, 1),
@@ -1084,7 +1148,9 @@ impl AttentionPlan {
             // table start is its row's, its row's state slots lie below the scratch's size and
             // its count slot (first slot · grid.y + blockIdx.y) below merge_counts'. With logits
             // (attn_decode_logits_d*), each row's entry names its span's rows × heads × kv_len
-            // floats of the logits buffer, sized to all of them when planning.
+            // floats of the logits buffer, sized to all of them when planning, its normalisers
+            // are its token's n_heads floats of score_lse (n_tokens × n_heads) and its split
+            // states' pairs lie in part_score (2 × slots × n_heads).
             unsafe { b.launch(cfg)? };
         }
 
@@ -1151,7 +1217,7 @@ pub fn paged_attention_with(
     let block_len = layout.block_size * layout.n_kv_heads * layout.head_dim;
     let n_blocks = k_cache.len().min(v_cache.len()) / block_len;
     let mut plan = AttentionPlan::new(dev, layout, n_heads, n_tokens, spans, n_blocks, options)?;
-    plan.run(dev, q, k_cache, v_cache, scale, out, lse)
+    plan.run(dev, q, k_cache, v_cache, scale, out, lse, 0)
 }
 
 /// [`paged_attention`] with an explicit choice of how keys are split among CTAs.

@@ -2,6 +2,7 @@
 //! tiles, the two kernels that add one layer's increments into the cache's scores, and the gather
 //! that reads a sequence's scores back for the host's choice of kept keys.
 
+use super::attention::LogitScoring;
 use super::{check, reuse_or_alloc};
 use crate::device::CudaDevice;
 use crate::error::{CudaError, Result};
@@ -78,10 +79,9 @@ pub struct ScorePlan {
     tables: Range<usize>,
     n_rows: usize,
     n_tiles: usize,
-    /// Spans scored from logits (padded to `n_logit_spans`) and their rows (padded to
-    /// `n_logit_rows`), and how many parts each span's keys are cut into for the increments.
+    /// Spans scored from logits (padded to `n_logit_spans`), their rows (`n_logit_rows`, padded
+    /// with `fixed`), and how many parts each span's keys are cut into for the increments.
     logit_spans: Range<usize>,
-    logit_rows: Range<usize>,
     n_logit_spans: usize,
     n_logit_rows: usize,
     logit_parts: usize,
@@ -89,7 +89,8 @@ pub struct ScorePlan {
     logit_len: usize,
     n_heads: usize,
     tokens: usize,
-    /// `[logit rows, then the other scored rows][n_heads]` normalisers, rewritten by every layer.
+    /// `[scored rows not from logits][n_heads]` normalisers, rewritten by every layer (those of
+    /// rows from logits come from the attention plan).
     lse: CudaSlice<f32>,
     /// Per span `[row][tile][n_heads]` (max, sum) pairs, rewritten by every layer.
     partials: CudaSlice<f32>,
@@ -99,8 +100,6 @@ pub struct ScorePlan {
 const LOGIT_CHUNK: usize = 1024;
 /// Threads of the kernels scoring from logits (`LOGIT_THREADS`).
 const LOGIT_THREADS: u32 = 256;
-/// A padding entry of the logit rows (`SCORE_NO_SPAN`).
-const NO_SPAN: u32 = u32::MAX;
 
 /// Launch shapes of a plan that a recorded decode step replays: every scored span is a decode row
 /// scored from logits, the tables are padded to `rows` spans, and each span's keys are cut into
@@ -142,6 +141,20 @@ fn span_words(
     ]
 }
 
+/// What the attention plan writes for span `span`'s KV scores when it computes the span's
+/// logits (`positions` are the batch's, per token), or `None` when its scoring needs no scores.
+pub fn logit_scoring(span: &QuerySpan, c: &KvScoring, positions: &[u32]) -> Option<LogitScoring> {
+    match c.function {
+        ScoreFunction::None => None,
+        ScoreFunction::Softmax => Some(LogitScoring::Softmax),
+        ScoreFunction::GumbelSoftmax(schedule) => Some(LogitScoring::GumbelSoftmax {
+            tau: schedule.tau(c.iteration, c.total_iterations),
+            seed: c.seed,
+            position: positions.get(span.q_start).copied().unwrap_or(0),
+        }),
+    }
+}
+
 impl ScorePlan {
     /// The plan of the spans whose `scoring` needs scores over a cache of `spec` (empty when none
     /// does); `logit_bases` (per span, or empty) says where the attention plan writes a span's
@@ -180,8 +193,6 @@ impl ScorePlan {
                     && bs > 0),
             || format!("KV scores: {n_heads} heads over {geometry:?}"),
         )?;
-        // Rows scored from logits come first in lse, so that their offsets do not depend on the
-        // rest.
         let logit_row_count: usize = scored
             .iter()
             .filter(|(_, _, b)| b.is_some())
@@ -209,7 +220,6 @@ impl ScorePlan {
         };
         let (mut k_words, mut l_words) = (vec![], vec![]);
         let (mut rows, mut tiles, mut tables) = (vec![], vec![], vec![]);
-        let mut l_rows: Vec<u32> = Vec::new();
         let mut partial_entries = 0usize;
         let mut logit_len = 0usize;
         let mut longest_logit_span = 0usize;
@@ -238,18 +248,13 @@ impl ScorePlan {
             tables.extend_from_slice(&span.block_table[..table_len]);
             match logit_base {
                 Some(base) => {
-                    let i = (l_words.len() / SPAN_WORDS) as u32;
-                    let lse_row = l_rows.len() / 2;
-                    l_words.extend(span_words(span, c, table_start, *base, 0, lse_row));
+                    l_words.extend(span_words(span, c, table_start, *base, 0, 0));
                     logit_len = logit_len.max(*base as usize + span.n_q * n_heads * span.kv_len);
                     longest_logit_span = longest_logit_span.max(span.kv_len);
-                    for r in 0..span.n_q {
-                        l_rows.extend_from_slice(&[i, r as u32]);
-                    }
                 }
                 None => {
                     let i = (k_words.len() / SPAN_WORDS) as u32;
-                    let lse_row = n_logit_rows + rows.len() / 2;
+                    let lse_row = rows.len() / 2;
                     k_words.extend(span_words(
                         span,
                         c,
@@ -270,14 +275,13 @@ impl ScorePlan {
         }
         // Padding: spans of no rows, rows of no span.
         l_words.resize(n_logit_spans * SPAN_WORDS, 0);
-        l_rows.resize(2 * n_logit_rows, NO_SPAN);
         let logit_parts = match fixed {
             Some(f) => f.parts,
             None => longest_logit_span.div_ceil(LOGIT_CHUNK).max(1),
         };
         let (n_rows, n_tiles) = (rows.len() / 2, tiles.len() / 2);
         let partial_len = partial_entries * n_heads * 2;
-        let lse_len = (n_logit_rows + n_rows) * n_heads;
+        let lse_len = n_rows * n_heads;
         check(
             n_rows.max(n_tiles).max(n_logit_rows) <= i32::MAX as usize
                 && n_logit_spans.saturating_mul(logit_parts) <= i32::MAX as usize
@@ -295,7 +299,7 @@ impl ScorePlan {
             host.extend_from_slice(data);
             start..host.len()
         };
-        let (l_spans_r, l_rows_r) = (section(&l_words), section(&l_rows));
+        let l_spans_r = section(&l_words);
         let (spans_r, rows_r, tiles_r) = (section(&k_words), section(&rows), section(&tiles));
         let tables_r = section(&tables);
         let (upload, lse, partials) = match old {
@@ -319,7 +323,6 @@ impl ScorePlan {
             n_rows,
             n_tiles,
             logit_spans: l_spans_r,
-            logit_rows: l_rows_r,
             n_logit_spans,
             n_logit_rows,
             logit_parts,
@@ -339,7 +342,9 @@ impl ScorePlan {
 
     /// Adds `layer`'s increments into `scores` (`[slot][kv head]`), from the step's rotated
     /// queries `q` (`[tokens][n_heads][head_dim]`) and the layer's `keys`, after the step's keys
-    /// were written.
+    /// were written; spans scored from logits from what the attention plan wrote of them
+    /// (`scored_logits`: f(x) of the logits and the `[tokens][n_heads]` normalisers of their rows,
+    /// [`crate::ops::attention::AttentionPlan::scored_logits`]).
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &mut self,
@@ -351,7 +356,7 @@ impl ScorePlan {
         layer: usize,
         geometry: ScoreGeometry,
         scale: f32,
-        logits: &mut CudaSlice<f32>,
+        scored_logits: (&CudaSlice<f32>, &CudaSlice<f32>),
     ) -> Result<()> {
         let ScoreGeometry {
             n_kv_heads,
@@ -377,7 +382,7 @@ impl ScorePlan {
             },
         )?;
         if self.n_logit_rows > 0 {
-            self.run_from_logits(dev, logits, scores, positions, layer, geometry)?;
+            self.run_from_logits(dev, scored_logits, scores, geometry)?;
         }
         if self.n_rows == 0 {
             return Ok(());
@@ -451,42 +456,24 @@ impl ScorePlan {
     fn run_from_logits(
         &mut self,
         dev: &CudaDevice,
-        logits: &mut CudaSlice<f32>,
+        (logits, lse): (&CudaSlice<f32>, &CudaSlice<f32>),
         scores: &mut CudaSlice<f32>,
-        positions: &CudaView<'_, u32>,
-        layer: usize,
         geometry: ScoreGeometry,
     ) -> Result<()> {
-        check(logits.len() >= self.logit_len, || {
-            format!("KV scores: {} logits for {}", logits.len(), self.logit_len)
-        })?;
+        check(
+            logits.len() >= self.logit_len && lse.len() >= self.tokens * self.n_heads,
+            || {
+                format!(
+                    "KV scores: {} logits for {}, {} normalisers for {} tokens",
+                    logits.len(),
+                    self.logit_len,
+                    lse.len(),
+                    self.tokens
+                )
+            },
+        )?;
         let view = |r: &Range<usize>| self.upload.slice(r.clone());
-        let (tables, spans, rows) = (
-            view(&self.tables),
-            view(&self.logit_spans),
-            view(&self.logit_rows),
-        );
-        let (n_heads, layer) = (self.n_heads as i32, layer as i32);
-        let f = dev.function("scores", "kv_score_logit_lse")?;
-        let mut b = dev.stream.launch_builder(&f);
-        b.arg(&mut *logits)
-            .arg(&spans)
-            .arg(&rows)
-            .arg(positions)
-            .arg(&mut self.lse)
-            .arg(&n_heads)
-            .arg(&layer);
-        let cfg = LaunchConfig {
-            grid_dim: (self.n_logit_rows as u32, self.n_heads as u32, 1),
-            block_dim: (LOGIT_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match the kernel's signature; every span's logits were sized by
-        // the attention plan that gave its base (rows × heads × kv_len, checked against the
-        // buffer above), every row entry names a row of its span or is padding, and lse holds
-        // every row's normalisers.
-        unsafe { b.launch(cfg) }?;
-
+        let (tables, spans) = (view(&self.tables), view(&self.logit_spans));
         let ints = [
             self.n_heads,
             geometry.n_kv_heads,
@@ -496,11 +483,11 @@ impl ScorePlan {
         .map(|v| v as i32);
         let f = dev.function("scores", "kv_score_logit_add")?;
         let mut b = dev.stream.launch_builder(&f);
-        b.arg(&*logits)
+        b.arg(logits)
             .arg(scores)
             .arg(&tables)
             .arg(&spans)
-            .arg(&self.lse);
+            .arg(lse);
         for a in &ints {
             b.arg(a);
         }
@@ -513,8 +500,10 @@ impl ScorePlan {
             block_dim: (LOGIT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: as above; padding spans have no rows and return at once, and the block tables
-        // were checked against the cache.
+        // SAFETY: the arguments match the kernel's signature; every span's logits were sized by
+        // the attention plan that gave its base (rows × heads × kv_len, checked against the
+        // buffer above), its rows' normalisers are their tokens' (checked above), padding spans
+        // have no rows and return at once, and the block tables were checked against the cache.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
