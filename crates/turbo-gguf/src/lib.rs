@@ -4,7 +4,8 @@
 //! [`GgufFile`] memory-maps a file and parses only its header, metadata and tensor directory; tensor
 //! data stays in the page cache and is handed out as [`turbo_core::Bytes`] windows. Every count and
 //! offset read from the file is checked against the bytes actually present before it is used, so a
-//! corrupt or truncated file gives a [`GgufError`] rather than a panic or a huge allocation.
+//! corrupt or truncated file gives a [`GgufError`] rather than a panic or a huge allocation. No two
+//! tensors' data may overlap, and messages show keys and names from the file escaped.
 //! [`GgufWriter`] produces files laid out the way llama.cpp writes them, for tests and converters.
 
 mod error;
@@ -12,7 +13,7 @@ mod read;
 mod value;
 mod write;
 
-pub use error::GgufError;
+pub use error::{Escaped, GgufError};
 pub use read::{GgufFile, TensorInfo};
 pub use value::MetaValue;
 pub use write::GgufWriter;

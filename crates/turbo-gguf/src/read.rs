@@ -19,6 +19,9 @@ const MAX_ARRAY_DEPTH: usize = 8;
 /// Fewest bytes of one tensor directory entry (empty name, no dims): bounds the tensor count.
 const MIN_TENSOR_INFO_LEN: usize = 8 + 4 + 4 + 8;
 
+/// Characters of an invalid string shown in its error message.
+const MAX_PREVIEW_CHARS: usize = 64;
+
 /// Fewest bytes of one metadata entry (empty key, one-byte value): bounds the entry count.
 const MIN_KV_LEN: usize = 8 + 4 + 1;
 
@@ -208,7 +211,43 @@ impl GgufFile {
         for info in &file.tensors {
             file.validate(info)?;
         }
+        file.check_disjoint()?;
         Ok(file)
+    }
+
+    /// Rejects tensors whose data overlap: two weights would alias the same bytes, which no
+    /// converter writes (llama.cpp lays tensors out one after the other and refuses anything
+    /// else) and which only a corrupt or crafted file holds. The directory's order is not
+    /// required, only that every byte belongs to at most one tensor.
+    ///
+    /// A tensor of a type whose block layout Turbo does not know has an unknown length; it is
+    /// taken to hold at least its first byte, so it may not start inside another tensor or at
+    /// another's offset. Tensors of no elements hold no bytes and overlap nothing.
+    fn check_disjoint(&self) -> Result<()> {
+        let mut spans: Vec<(u64, u64, &TensorInfo)> = Vec::with_capacity(self.tensors.len());
+        for info in &self.tensors {
+            let len = match info.data_len()? {
+                Some(len) => len,
+                None if info.n_elements() > 0 => 1,
+                None => 0,
+            };
+            if len > 0 {
+                // `validate` checked that the end fits in the file.
+                spans.push((info.offset, info.offset + len, info));
+            }
+        }
+        spans.sort_unstable_by_key(|&(start, end, _)| (start, end));
+        let mut reach: Option<(u64, u64, &TensorInfo)> = None;
+        for span in spans {
+            if let Some(prev) = reach.filter(|prev| span.0 < prev.1) {
+                return Err(GgufError::Corrupt(format!(
+                    "tensors '{}' (data bytes {}..{}) and '{}' (data bytes {}..{}) overlap",
+                    prev.2.name, prev.0, prev.1, span.2.name, span.0, span.1
+                )));
+            }
+            reach = Some(span);
+        }
+        Ok(())
     }
 
     fn validate(&self, info: &TensorInfo) -> Result<()> {
@@ -443,9 +482,18 @@ impl<'a> Cursor<'a> {
                 offset: at as u64,
             })?;
         self.pos += bytes.len();
-        std::str::from_utf8(bytes)
-            .map(str::to_owned)
-            .map_err(|e| GgufError::Corrupt(format!("{what} at offset {at} is not UTF-8: {e}")))
+        std::str::from_utf8(bytes).map(str::to_owned).map_err(|e| {
+            // Shown decoded lossily (and escaped by the error's Display), never as raw bytes;
+            // only its start, however long the string claims to be.
+            let head = &bytes[..bytes.len().min(4 * MAX_PREVIEW_CHARS)];
+            let text = String::from_utf8_lossy(head);
+            let preview: String = text.chars().take(MAX_PREVIEW_CHARS).collect();
+            let cut = head.len() < bytes.len() || text.chars().nth(MAX_PREVIEW_CHARS).is_some();
+            let more = if cut { "..." } else { "" };
+            GgufError::Corrupt(format!(
+                "{what} at offset {at} is not UTF-8 ({e}): '{preview}{more}'"
+            ))
+        })
     }
 
     fn value(&mut self, ty: u32, depth: usize) -> Result<MetaValue> {

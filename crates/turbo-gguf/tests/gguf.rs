@@ -291,6 +291,118 @@ fn tensor_data_past_the_end_is_rejected() {
 }
 
 #[test]
+fn overlapping_tensors_are_rejected() {
+    // small_file: "odd" (12 bytes at 0), "q" (36 bytes at 32, to 68), "last" (32 bytes at 96).
+    let good = small_file();
+    let at = offset_field(&good, "last", 1);
+    let moved = |offset: u64| {
+        let mut bytes = good.clone();
+        bytes[at..at + 8].copy_from_slice(&offset.to_le_bytes());
+        corrupt_msg(GgufFile::from_bytes(bytes))
+    };
+    // Onto "odd": both would read the same weights.
+    let msg = moved(0);
+    assert_eq!(
+        msg,
+        "tensors 'odd' (data bytes 0..12) and 'last' (data bytes 0..32) overlap"
+    );
+    // Into the tail of "q".
+    let msg = moved(64);
+    assert!(
+        msg.contains("'q'") && msg.contains("'last'") && msg.contains("overlap"),
+        "{msg}"
+    );
+
+    // A tensor of a type Turbo does not know may not start inside another one either.
+    let mut w = GgufWriter::default();
+    w.add_tensor("known", &[16], DType::F32.ggml_id(), vec![0; 64])
+        .unwrap();
+    w.add_tensor("unknown", &[256], 12, vec![0; 144]).unwrap();
+    let good = w.to_bytes();
+    GgufFile::from_bytes(good.clone()).unwrap();
+    let at = offset_field(&good, "unknown", 1);
+    let mut bytes = good;
+    bytes[at..at + 8].copy_from_slice(&32u64.to_le_bytes());
+    let msg = corrupt_msg(GgufFile::from_bytes(bytes));
+    assert!(
+        msg.contains("'known'") && msg.contains("'unknown'"),
+        "{msg}"
+    );
+
+    // Empty tensors hold no bytes, so they may share an offset with anything.
+    let mut w = GgufWriter::default();
+    w.add_tensor("a", &[0], 0, vec![]).unwrap();
+    w.add_tensor("b", &[4], 0, vec![1; 16]).unwrap();
+    w.add_tensor("c", &[0, 3], 0, vec![]).unwrap();
+    let f = GgufFile::from_bytes(w.to_bytes()).unwrap();
+    assert_eq!(f.tensor("a").unwrap().offset, f.tensor("b").unwrap().offset);
+}
+
+/// Whether a terminal would act on something in `s` rather than print it.
+fn has_control(s: &str) -> bool {
+    s.chars()
+        .any(|c| c.is_control() || ('\u{202a}'..='\u{202e}').contains(&c))
+}
+
+/// Keys, tensor names and strings come from the file: messages show them escaped, never raw.
+#[test]
+fn names_from_the_file_are_escaped_in_messages() {
+    let evil = "\u{1b}]0;pwned\u{7}\u{1b}[2J\r\nfake line\u{202e}";
+    let shown = r"\u{1b}]0;pwned\u{7}\u{1b}[2J\r\nfake line\u{202e}";
+
+    // A key whose value has an unknown type.
+    let bytes = Raw::header(3, 0, 1)
+        .str(evil.as_bytes())
+        .u32(13)
+        .bytes(&[0; 8])
+        .0;
+    let msg = GgufFile::from_bytes(bytes).unwrap_err().to_string();
+    assert!(!has_control(&msg), "{msg:?}");
+    assert!(msg.contains(&format!("metadata key '{shown}'")), "{msg}");
+
+    // A key that is not UTF-8 is shown decoded lossily.
+    let bytes = Raw::header(3, 0, 1)
+        .str(b"bad\xff\x1b[31mkey")
+        .u32(7)
+        .bytes(&[1])
+        .0;
+    let msg = GgufFile::from_bytes(bytes).unwrap_err().to_string();
+    assert!(!has_control(&msg), "{msg:?}");
+    assert!(msg.contains("'bad\u{fffd}\\u{1b}[31mkey'"), "{msg}");
+
+    // Tensor names, in the reader's own errors and in look-ups by name.
+    let mut w = GgufWriter::default();
+    w.add_tensor(evil, &[3, 1, 1], 0, vec![0; 12]).unwrap();
+    w.add_tensor(format!("{evil}2"), &[256], 12, vec![0; 144])
+        .unwrap();
+    let f = GgufFile::from_bytes(w.to_bytes()).unwrap();
+    for err in [
+        f.matrix(evil).unwrap_err(),
+        f.matrix(&format!("{evil}2")).unwrap_err(),
+        f.matrix(&format!("{evil}3")).unwrap_err(),
+    ] {
+        let msg = err.to_string();
+        assert!(!has_control(&msg), "{msg:?}");
+        assert!(msg.contains(shown), "{msg}");
+    }
+    let mut w = GgufWriter::default();
+    w.add_tensor(evil, &[4], 0, vec![0; 16]).unwrap();
+    let good = w.to_bytes();
+    let at = offset_field(&good, evil, 1);
+    let mut bytes = good;
+    bytes[at..at + 8].copy_from_slice(&4u64.to_le_bytes());
+    let msg = GgufFile::from_bytes(bytes).unwrap_err().to_string();
+    assert!(!has_control(&msg) && msg.contains(shown), "{msg:?}");
+
+    // Values: a string where a number belongs names the key, escaped.
+    let mut w = GgufWriter::default();
+    w.add_meta(evil, "x");
+    let f = GgufFile::from_bytes(w.to_bytes()).unwrap();
+    let msg = f.get_u32(evil).unwrap_err().to_string();
+    assert!(!has_control(&msg) && msg.contains(shown), "{msg:?}");
+}
+
+#[test]
 fn huge_counts_are_rejected_before_allocating() {
     for elem_type in [0u32, 8, 9] {
         let bytes = Raw::header(3, 0, 1)

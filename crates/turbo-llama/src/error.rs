@@ -1,25 +1,39 @@
 use thiserror::Error;
+use turbo_gguf::Escaped;
 
 /// Everything that can go wrong between a model path and a forward pass.
+///
+/// Names and messages often quote a model file (tensor names, config values, parser messages),
+/// so every text field is shown [`Escaped`]: a hostile file cannot send control characters to
+/// the terminal that prints the error.
 #[derive(Debug, Error)]
 pub enum LlamaError {
-    #[error("{path}: {error}")]
+    #[error("{}: {error}", Escaped(path))]
     Io { path: String, error: std::io::Error },
     #[error(transparent)]
     Gguf(#[from] turbo_gguf::GgufError),
-    #[error("{file}: invalid safetensors file: {reason}")]
+    #[error("{}: invalid safetensors file: {}", Escaped(file), Escaped(reason))]
     Safetensors { file: String, reason: String },
-    #[error("{0}")]
+    #[error("{}", Escaped(.0))]
     Config(String),
-    #[error("the model has no tensor '{0}'")]
+    #[error("the model has no tensor '{}'", Escaped(.0))]
     MissingTensor(String),
-    #[error("tensor '{name}' has shape {found}, expected {expected}")]
+    #[error(
+        "tensor '{}' has shape {}, expected {}",
+        Escaped(name),
+        Escaped(found),
+        Escaped(expected)
+    )]
     Shape {
         name: String,
         found: String,
         expected: String,
     },
-    #[error("tensor '{name}' has type {dtype}, which Turbo does not support here (supported: {supported})")]
+    #[error(
+        "tensor '{}' has type {}, which Turbo does not support here (supported: {supported})",
+        Escaped(name),
+        Escaped(dtype)
+    )]
     UnsupportedDtype {
         name: String,
         dtype: String,
@@ -31,7 +45,7 @@ pub enum LlamaError {
     Chat(#[from] turbo_tokenizer::chat::ChatError),
     #[error(transparent)]
     Backend(#[from] turbo_core::BackendError),
-    #[error("{0}")]
+    #[error("{}", Escaped(.0))]
     Format(String),
 }
 

@@ -9,7 +9,9 @@
 
 use crate::config::LlamaConfig;
 use crate::error::{io_err, LlamaError, Result};
-use crate::weights::{assemble, check_vocab, LoadedModel, ModelFormat, SafetensorsSet};
+use crate::weights::{
+    assemble, check_vocab, LayerBlocks, LoadedModel, ModelFormat, SafetensorsSet,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
@@ -50,7 +52,8 @@ pub(crate) fn load(dir: &Path) -> Result<LoadedModel> {
     let config = manifest.config;
     config.validate().map_err(LlamaError::Config)?;
     let set = SafetensorsSet::open(&[dir.join("model.safetensors")])?;
-    let weights = assemble(&config, |name| {
+    let blocks = LayerBlocks::find("n_layers (turbo.json)", "model.layers.", set.names());
+    let weights = assemble(&config, &blocks, |name| {
         let quantized = match set.metadata.get(name) {
             None => None,
             Some(t) => Some(t.parse::<DType>().map_err(|e| {

@@ -9,7 +9,7 @@
 use crate::config::{HfConfig, LlamaConfig, RopeScaling};
 use crate::error::{io_err, LlamaError, Result};
 use memmap2::Mmap;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use turbo_core::{Bytes, DType, WeightMatrix};
@@ -156,11 +156,80 @@ pub(crate) fn vector(name: &str, m: &WeightMatrix, len: usize) -> Result<Vec<f32
     Ok(m.to_f32())
 }
 
+/// The transformer blocks a file holds tensors of, by the block numbers in their names
+/// (`blk.3.attn_q.weight`, `model.layers.3.mlp.up_proj.weight`).
+///
+/// A config's layer count is only a number in a file; the blocks present are what the loader
+/// reads. Checking one against the other before anything is sized by the count turns a corrupt
+/// count (2^31 blocks) into an error in microseconds instead of an allocation of terabytes, and
+/// a count smaller than the blocks present into an error instead of a model with layers missing.
+pub(crate) struct LayerBlocks {
+    /// Where the count came from, for messages: `llama.block_count`, `num_hidden_layers`.
+    count_key: &'static str,
+    /// The prefix of block tensor names: `blk.` or `model.layers.`.
+    prefix: &'static str,
+    numbers: BTreeSet<usize>,
+}
+
+impl LayerBlocks {
+    /// The blocks among `names`: those `prefix` followed by a block number (decimal digits, no
+    /// leading zero, as every converter writes them) and a dot.
+    pub fn find<'a>(
+        count_key: &'static str,
+        prefix: &'static str,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> Self {
+        let numbers = names
+            .into_iter()
+            .filter_map(|name| {
+                let (number, _) = name.strip_prefix(prefix)?.split_once('.')?;
+                let canonical = number.bytes().all(|b| b.is_ascii_digit())
+                    && (number == "0" || !number.starts_with('0'));
+                canonical.then(|| number.parse().ok()).flatten()
+            })
+            .collect();
+        LayerBlocks {
+            count_key,
+            prefix,
+            numbers,
+        }
+    }
+
+    /// Checks that the blocks present are exactly `0..n_layers`.
+    fn check(&self, n_layers: usize) -> Result<()> {
+        let (key, prefix, count) = (self.count_key, self.prefix, self.numbers.len());
+        let span = match (self.numbers.first(), self.numbers.last()) {
+            (Some(first), Some(last)) => format!(" ({prefix}{first} to {prefix}{last})"),
+            _ => String::new(),
+        };
+        if count != n_layers {
+            return Err(LlamaError::Config(format!(
+                "{key} is {n_layers}, but the file holds tensors of {count} layers{span}"
+            )));
+        }
+        if self.numbers.last().is_some_and(|&last| last != count - 1) {
+            return Err(LlamaError::Config(format!(
+                "the file holds tensors of {count} layers{span}, not numbered {prefix}0 to \
+                 {prefix}{}",
+                count - 1
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Assembles weights from a lookup by canonical (HF) tensor name, checking every shape.
+///
+/// The layer count is checked against the blocks the file holds first: it sizes the layer list.
+/// Every other dimension is checked against the shape of a tensor before anything is sized by
+/// it, so a config that passed [`LlamaConfig::validate`] but disagrees with the file is an error
+/// naming the tensor.
 pub(crate) fn assemble(
     config: &LlamaConfig,
+    blocks: &LayerBlocks,
     mut get: impl FnMut(&str) -> Result<Option<WeightMatrix>>,
 ) -> Result<HostWeights> {
+    blocks.check(config.n_layers)?;
     let (d, f, v) = (
         config.hidden_size,
         config.intermediate_size,
@@ -253,13 +322,23 @@ fn gguf_config(file: &GgufFile) -> Result<LlamaConfig> {
         )));
     }
     let key = |k: &str| format!("llama.{k}");
+    // Counts are u64 in the file; a value beyond usize cannot be a dimension (validate() bounds
+    // the rest).
+    let to_usize = |k: &str, n: u64| {
+        usize::try_from(n).map_err(|_| {
+            LlamaError::Config(format!(
+                "{} is {n}, more than this machine can address",
+                key(k)
+            ))
+        })
+    };
     let opt_u = |k: &str| -> Result<Option<usize>> {
         match file.get(&key(k)) {
             None => Ok(None),
-            Some(_) => Ok(Some(file.get_u64(&key(k))? as usize)),
+            Some(_) => Ok(Some(to_usize(k, file.get_u64(&key(k))?)?)),
         }
     };
-    let req_u = |k: &str| -> Result<usize> { Ok(file.get_u64(&key(k))? as usize) };
+    let req_u = |k: &str| -> Result<usize> { to_usize(k, file.get_u64(&key(k))?) };
     let hidden = req_u("embedding_length")?;
     let n_heads = req_u("attention.head_count")?;
     let embed = file
@@ -267,42 +346,36 @@ fn gguf_config(file: &GgufFile) -> Result<LlamaConfig> {
         .ok_or_else(|| LlamaError::MissingTensor("token_embd.weight".into()))?;
     let vocab = match opt_u("vocab_size")? {
         Some(v) => v,
-        None => embed.dims.get(1).copied().unwrap_or(0) as usize,
+        None => to_usize("vocab_size", embed.dims.get(1).copied().unwrap_or(0))?,
     };
     let head_dim = match opt_u("attention.key_length")? {
         Some(h) => h,
-        None => hidden / n_heads.max(1),
-    };
-    if let Some(rot) = opt_u("rope.dimension_count")? {
-        if rot != head_dim {
+        None if n_heads > 0 && hidden.is_multiple_of(n_heads) => hidden / n_heads,
+        None => {
             return Err(LlamaError::Config(format!(
-                "partial rotary embeddings (rope dimension {rot} of head dimension {head_dim}) are not supported"
-            )));
+                "invalid model config: llama.embedding_length {hidden} is not a multiple of \
+                 llama.attention.head_count {n_heads}, and llama.attention.key_length is not given"
+            )))
         }
-    }
+    };
     let mut rope_scaling = None;
-    if let Some(kind) = file.get(&key("rope.scaling.type")) {
-        match kind.as_str() {
-            Some("none") => {}
-            Some("linear") => {
+    if file.get(&key("rope.scaling.type")).is_some() {
+        match file.get_str(&key("rope.scaling.type"))? {
+            "none" => {}
+            "linear" => {
                 rope_scaling = Some(RopeScaling::Linear {
                     factor: file.get_f32(&key("rope.scaling.factor"))? as f64,
                 })
             }
             other => {
                 return Err(LlamaError::Config(format!(
-                    "GGUF rope scaling {other:?} is not supported (supported: linear, or rope_freqs factors)"
+                    "unsupported rope scaling type '{other}' in llama.rope.scaling.type \
+                     (supported: none, linear, or rope_freqs factors)"
                 )))
             }
         }
     }
-    if file.tensor("rope_freqs.weight").is_some() {
-        let m = file.matrix("rope_freqs.weight")?;
-        rope_scaling = Some(RopeScaling::Factors {
-            factors: m.to_f32(),
-        });
-    }
-    let config = LlamaConfig {
+    let mut config = LlamaConfig {
         vocab_size: vocab,
         hidden_size: hidden,
         intermediate_size: req_u("feed_forward_length")?,
@@ -319,7 +392,37 @@ fn gguf_config(file: &GgufFile) -> Result<LlamaConfig> {
         context_length: opt_u("context_length")?.unwrap_or(2048),
         tie_word_embeddings: file.tensor("output.weight").is_none(),
     };
+    // The numbers alone first: the checks below trust the head dimension.
     config.validate().map_err(LlamaError::Config)?;
+    if let Some(v) = opt_u("attention.value_length")? {
+        if v != head_dim {
+            return Err(LlamaError::Config(format!(
+                "value heads of dimension {v} (llama.attention.value_length) differ from key heads \
+                 of dimension {head_dim}, which Turbo does not support"
+            )));
+        }
+    }
+    if let Some(rot) = opt_u("rope.dimension_count")? {
+        if rot != head_dim {
+            return Err(LlamaError::Config(format!(
+                "partial rotary embeddings (rope dimension {rot} of head dimension {head_dim}) are not supported"
+            )));
+        }
+    }
+    if let Some(info) = file.tensor("rope_freqs.weight") {
+        // Checked before decoding: the tensor is as large as the file says.
+        if info.dims != [head_dim as u64 / 2] {
+            return Err(LlamaError::Shape {
+                name: info.name.clone(),
+                found: format!("{:?}", info.dims),
+                expected: format!("[{}] (half the head dimension {head_dim})", head_dim / 2),
+            });
+        }
+        config.rope_scaling = Some(RopeScaling::Factors {
+            factors: file.matrix("rope_freqs.weight")?.to_f32(),
+        });
+        config.validate().map_err(LlamaError::Config)?;
+    }
     Ok(config)
 }
 
@@ -367,7 +470,12 @@ fn gguf_vocab(file: &GgufFile) -> Result<GgufVocab> {
 fn load_gguf(path: &Path) -> Result<LoadedModel> {
     let file = GgufFile::open(path)?;
     let config = gguf_config(&file)?;
-    let weights = assemble(&config, |hf| {
+    let blocks = LayerBlocks::find(
+        "llama.block_count",
+        "blk.",
+        file.tensors().iter().map(|t| t.name.as_str()),
+    );
+    let weights = assemble(&config, &blocks, |hf| {
         let Some(name) = gguf_name(hf) else {
             return Ok(None);
         };
@@ -404,6 +512,10 @@ pub(crate) fn check_vocab(config: &LlamaConfig, tokenizer: &TextTokenizer) -> Re
 }
 
 /// The tensors of a set of memory-mapped safetensors files, by name.
+///
+/// The `safetensors` crate checks each file's header: tensors laid out one after the other
+/// without gaps or overlaps, each as long as its shape and dtype say, together covering the
+/// file. Across shards, a name may appear only once.
 pub(crate) struct SafetensorsSet {
     tensors: BTreeMap<String, (Arc<Mmap>, safetensors::tensor::TensorInfo, usize)>,
     /// String metadata (`__metadata__`) of all files, merged.
@@ -414,6 +526,7 @@ impl SafetensorsSet {
     pub fn open(files: &[PathBuf]) -> Result<Self> {
         let mut tensors = BTreeMap::new();
         let mut metadata = BTreeMap::new();
+        let mut origin: BTreeMap<String, &Path> = BTreeMap::new();
         for path in files {
             let file = std::fs::File::open(path).map_err(io_err(path))?;
             // SAFETY: the map is read-only; model files are not expected to change while loaded.
@@ -422,8 +535,15 @@ impl SafetensorsSet {
                 file: path.display().to_string(),
                 reason,
             };
-            let (header_len, meta) = safetensors::SafeTensors::read_metadata(&map[..])
-                .map_err(|e| bad(e.to_string()))?;
+            let (header_len, meta) =
+                safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {
+                    bad(match e {
+                        safetensors::SafeTensorError::TensorInvalidInfo => {
+                            explain_invalid_info(&map[..]).unwrap_or_else(|| e.to_string())
+                        }
+                        e => e.to_string(),
+                    })
+                })?;
             let data_start = 8 + header_len;
             if let Some(m) = meta.metadata() {
                 metadata.extend(m.clone());
@@ -435,10 +555,21 @@ impl SafetensorsSet {
                         "tensor '{name}' lies past the end of the file"
                     )));
                 }
+                if let Some(first) = origin.insert(name.clone(), path) {
+                    return Err(bad(format!(
+                        "tensor '{name}' is also in {}; which one holds the weights?",
+                        first.display()
+                    )));
+                }
                 tensors.insert(name, (map.clone(), info.clone(), data_start));
             }
         }
         Ok(SafetensorsSet { tensors, metadata })
+    }
+
+    /// Every tensor's name, in order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
     }
 
     /// A tensor as a matrix; `quantized` names the block format of tensors stored as raw bytes.
@@ -464,8 +595,26 @@ impl SafetensorsSet {
             (S::F32, None) => (DType::F32, last),
             (S::F16, None) => (DType::F16, last),
             (S::BF16, None) => (DType::BF16, last),
-            (S::U8, Some(q)) => (q, last / q.block_bytes() * q.block_len()),
-            (other, _) => {
+            (S::U8, Some(q)) => {
+                if !last.is_multiple_of(q.block_bytes()) {
+                    return Err(LlamaError::Shape {
+                        name: name.into(),
+                        found: format!("rows of {last} bytes"),
+                        expected: format!(
+                            "rows of whole {q} blocks of {} bytes, as the file's metadata says",
+                            q.block_bytes()
+                        ),
+                    });
+                }
+                (q, last / q.block_bytes() * q.block_len())
+            }
+            (other, Some(q)) => {
+                return Err(LlamaError::Format(format!(
+                    "tensor '{name}' is {q} by the file's metadata, but stored as {other:?} \
+                     instead of the U8 bytes of its blocks"
+                )))
+            }
+            (other, None) => {
                 return Err(LlamaError::UnsupportedDtype {
                     name: name.into(),
                     dtype: format!("{other:?}"),
@@ -483,6 +632,39 @@ impl SafetensorsSet {
     }
 }
 
+/// Which tensor of a safetensors header is not as long as its shape and dtype say: the
+/// `safetensors` crate only says that one is not. `None` if the header cannot be read this way.
+fn explain_invalid_info(file: &[u8]) -> Option<String> {
+    let len = usize::try_from(u64::from_le_bytes(file.get(..8)?.try_into().ok()?)).ok()?;
+    let header: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(file.get(8..8usize.checked_add(len)?)?).ok()?;
+    let mut tensors: Vec<(String, safetensors::tensor::TensorInfo)> = header
+        .into_iter()
+        .filter(|(name, _)| name != "__metadata__")
+        .filter_map(|(name, v)| Some((name, serde_json::from_value(v).ok()?)))
+        .collect();
+    tensors.sort_by_key(|(_, info)| info.data_offsets);
+    tensors.into_iter().find_map(|(name, info)| {
+        let (begin, end) = info.data_offsets;
+        let bits = info
+            .shape
+            .iter()
+            .try_fold(info.dtype.bitsize(), |n, &d| n.checked_mul(d));
+        let held = end.checked_sub(begin);
+        (bits.map(|b| b.div_ceil(8)) != held).then(|| {
+            let needs = bits.map_or("more than can be addressed".into(), |b| {
+                format!("{}", b.div_ceil(8))
+            });
+            format!(
+                "tensor '{name}' holds {} bytes, but shape {:?} of {:?} needs {needs}",
+                held.map_or("a negative number of".into(), |n| n.to_string()),
+                info.shape,
+                info.dtype
+            )
+        })
+    })
+}
+
 /// The safetensors files of an HF directory: single file, or shards listed in the index.
 fn hf_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let single = dir.join("model.safetensors");
@@ -498,11 +680,27 @@ fn hf_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
             .get("weight_map")
             .and_then(|m| m.as_object())
             .ok_or_else(|| LlamaError::Format(format!("{}: no weight_map", index.display())))?;
-        let mut files: Vec<PathBuf> = map
-            .values()
-            .filter_map(|v| v.as_str())
-            .map(|f| dir.join(f))
-            .collect();
+        // Shards are files beside the index. A name with directories in it (`../x`, `/dev/zero`)
+        // would read a file outside the model directory: refused.
+        let mut files = Vec::with_capacity(map.len());
+        for v in map.values() {
+            let name = v.as_str().ok_or_else(|| {
+                LlamaError::Format(format!(
+                    "{}: weight_map holds {v}, not a file name",
+                    index.display()
+                ))
+            })?;
+            let mut parts = Path::new(name).components();
+            match (parts.next(), parts.next()) {
+                (Some(std::path::Component::Normal(_)), None) => files.push(dir.join(name)),
+                _ => {
+                    return Err(LlamaError::Format(format!(
+                        "{}: weight_map names '{name}', which is not a file in the model directory",
+                        index.display()
+                    )))
+                }
+            }
+        }
         files.sort();
         files.dedup();
         return Ok(files);
@@ -527,22 +725,19 @@ fn load_hf(dir: &Path) -> Result<LoadedModel> {
     let text = std::fs::read_to_string(&config_path).map_err(io_err(&config_path))?;
     let hf: HfConfig = serde_json::from_str(&text)
         .map_err(|e| LlamaError::Config(format!("{}: {e}", config_path.display())))?;
-    let config = hf.into_config().map_err(LlamaError::Config)?;
+    let config = hf
+        .into_config()
+        .map_err(|e| LlamaError::Config(format!("{}: {e}", config_path.display())))?;
     let set = SafetensorsSet::open(&hf_weight_files(dir)?)?;
+    let blocks = LayerBlocks::find("num_hidden_layers", "model.layers.", set.names());
+    let mut weights = assemble(&config, &blocks, |name| set.matrix(name, None))?;
+    // Sized by the head counts only now that W_q and W_k are known to have that many rows.
     let q_order = hf_to_interleaved_order(config.n_heads, config.head_dim);
     let k_order = hf_to_interleaved_order(config.n_kv_heads, config.head_dim);
-    let weights = assemble(&config, |name| {
-        let m = set.matrix(name, None)?;
-        Ok(match m {
-            Some(m) if name.ends_with("q_proj.weight") && m.rows == q_order.len() => {
-                Some(m.permute_rows(&q_order))
-            }
-            Some(m) if name.ends_with("k_proj.weight") && m.rows == k_order.len() => {
-                Some(m.permute_rows(&k_order))
-            }
-            other => other,
-        })
-    })?;
+    for layer in &mut weights.layers {
+        layer.wq = layer.wq.permute_rows(&q_order);
+        layer.wk = layer.wk.permute_rows(&k_order);
+    }
     let tokenizer = TextTokenizer::from_hf_dir(dir)?;
     check_vocab(&config, &tokenizer)?;
     Ok(LoadedModel {

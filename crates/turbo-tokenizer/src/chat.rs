@@ -5,7 +5,7 @@
 //! (`trim_blocks`, `lstrip_blocks`, Python string methods, `raise_exception`, HF-style
 //! `tojson`) so the prompt matches `apply_chat_template` byte for byte.
 
-use crate::tokenizer::TextTokenizer;
+use crate::tokenizer::{Escaped, TextTokenizer};
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{context, Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
@@ -26,17 +26,17 @@ const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + 
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
     /// The template source is not valid Jinja (for minijinja).
-    #[error("failed to compile chat template: {0}")]
+    #[error("failed to compile chat template: {}", Escaped(.0))]
     Compile(Error),
     /// Rendering failed, including `raise_exception(...)` called by the template
     /// (e.g. "conversation roles must alternate").
-    #[error("failed to render chat template: {0}")]
+    #[error("failed to render chat template: {}", Escaped(.0))]
     Render(Error),
     /// The template cut a message's content apart, so it cannot be kept apart from the markup.
     #[error("the chat template transforms message content; it cannot be kept apart from the template's special tokens")]
     Content,
     /// Encoding the rendered text failed.
-    #[error("failed to encode the chat prompt: {0}")]
+    #[error("failed to encode the chat prompt: {}", Escaped(.0))]
     Encode(String),
 }
 

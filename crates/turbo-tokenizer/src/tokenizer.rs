@@ -7,9 +7,11 @@
 use aho_corasick::{AhoCorasick, MatchKind};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
 use tokenizers::decoders::byte_level::ByteLevel;
 use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::models::ModelWrapper;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
@@ -19,33 +21,39 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokeni
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Errors from building or using a [`TextTokenizer`].
+///
+/// Tokens, names and parser messages come from model files: every message shows them
+/// [`Escaped`], so that a hostile vocabulary cannot send control characters to a terminal.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
     /// llama.cpp's SentencePiece vocab type; it needs a different model/decoder stack.
     #[error("SentencePiece ('llama') GGUF tokenizers are not supported yet")]
     SentencePieceUnsupported,
     /// A `tokenizer.ggml.model` other than "gpt2" / "llama".
-    #[error("unsupported GGUF tokenizer model '{0}' (supported: 'gpt2')")]
+    #[error("unsupported GGUF tokenizer model '{}' (supported: 'gpt2')", Escaped(.0))]
     UnsupportedModel(String),
     /// A `tokenizer.ggml.pre` we do not know the pre-tokenizer regex of.
-    #[error("unsupported GGUF pre-tokenizer '{pre}' (supported: {supported})")]
+    #[error(
+        "unsupported GGUF pre-tokenizer '{}' (supported: {supported})",
+        Escaped(pre)
+    )]
     UnsupportedPre { pre: String, supported: String },
     /// The GGUF vocabulary metadata is inconsistent (lengths, duplicates, bad ids, ...).
-    #[error("invalid GGUF tokenizer vocabulary: {0}")]
+    #[error("invalid GGUF tokenizer vocabulary: {}", Escaped(.0))]
     InvalidVocab(String),
     /// A required file of a Hugging Face model directory is missing.
-    #[error("tokenizer file not found: {}", .0.display())]
+    #[error("tokenizer file not found: {}", Escaped(.0.display()))]
     MissingFile(PathBuf),
-    #[error("failed to read {}: {error}", path.display())]
+    #[error("failed to read {}: {error}", Escaped(path.display()))]
     Io {
         path: PathBuf,
         error: std::io::Error,
     },
-    /// A file exists but cannot be parsed.
-    #[error("failed to parse {}: {message}", path.display())]
+    /// A file exists but cannot be parsed, or describes a tokenizer that cannot work.
+    #[error("failed to parse {}: {}", Escaped(path.display()), Escaped(message))]
     Parse { path: PathBuf, message: String },
     /// A config file names a token that is not in the vocabulary.
-    #[error("{field} token {token:?} from {} is not in the vocabulary", path.display())]
+    #[error("{field} token {token:?} from {} is not in the vocabulary", Escaped(path.display()))]
     UnknownToken {
         field: &'static str,
         token: String,
@@ -55,11 +63,37 @@ pub enum TokenizerError {
     #[error("token id {id} is out of range (vocabulary size {vocab_size})")]
     IdOutOfRange { id: u32, vocab_size: usize },
     /// An error reported by the `tokenizers` crate.
-    #[error("{context}: {error}")]
+    #[error("{context}: {}", Escaped(error))]
     Tokenizers {
         context: &'static str,
         error: BoxError,
     },
+}
+
+/// Text that may come from a model file, shown with control and other unprintable characters
+/// written as Rust escapes (`\u{1b}`, `\n`), so that it cannot move a terminal's cursor, change
+/// its colours or fake further lines of output. Quotes are left alone, so that quoted names stay
+/// readable, and so is printable Unicode.
+///
+/// Errors hold raw text and escape it here, when shown, so that nothing is escaped twice.
+pub(crate) struct Escaped<T>(pub(crate) T);
+
+impl<T: std::fmt::Display> std::fmt::Display for Escaped<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        struct EscapeWriter<'a, 'b>(&'a mut std::fmt::Formatter<'b>);
+        impl std::fmt::Write for EscapeWriter<'_, '_> {
+            fn write_str(&mut self, s: &str) -> std::fmt::Result {
+                for c in s.chars() {
+                    match c {
+                        '\'' | '"' => self.0.write_char(c)?,
+                        c => write!(self.0, "{}", c.escape_debug())?,
+                    }
+                }
+                Ok(())
+            }
+        }
+        std::fmt::Write::write_fmt(&mut EscapeWriter(f), format_args!("{}", self.0))
+    }
 }
 
 /// Result type of this module.
@@ -90,6 +124,8 @@ pub struct GgufVocab {
     pub eom_id: Option<u32>,
 }
 
+/// llama.cpp token type: normal token (made by the model from text).
+const TOKEN_TYPE_NORMAL: i32 = 1;
 /// llama.cpp token type: control token (matched as a special token in text).
 const TOKEN_TYPE_CONTROL: i32 = 3;
 /// llama.cpp token type: user-defined token (matched in text, but not special).
@@ -228,15 +264,34 @@ impl TextTokenizer {
         for (id, tok) in (0..n_u32).zip(&vocab.tokens) {
             if let Some(prev) = token_to_id.insert(tok.clone(), id) {
                 return Err(TokenizerError::InvalidVocab(format!(
-                    "token {tok:?} appears twice (ids {prev} and {id})"
+                    "token '{tok}' appears twice (ids {prev} and {id})"
+                )));
+            }
+        }
+        if vocab.merges.is_empty() {
+            if let Some(tok) = first_merged_token(vocab) {
+                return Err(TokenizerError::InvalidVocab(format!(
+                    "tokenizer.ggml.merges is missing or empty, but byte-level BPE makes tokens \
+                     such as '{tok}' only by merging: without merges all text would be split \
+                     into single bytes"
                 )));
             }
         }
         let mut merges = Vec::with_capacity(vocab.merges.len());
         for (i, m) in vocab.merges.iter().enumerate() {
             let (a, b) = m.split_once(' ').ok_or_else(|| {
-                TokenizerError::InvalidVocab(format!("merge #{i} {m:?} is not \"left right\""))
+                TokenizerError::InvalidVocab(format!("merge #{i} '{m}' is not \"left right\""))
             })?;
+            // The BPE builder checks this too, but its message shows the token raw.
+            let merged = format!("{a}{b}");
+            if let Some(missing) = [a, b, &merged]
+                .into_iter()
+                .find(|t| !token_to_id.contains_key(*t))
+            {
+                return Err(TokenizerError::InvalidVocab(format!(
+                    "merge #{i} '{m}' needs token '{missing}', which is not in the vocabulary"
+                )));
+            }
             merges.push((a.to_string(), b.to_string()));
         }
         let llama3 = pre.is_some_and(|p| PRE_LLAMA3.contains(&p));
@@ -300,10 +355,23 @@ impl TextTokenizer {
         if !tok_path.is_file() {
             return Err(TokenizerError::MissingFile(tok_path));
         }
-        let inner = Tokenizer::from_file(&tok_path).map_err(|e| TokenizerError::Parse {
+        let text = std::fs::read_to_string(&tok_path).map_err(|error| TokenizerError::Io {
+            path: tok_path.clone(),
+            error,
+        })?;
+        let inner = Tokenizer::from_str(&text).map_err(|e| TokenizerError::Parse {
             path: tok_path.clone(),
             message: e.to_string(),
         })?;
+        if let Some(tok) = bpe_token_without_merges(&inner, &text) {
+            return Err(TokenizerError::Parse {
+                path: tok_path,
+                message: format!(
+                    "the BPE model lists no merges, but makes tokens such as '{tok}' only by \
+                     merging: without merges all text would be split into single characters"
+                ),
+            });
+        }
 
         let lookup = |field: &'static str, token: &str, path: &Path| -> Result<u32> {
             inner
@@ -574,6 +642,76 @@ impl TextTokenizer {
     pub fn inner(&self) -> &Tokenizer {
         &self.inner
     }
+}
+
+/// The first normal token of a byte-level BPE vocabulary that only merges can make: one of more
+/// than one character (a byte-level character stands for one byte). `None` when every normal
+/// token is a single byte, the one vocabulary that needs no merges.
+fn first_merged_token(vocab: &GgufVocab) -> Option<&str> {
+    vocab
+        .tokens
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| {
+            // Without types, every token is normal; control and user-defined tokens are matched
+            // whole, and unused ones never made.
+            vocab
+                .token_types
+                .get(i)
+                .is_none_or(|&ty| ty == TOKEN_TYPE_NORMAL)
+        })
+        .map(|(_, tok)| tok.as_str())
+        .find(|tok| tok.chars().nth(1).is_some())
+}
+
+/// For a `tokenizer.json` whose BPE model lists no merges (`"merges": []`, which `tokenizers`
+/// accepts): the vocabulary token of lowest id that only merging can make, if any. Such a model
+/// splits every word into single characters, tokenizing nothing as the model was trained, so it
+/// is refused rather than run. Added tokens (matched whole), the unknown token and byte-fallback
+/// tokens (`<0x0A>`) need no merges, nor does any token of one character once the model's
+/// subword prefix and suffix are stripped.
+fn bpe_token_without_merges(inner: &Tokenizer, text: &str) -> Option<String> {
+    let ModelWrapper::BPE(bpe) = inner.get_model() else {
+        return None;
+    };
+    #[derive(serde::Deserialize)]
+    struct File {
+        model: Model,
+    }
+    #[derive(serde::Deserialize)]
+    struct Model {
+        #[serde(default)]
+        merges: Vec<serde::de::IgnoredAny>,
+    }
+    // `tokenizers` has parsed the same text, so this only fails on layouts it accepts and this
+    // does not know; those are left to `tokenizers`.
+    let merges = serde_json::from_str::<File>(text).map_or(1, |f| f.model.merges.len());
+    if merges > 0 {
+        return None;
+    }
+    let added = inner.get_added_tokens_decoder();
+    let is_byte =
+        |t: &str| bpe.byte_fallback && t.len() == 6 && t.starts_with("<0x") && t.ends_with('>');
+    let core_chars = |t: &str| -> usize {
+        let mut core = t;
+        if let Some(p) = bpe.continuing_subword_prefix.as_deref() {
+            core = core.strip_prefix(p).unwrap_or(core);
+        }
+        if let Some(s) = bpe.end_of_word_suffix.as_deref() {
+            core = core.strip_suffix(s).unwrap_or(core);
+        }
+        core.chars().count()
+    };
+    bpe.get_vocab()
+        .into_iter()
+        .filter(|(tok, id)| {
+            !added.contains_key(id)
+                && bpe.unk_token.as_deref() != Some(tok.as_str())
+                && !is_byte(tok)
+                && core_chars(tok) > 1
+        })
+        .min_by_key(|&(_, id)| id)
+        .map(|(tok, _)| tok)
 }
 
 /// Reads a JSON file that may be absent; a present but unreadable/corrupt file is an error.
@@ -861,10 +999,100 @@ mod tests {
         assert!(err(v).contains("nospace"));
         let mut v = tiny_vocab(None);
         v.merges.push("zz qq".into());
-        assert!(err(v).contains("BPE"));
+        assert_eq!(
+            err(v),
+            "invalid GGUF tokenizer vocabulary: merge #6 'zz qq' needs token 'zz', which is not \
+             in the vocabulary"
+        );
+        let mut v = tiny_vocab(None);
+        v.merges.push("h ello".into());
+        assert!(err(v).contains("needs token 'ello'"));
+        let mut v = tiny_vocab(None);
+        v.merges.push("hello Ġwo".into());
+        assert!(err(v).contains("needs token 'helloĠwo'"));
         let mut v = tiny_vocab(None);
         v.eos_id = Some(100_000);
         assert!(err(v).contains("eos token id 100000"));
+    }
+
+    /// A byte-level BPE vocabulary without merges would split all text into bytes: refused,
+    /// unless every normal token is a single byte anyway.
+    #[test]
+    fn gguf_bpe_without_merges_is_refused() {
+        let mut v = tiny_vocab(None);
+        v.merges.clear();
+        let e = TextTokenizer::from_gguf_vocab(&v).unwrap_err();
+        assert!(matches!(e, TokenizerError::InvalidVocab(_)), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "invalid GGUF tokenizer vocabulary: tokenizer.ggml.merges is missing or empty, but \
+             byte-level BPE makes tokens such as 'he' only by merging: without merges all text \
+             would be split into single bytes"
+        );
+        // Without token types every token counts as normal.
+        v.token_types.clear();
+        assert!(TextTokenizer::from_gguf_vocab(&v)
+            .unwrap_err()
+            .to_string()
+            .contains("'<|end|>'"));
+        // Bytes, a control and a user-defined token: nothing for merges to make.
+        let mut v = tiny_vocab(None);
+        let n = v.tokens.len();
+        v.tokens.drain(n - 7..n - 1);
+        v.token_types.drain(n - 7..n - 1);
+        v.merges.clear();
+        let tok = TextTokenizer::from_gguf_vocab(&v).unwrap();
+        assert_eq!(tok.encode("hi").unwrap().len(), 2);
+    }
+
+    /// Names and tokens from the file reach messages escaped, never raw.
+    #[test]
+    fn vocabulary_text_is_escaped_in_messages() {
+        let evil = "\u{1b}]0;pwned\u{7}\r\n";
+        let shown = r"\u{1b}]0;pwned\u{7}\r\n";
+        let err = |v: GgufVocab| TextTokenizer::from_gguf_vocab(&v).unwrap_err().to_string();
+        let mut v = tiny_vocab(None);
+        v.model = evil.into();
+        let mut cases = vec![err(v)];
+        let mut v = tiny_vocab(None);
+        v.pre = Some(evil.into());
+        cases.push(err(v));
+        let mut v = tiny_vocab(None);
+        v.merges.push(format!("h {evil}"));
+        cases.push(err(v));
+        let mut v = tiny_vocab(None);
+        v.merges.push(evil.into());
+        cases.push(err(v));
+        let mut v = tiny_vocab(None);
+        v.tokens[1] = evil.into();
+        v.tokens[2] = evil.into();
+        cases.push(err(v));
+        for msg in cases {
+            assert!(!msg.chars().any(char::is_control), "{msg:?}");
+            assert!(msg.contains(shown), "{msg}");
+        }
+    }
+
+    /// A tokenizer.json whose BPE model lists no merges is refused; a real one loads.
+    #[test]
+    fn hf_bpe_without_merges_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let tok = TextTokenizer::from_gguf_vocab(&tiny_vocab(None)).unwrap();
+        tok.save(&path).unwrap();
+        TextTokenizer::from_hf_dir(dir.path()).unwrap();
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert!(!json["model"]["merges"].as_array().unwrap().is_empty());
+        json["model"]["merges"] = serde_json::json!([]);
+        std::fs::write(&path, json.to_string()).unwrap();
+        let e = TextTokenizer::from_hf_dir(dir.path()).unwrap_err();
+        assert!(matches!(e, TokenizerError::Parse { .. }), "{e:?}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("the BPE model lists no merges") && msg.contains("'he'"),
+            "{msg}"
+        );
     }
 
     #[test]
