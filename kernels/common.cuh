@@ -121,10 +121,10 @@ __device__ __forceinline__ unsigned long long score_mix(unsigned long long z) {
     return z ^ (z >> 31);
 }
 
-// turbo_keyformer::gumbel(seed, step, layer, head, key): -ln(-ln(u)), u in (0, 1) from a
-// splitmix64 hash of the counter (bit for bit), then the two logs. The hash chains (seed),
-// (step, layer), (head, key): score_gumbel_base hashes the first two links once per query row,
-// score_gumbel_at the last per key.
+// turbo_keyformer::gumbel(seed, step, layer, head, key): -ln(-ln(u)), u in (0, 1) from a hash
+// of the counter (bit for bit), then the two logs. score_gumbel_base hashes (seed) and
+// (step, layer) once per query row with splitmix64; score_gumbel_at the row's hash with key and
+// head per logit, in two 32-bit rounds (lowbias32: two multiplies each).
 //
 // The logs are the hardware's fast ones (__logf: one MUFU.LG2 each, against ~20 instructions
 // for logf), as the noise is drawn for every (row, head, key) and dominated the scoring time.
@@ -135,6 +135,12 @@ __device__ __forceinline__ unsigned long long score_mix(unsigned long long z) {
 // ~2.5e-5 absolute: far below the noise's spread (pi / sqrt 6), and rounding-sized in the
 // scores the CPU and GPU tests compare.
 #define SCORE_GAMMA 0x9E3779B97F4A7C15ull
+__device__ __forceinline__ unsigned score_mix32(unsigned x) {
+    x = (x ^ (x >> 16)) * 0x7FEB352Du;
+    x = (x ^ (x >> 15)) * 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
 __device__ __forceinline__ unsigned long long score_gumbel_base(unsigned long long seed, unsigned step,
                                                                 unsigned layer) {
     const unsigned long long h = score_mix(seed ^ SCORE_GAMMA);
@@ -142,8 +148,8 @@ __device__ __forceinline__ unsigned long long score_gumbel_base(unsigned long lo
 }
 
 __device__ __forceinline__ float score_gumbel_at(unsigned long long base, unsigned head, unsigned key) {
-    const unsigned long long h = score_mix(base ^ (((unsigned long long)head << 32) | (unsigned long long)key) ^ SCORE_GAMMA);
-    const unsigned m = (unsigned)(h >> 41);  // u = (2m + 1) 2^-24
+    const unsigned x = score_mix32(score_mix32((unsigned)base ^ key) ^ (unsigned)(base >> 32) ^ head);
+    const unsigned m = x >> 9;  // u = (2m + 1) 2^-24
     const float t = __uint2float_rn(0xFFFFFFu - 2u * m) * 0x1p-24f;  // 1 - u, exact
     float e;  // -ln(u)
     if (t < 0x1p-6f) {

@@ -5,21 +5,28 @@
 //!
 //! # The recipe (bit-exact; port it verbatim)
 //!
-//! All arithmetic is on unsigned 64-bit integers with wrap-around multiplication; `^` is xor and
-//! `>>`/`<<` are logical shifts.
+//! Arithmetic is on unsigned integers of the width shown, with wrap-around multiplication; `^`
+//! is xor and `>>`/`<<` are logical shifts. The per-row part (seed, step, layer) is hashed once in
+//! 64 bits; the per-element part (head, key), drawn for every logit, in 32 (two multiplies a
+//! round instead of a 64-bit multiply's several instructions on a GPU).
 //!
 //! ```text
 //! GAMMA = 0x9E3779B97F4A7C15
-//! mix(z):                       // the splitmix64 finalizer, a bijection of u64
+//! mix(z: u64):                  // the splitmix64 finalizer, a bijection of u64
 //!     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
 //!     z = (z ^ (z >> 27)) * 0x94D049BB133111EB
 //!     return z ^ (z >> 31)
+//! mix32(x: u32):                // lowbias32 (Wellons), a bijection of u32
+//!     x = (x ^ (x >> 16)) * 0x7FEB352D
+//!     x = (x ^ (x >> 15)) * 0x846CA68B
+//!     return x ^ (x >> 16)
 //!
 //! h = mix(seed ^ GAMMA)
-//! h = mix(h ^ ((u64(step) << 32) | u64(layer)) ^ GAMMA)
-//! h = mix(h ^ ((u64(head) << 32) | u64(key))  ^ GAMMA)   // = gumbel_bits(...)
+//! h = mix(h ^ ((u64(step) << 32) | u64(layer)) ^ GAMMA)      // = gumbel_row(...)
+//! x = mix32(u32(h) ^ key)
+//! x = mix32(x ^ u32(h >> 32) ^ head)                          // = gumbel_bits(...)
 //!
-//! m = u32(h >> 41)                      // top 23 bits, m < 2^23
+//! m = x >> 9                            // top 23 bits, m < 2^23
 //! u = f32(2 * m + 1) * 2^-24            // exact in f32: odd numerator < 2^24
 //! g = -ln(-ln(u))                       // in f32
 //! ```
@@ -33,9 +40,9 @@
 //!
 //! | seed, step, layer, head, key | `gumbel_bits` | `u` (f32 bits) | `u` |
 //! | --- | --- | --- | --- |
-//! | 0, 0, 0, 0, 0 | `0xFBE988335F36C931` | `0x3F7BE989` | 0.98403221 |
-//! | 1, 2, 3, 4, 5 | `0xC8D58D37993A9077` | `0x3F48D58D` | 0.78450853 |
-//! | 0xDEADBEEF, 17, 31, 7, 4095 | `0x2211B26FF571D3E1` | `0x3E0846CC` | 0.13308257 |
+//! | 0, 0, 0, 0, 0 | `0x3036A001` | `0x3E40DA84` | 0.18833357 |
+//! | 1, 2, 3, 4, 5 | `0x0686B386` | `0x3CD0D660` | 0.02549285 |
+//! | 0xDEADBEEF, 17, 31, 7, 4095 | `0x19746171` | `0x3DCBA308` | 0.09943205 |
 
 /// The golden-ratio increment of splitmix64; xored in before each mix so that an all-zero input
 /// does not map to zero.
@@ -48,20 +55,33 @@ const fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The 64-bit hash of one noise counter (see the module docs for the recipe).
-///
-/// Each round is a bijection of its new input for fixed earlier inputs, so counters that differ in
-/// one field never share a hash.
-pub const fn gumbel_bits(seed: u64, step: u32, layer: u32, head: u32, key: u32) -> u64 {
-    let h = mix(seed ^ GAMMA);
-    let h = mix(h ^ (((step as u64) << 32) | layer as u64) ^ GAMMA);
-    mix(h ^ (((head as u64) << 32) | key as u64) ^ GAMMA)
+/// lowbias32: a bijection of `u32` with good avalanche for two multiplies.
+const fn mix32(mut x: u32) -> u32 {
+    x = (x ^ (x >> 16)).wrapping_mul(0x7FEB_352D);
+    x = (x ^ (x >> 15)).wrapping_mul(0x846C_A68B);
+    x ^ (x >> 16)
 }
 
-/// Maps a hash to a uniform in the open interval (0, 1): `(2 * (bits >> 41) + 1) * 2^-24`.
-pub fn uniform_from_bits(bits: u64) -> f32 {
+/// The 64-bit hash of a row's counter (seed, step, layer), shared by all its (head, key) draws.
+pub const fn gumbel_row(seed: u64, step: u32, layer: u32) -> u64 {
+    let h = mix(seed ^ GAMMA);
+    mix(h ^ (((step as u64) << 32) | layer as u64) ^ GAMMA)
+}
+
+/// The 32-bit hash of one noise counter (see the module docs for the recipe).
+///
+/// Each round is a bijection of its new input for fixed earlier inputs, so within a row's
+/// (seed, step, layer) two keys of one head, or two heads of one key, never share a hash.
+pub const fn gumbel_bits(seed: u64, step: u32, layer: u32, head: u32, key: u32) -> u32 {
+    let h = gumbel_row(seed, step, layer);
+    let x = mix32(h as u32 ^ key);
+    mix32(x ^ (h >> 32) as u32 ^ head)
+}
+
+/// Maps a hash to a uniform in the open interval (0, 1): `(2 * (bits >> 9) + 1) * 2^-24`.
+pub fn uniform_from_bits(bits: u32) -> f32 {
     // 2 * m + 1 < 2^24, so the conversion is exact; so is the scaling by a power of two.
-    let odd = ((bits >> 41) as u32) * 2 + 1;
+    let odd = (bits >> 9) * 2 + 1;
     odd as f32 * (1.0 / 16_777_216.0)
 }
 
@@ -92,7 +112,7 @@ mod tests {
     #[test]
     fn uniform_is_strictly_inside_the_unit_interval() {
         let lo = uniform_from_bits(0);
-        let hi = uniform_from_bits(u64::MAX);
+        let hi = uniform_from_bits(u32::MAX);
         assert_eq!(lo, 1.0 / 16_777_216.0);
         assert_eq!(hi, 1.0 - 1.0 / 16_777_216.0);
         assert!(lo > 0.0 && hi < 1.0);
@@ -154,6 +174,7 @@ mod tests {
                 }
             }
         }
+        // 32-bit hashes of 9216 counters: a birthday collision has odds of about 1 in 100,000.
         assert_eq!(hashes.len(), count);
         // 23-bit uniforms: among 9216 draws a few birthday collisions are possible, but not many.
         assert!(values.len() + 16 >= count, "{} of {count}", values.len());
@@ -172,7 +193,7 @@ mod tests {
 
     #[test]
     fn fields_do_not_alias() {
-        // step/layer and head/key share a 64-bit word: swapping them must not collide.
+        // step/layer share a 64-bit word, head/key a round each: swapping them must not collide.
         assert_ne!(gumbel_bits(1, 2, 3, 4, 5), gumbel_bits(1, 3, 2, 4, 5));
         assert_ne!(gumbel_bits(1, 2, 3, 4, 5), gumbel_bits(1, 2, 3, 5, 4));
         assert_ne!(gumbel_bits(1, 2, 3, 4, 5), gumbel_bits(1, 4, 5, 2, 3));
@@ -198,19 +219,16 @@ mod tests {
     /// (seed, step, layer, head, key).
     type Counter = (u64, u32, u32, u32, u32);
 
-    /// (counter, `gumbel_bits`, `gumbel_uniform` as f32 bits).
-    const KNOWN_ANSWERS: [(Counter, u64, u32); 4] = [
-        ((0, 0, 0, 0, 0), 0xFBE9_8833_5F36_C931, 0x3F7B_E989),
-        ((1, 2, 3, 4, 5), 0xC8D5_8D37_993A_9077, 0x3F48_D58D),
-        (
-            (0xDEAD_BEEF, 17, 31, 7, 4095),
-            0x2211_B26F_F571_D3E1,
-            0x3E08_46CC,
-        ),
+    /// (counter, `gumbel_bits`, `gumbel_uniform` as f32 bits), computed by an independent port
+    /// of the recipe (Python integers).
+    const KNOWN_ANSWERS: [(Counter, u32, u32); 4] = [
+        ((0, 0, 0, 0, 0), 0x3036_A001, 0x3E40_DA84),
+        ((1, 2, 3, 4, 5), 0x0686_B386, 0x3CD0_D660),
+        ((0xDEAD_BEEF, 17, 31, 7, 4095), 0x1974_6171, 0x3DCB_A308),
         (
             (u64::MAX, u32::MAX, u32::MAX, u32::MAX, u32::MAX),
-            0x0F1C_5A93_4B5D_D6EF,
-            0x3D71_C5B0,
+            0x4AE7_3234,
+            0x3E95_CE66,
         ),
     ];
 }
