@@ -131,6 +131,9 @@ fn median(v: &[f64]) -> f64 {
     s[s.len() / 2]
 }
 
+/// Most repetitions of a measurement: past this the median does not move, the wall clock does.
+const MAX_REPEATS: usize = 1000;
+
 pub fn run(mut args: BenchArgs) -> Result<()> {
     if let Some(BenchTarget::Serve(serve)) = args.target.take() {
         return serve::run(serve);
@@ -140,6 +143,10 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
         Ok(())
     };
     positive(args.repeats, "--repeats")?;
+    anyhow::ensure!(
+        args.repeats.is_none_or(|r| r <= MAX_REPEATS),
+        "--repeats must be at most {MAX_REPEATS}"
+    );
     positive(args.gen_tokens, "--gen-tokens")?;
     positive(args.user_tokens, "--user-tokens")?;
     positive(args.multi_round, "--multi-round")?;

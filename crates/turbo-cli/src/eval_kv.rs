@@ -234,7 +234,7 @@ fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
     let engine = Engine::start(EngineConfig {
         kv: KvSize::Default {
             cpu_slots: args.max_batch,
-            cpu_tokens_per_slot: args.prompt_tokens + args.eval_tokens + 256,
+            cpu_tokens_per_slot: args.prompt_tokens.saturating_add(args.eval_tokens) + 256,
         },
         max_batch: args.max_batch,
         max_batched_tokens: 2048.max(args.max_batch),
@@ -243,6 +243,12 @@ fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
         max_pending: configs.len() + 1,
         ..EngineConfig::new(args.model.options()?)
     })?;
+    let context = engine.info().context_length;
+    anyhow::ensure!(
+        args.prompt_tokens.saturating_add(args.eval_tokens) <= context,
+        "--prompt-tokens + --eval-tokens = {} is more than the model's context of {context}",
+        args.prompt_tokens.saturating_add(args.eval_tokens)
+    );
     print_header(args.json)?;
     let mut rows = Vec::new();
     for path in &args.text {
@@ -250,8 +256,12 @@ fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let content = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
+        // Only the text's first prompt + eval tokens are used: its head is read, never more
+        // (as many bytes as that many tokens can stand for).
+        let info = engine.info();
+        let bytes_per_token = (info.max_prompt_bytes / info.context_length.max(1) as u64).max(1);
+        let limit = bytes_per_token.saturating_mul((args.prompt_tokens + args.eval_tokens) as u64);
+        let content = read_head(path, limit.min(info.max_prompt_bytes))?;
         let ids = engine.text_prompt(&content)?;
         let (n, k) = (args.prompt_tokens, args.eval_tokens);
         if ids.len() < n + k {
@@ -395,5 +405,29 @@ mod tests {
         // LCS "the sat" = 2 of 3 and 2 of 4 words: F1 = 2 * (2/3) * (1/2) / (2/3 + 1/2).
         let f = rouge_l("The cat sat", "the dog, sat down");
         assert!((f - 4.0 / 7.0).abs() < 1e-12, "{f}");
+    }
+}
+
+/// The first `limit` bytes of the text file `path`, cut back to a whole character.
+fn read_head(path: &std::path::Path, limit: u64) -> Result<String> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(limit).read_to_end(&mut bytes))
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    match String::from_utf8(bytes) {
+        Ok(text) => Ok(text),
+        // A character cut by the limit is dropped; invalid bytes before it are an error.
+        Err(e) if e.utf8_error().error_len().is_none() => {
+            let valid = e.utf8_error().valid_up_to();
+            let mut bytes = e.into_bytes();
+            bytes.truncate(valid);
+            Ok(String::from_utf8(bytes).expect("valid up to here"))
+        }
+        Err(e) => bail!(
+            "{} is not UTF-8 text (invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ),
     }
 }

@@ -138,6 +138,42 @@ fn each_size_a_user_controls_has_a_largest_value_and_a_clear_error_above_it() {
     err(&["--kv-blocks", "4294967295"], "bytes of KV, more than the");
     err(&["--kv-cache-gb", "1e30"], "bytes free on");
     ok(&["--kv-blocks", "64"]);
+
+    // Benchmarks and evaluations: repetitions, rounds, requests and token counts.
+    let tool = |args: &[&str], phrase: &str| {
+        let mut all = args.to_vec();
+        all.extend_from_slice(&["--device", "cpu", "--model", m]);
+        expect_error(&all, phrase);
+    };
+    tool(
+        &["bench", "--repeats", "1001"],
+        "--repeats must be at most 1000",
+    );
+    tool(&["bench", "--multi-round", "1000000000"], "rounds of ~");
+    tool(
+        &["bench", "--shared-prefix", "65537", "--prefix-tokens", "8"],
+        "65537 requests is more than the 65536 allowed",
+    );
+    tool(
+        &[
+            "bench",
+            "--shared-prefix",
+            "2",
+            "--prefix-tokens",
+            "18446744073709551615",
+        ],
+        "does not fit the model's context of 64",
+    );
+    tool(
+        &[
+            "eval-kv",
+            "--text",
+            "/dev/zero",
+            "--prompt-tokens",
+            "100000000000",
+        ],
+        "is more than the model's context of 64",
+    );
 }
 
 #[test]

@@ -73,6 +73,15 @@ impl ModelTask for MultiRound {
         tokenizer: TextTokenizer,
         info: LoadedModelInfo,
     ) -> Result<()> {
+        // Every round adds a user message and a reply to the conversation, which must fit the
+        // context (the template's markup adds a little more; that is checked as it runs).
+        let round_tokens = self.user_tokens.saturating_add(self.gen_tokens);
+        anyhow::ensure!(
+            self.rounds.saturating_mul(round_tokens) <= info.context_length,
+            "{} rounds of ~{round_tokens} tokens do not fit the model's context of {}",
+            self.rounds,
+            info.context_length
+        );
         let template = info.template(&tokenizer)?;
         let users = (0..self.rounds)
             .map(|k| {

@@ -81,15 +81,21 @@ impl ModelTask for SharedPrefix {
         tokenizer: TextTokenizer,
         info: LoadedModelInfo,
     ) -> Result<()> {
-        let prompts = self.prompts(&tokenizer)?;
-        let longest = self.prefix_tokens + self.user_tokens;
+        let longest = self.prefix_tokens.saturating_add(self.user_tokens);
         ensure!(
-            longest + self.gen_tokens <= info.context_length,
+            longest.saturating_add(self.gen_tokens) <= info.context_length,
             "a request of {longest} prompt + {} generated tokens does not fit the model's \
              context of {}",
             self.gen_tokens,
             info.context_length
         );
+        ensure!(
+            self.requests <= turbo_engine::limits::MAX_BATCH,
+            "{} requests is more than the {} allowed",
+            self.requests,
+            turbo_engine::limits::MAX_BATCH
+        );
+        let prompts = self.prompts(&tokenizer)?;
         // On the CPU: room for every request at once without sharing, so neither run preempts.
         let tokens = longest + self.gen_tokens;
         let num_blocks = self.kv.num_blocks(&model, &info, self.requests, tokens)?;
