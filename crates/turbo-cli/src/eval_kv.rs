@@ -394,20 +394,6 @@ fn rouge_l(candidate: &str, reference: &str) -> f64 {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::rouge_l;
-
-    #[test]
-    fn rouge_l_is_the_lcs_f1_of_words() {
-        assert_eq!(rouge_l("the cat sat", "the cat sat"), 1.0);
-        assert_eq!(rouge_l("a b", "c d"), 0.0);
-        // LCS "the sat" = 2 of 3 and 2 of 4 words: F1 = 2 * (2/3) * (1/2) / (2/3 + 1/2).
-        let f = rouge_l("The cat sat", "the dog, sat down");
-        assert!((f - 4.0 / 7.0).abs() < 1e-12, "{f}");
-    }
-}
-
 /// The first `limit` bytes of the text file `path`, cut back to a whole character.
 fn read_head(path: &std::path::Path, limit: u64) -> Result<String> {
     use std::io::Read;
@@ -429,5 +415,19 @@ fn read_head(path: &std::path::Path, limit: u64) -> Result<String> {
             path.display(),
             e.utf8_error().valid_up_to()
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rouge_l;
+
+    #[test]
+    fn rouge_l_is_the_lcs_f1_of_words() {
+        assert_eq!(rouge_l("the cat sat", "the cat sat"), 1.0);
+        assert_eq!(rouge_l("a b", "c d"), 0.0);
+        // LCS "the sat" = 2 of 3 and 2 of 4 words: F1 = 2 * (2/3) * (1/2) / (2/3 + 1/2).
+        let f = rouge_l("The cat sat", "the dog, sat down");
+        assert!((f - 4.0 / 7.0).abs() < 1e-12, "{f}");
     }
 }
