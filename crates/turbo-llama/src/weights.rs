@@ -508,6 +508,19 @@ pub(crate) fn check_vocab(config: &LlamaConfig, tokenizer: &TextTokenizer) -> Re
             config.vocab_size
         )));
     }
+    // Ids need not be dense: every id the tokenizer can produce needs an embedding row.
+    let specials = tokenizer
+        .bos_id()
+        .into_iter()
+        .chain(tokenizer.eos_ids().iter().copied());
+    if let Some(id) = tokenizer.max_token_id().into_iter().chain(specials).max() {
+        if id as usize >= config.vocab_size {
+            return Err(LlamaError::Config(format!(
+                "the tokenizer has a token id {id}, past the embedding's {} rows",
+                config.vocab_size
+            )));
+        }
+    }
     Ok(())
 }
 

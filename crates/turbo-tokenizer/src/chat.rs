@@ -5,6 +5,7 @@
 //! (`trim_blocks`, `lstrip_blocks`, Python string methods, `raise_exception`, HF-style
 //! `tojson`) so the prompt matches `apply_chat_template` byte for byte.
 
+use crate::contain::contained;
 use crate::tokenizer::{Escaped, TextTokenizer};
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{context, Environment, Error, ErrorKind};
@@ -18,6 +19,36 @@ const CLOSE: char = '\u{FDD1}';
 
 /// Name under which the template is stored in the environment.
 const TEMPLATE_NAME: &str = "chat";
+
+/// Instructions a template may run per render: real templates take thousands for a long
+/// conversation; a template that loops without end stops within a fraction of a second.
+const TEMPLATE_FUEL: u64 = 5_000_000;
+
+/// Longest text a template may render: far past any prompt (a million tokens of text), short of
+/// what the tokenizer could encode without gigabytes of scratch.
+const MAX_RENDER_BYTES: usize = 8 << 20;
+
+/// The render's output, refused past [`MAX_RENDER_BYTES`] (a template that writes in a loop).
+struct BoundedOutput(Vec<u8>);
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_RENDER_BYTES {
+            return Err(std::io::Error::other(format!(
+                "the rendered prompt is longer than {MAX_RENDER_BYTES} bytes"
+            )));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Widest indent `tojson` and `indent` write (templates use 2 or 4).
+const MAX_JSON_INDENT: usize = 64;
 
 /// ChatML, used by models that ship no template (and natively by Qwen, SmolLM, ...).
 const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
@@ -35,6 +66,10 @@ pub enum ChatError {
     /// The template cut a message's content apart, so it cannot be kept apart from the markup.
     #[error("the chat template transforms message content; it cannot be kept apart from the template's special tokens")]
     Content,
+    /// The template engine failed on the template (a bug of minijinja's that a hostile
+    /// template reaches), contained.
+    #[error("the chat template cannot be rendered: {}", Escaped(.0))]
+    Panic(String),
     /// Encoding the rendered text failed.
     #[error("failed to encode the chat prompt: {}", Escaped(.0))]
     Encode(String),
@@ -79,7 +114,25 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, source.to_string())
+        env.add_filter("format", bounded_format);
+        env.add_filter("indent", bounded_indent);
+        env.add_filter("list", bounded_list);
+        // `{{ seq }}` renders a whole sequence in one step, which fuel does not see: a repeated
+        // one (`[1, 2] * 10**18`) is refused by its length instead.
+        env.set_formatter(|out, state, value| {
+            if value.len().is_some_and(|n| n > MAX_RENDERED_ITEMS) {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("a value of more than {MAX_RENDERED_ITEMS} items in the output"),
+                ));
+            }
+            minijinja::escape_formatter(out, state, value)
+        });
+        // A template comes from a model file: its loops are bounded by fuel, not by trust.
+        env.set_fuel(Some(TEMPLATE_FUEL));
+        let compiled = contained(|| env.add_template_owned(TEMPLATE_NAME, source.to_string()));
+        compiled
+            .map_err(ChatError::Panic)?
             .map_err(ChatError::Compile)?;
         Ok(Self {
             env,
@@ -127,13 +180,22 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(ChatError::Render)?;
-        tmpl.render(context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.as_str(),
-            eos_token => self.eos_token.as_str(),
-        })
-        .map_err(ChatError::Render)
+        let mut out = BoundedOutput(Vec::new());
+        let rendered = contained(|| {
+            tmpl.render_captured_to(
+                context! {
+                    messages => messages,
+                    add_generation_prompt => add_generation_prompt,
+                    bos_token => self.bos_token.as_str(),
+                    eos_token => self.eos_token.as_str(),
+                },
+                &mut out,
+            )
+        });
+        rendered
+            .map_err(ChatError::Panic)?
+            .map_err(ChatError::Render)?;
+        String::from_utf8(out.0).map_err(|_| ChatError::Panic("the output is not UTF-8".into()))
     }
 
     /// Renders `messages` and encodes the text with `tokenizer`, the messages' content as
@@ -153,6 +215,28 @@ impl ChatTemplate {
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, ChatError> {
         let (text, content) = self.render_marked(messages, add_generation_prompt)?;
+        // A template that looks at the content (`startswith`, `length`, a comparison) sees the
+        // marks, and may then render other text than the model is meant to get: the real text
+        // is the unmarked render, with each message's content found in it in order.
+        let unmarked: Vec<ChatMessage> = messages
+            .iter()
+            .map(|m| ChatMessage {
+                role: m.role.clone(),
+                content: m
+                    .content
+                    .chars()
+                    .filter(|&c| c != OPEN && c != CLOSE)
+                    .collect(),
+            })
+            .collect();
+        let plain = self.render(&unmarked, add_generation_prompt)?;
+        let (text, content) = match plain == text {
+            true => (text, content),
+            false => {
+                let found = find_contents(&plain, &unmarked).ok_or(ChatError::Content)?;
+                (plain, found)
+            }
+        };
         tokenizer
             .encode_untrusted(&text, &content)
             .map_err(|e| ChatError::Encode(e.to_string()))
@@ -213,10 +297,90 @@ impl ChatTemplate {
     }
 }
 
+/// The byte ranges of each message's content (trimmed, as the marks are placed) in `text`,
+/// searched in order; `None` when one is not there as it was sent.
+fn find_contents(text: &str, messages: &[ChatMessage]) -> Option<Vec<Range<usize>>> {
+    let mut from = 0;
+    let mut found = Vec::new();
+    for m in messages {
+        let c = m.content.trim();
+        if c.is_empty() {
+            continue;
+        }
+        let at = from + text[from..].find(c)?;
+        found.push(at..at + c.len());
+        from = at + c.len();
+    }
+    Some(found)
+}
+
 /// `raise_exception(msg)`: HF templates call this to reject invalid conversations.
 fn raise_exception(msg: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, msg))
 }
+
+/// minijinja's `format` filter (printf-style), refusing field widths and precisions past
+/// [`MAX_FORMAT_WIDTH`]: a width is allocated as padding at once.
+fn bounded_format(
+    state: &minijinja::State,
+    format_str: &Value,
+    args: minijinja::value::Rest<Value>,
+) -> Result<Value, Error> {
+    if let Some(spec) = format_str.as_str() {
+        let widest = spec
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|d| !d.is_empty())
+            .map(|d| d.parse::<u64>().unwrap_or(u64::MAX))
+            .max();
+        if widest.is_some_and(|w| w > MAX_FORMAT_WIDTH) {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("format: a width of more than {MAX_FORMAT_WIDTH}"),
+            ));
+        }
+    }
+    minijinja::filters::format(state, format_str, args)
+}
+
+/// minijinja's `indent` filter, refusing widths past [`MAX_JSON_INDENT`] (each line gets that
+/// many spaces).
+fn bounded_indent(
+    value: minijinja::value::StringInput<'_>,
+    width: Option<usize>,
+    first: Option<bool>,
+    blank: Option<bool>,
+    kwargs: Kwargs,
+) -> Result<Value, Error> {
+    let asked = match width {
+        Some(w) => Some(w),
+        None => kwargs.get::<Option<usize>>("width")?,
+    };
+    if asked.is_some_and(|w| w > MAX_JSON_INDENT) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("indent: a width of more than {MAX_JSON_INDENT}"),
+        ));
+    }
+    minijinja::filters::indent(value, width, first, blank, kwargs)
+}
+
+/// minijinja's `list` filter, refusing a sequence of more than [`MAX_RENDERED_ITEMS`] items (a
+/// repeated one is materialised at once).
+fn bounded_list(state: &minijinja::State, value: Value) -> Result<Value, Error> {
+    if value.len().is_some_and(|n| n > MAX_RENDERED_ITEMS) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("list: more than {MAX_RENDERED_ITEMS} items"),
+        ));
+    }
+    minijinja::filters::list(state, value)
+}
+
+/// Most items of one sequence or map a template may write out at once.
+const MAX_RENDERED_ITEMS: usize = 1 << 20;
+
+/// Widest field `format` pads to.
+const MAX_FORMAT_WIDTH: u64 = 1024;
 
 /// HF's `tojson` (Python `json.dumps(x, ensure_ascii=False, indent=indent)`): unlike
 /// minijinja's built-in it neither HTML-escapes nor drops the ", "/": " separators, both of
@@ -224,6 +388,12 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
 fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     kwargs.assert_all_used()?;
+    if indent.is_some_and(|n| n > MAX_JSON_INDENT) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: an indent of more than {MAX_JSON_INDENT} spaces"),
+        ));
+    }
     let mut out = String::new();
     write_json(value, indent, 0, &mut out)?;
     Ok(Value::from(out))

@@ -4,6 +4,7 @@
 //! It knows nothing of weights or backends.
 
 pub mod chat;
+mod contain;
 pub mod tokenizer;
 
 pub use chat::{ChatError, ChatMessage, ChatTemplate};

@@ -359,10 +359,15 @@ impl TextTokenizer {
             path: tok_path.clone(),
             error,
         })?;
-        let inner = Tokenizer::from_str(&text).map_err(|e| TokenizerError::Parse {
-            path: tok_path.clone(),
-            message: e.to_string(),
-        })?;
+        // The tokenizers crate panics on some malformed files (a subword prefix longer than a
+        // merge's part, a truncated decoder): contained, that is an error of the file.
+        let inner = crate::contain::contained(|| Tokenizer::from_str(&text))
+            .map_err(|panic| format!("the tokenizers library failed on it ({panic})"))
+            .and_then(|r| r.map_err(|e| e.to_string()))
+            .map_err(|message| TokenizerError::Parse {
+                path: tok_path.clone(),
+                message,
+            })?;
         if let Some(tok) = bpe_token_without_merges(&inner, &text) {
             return Err(TokenizerError::Parse {
                 path: tok_path,
@@ -572,6 +577,12 @@ impl TextTokenizer {
     /// Number of tokens, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// The largest token id, added tokens included (ids need not be dense: a file may give a
+    /// token any id, which the model's embedding must then have a row for).
+    pub fn max_token_id(&self) -> Option<u32> {
+        self.inner.get_vocab(true).into_values().max()
     }
 
     pub fn bos_id(&self) -> Option<u32> {
