@@ -79,7 +79,7 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
         for &id in &ids {
             cancel.cancel(id);
         }
-    })?;
+    });
     let (mut failed, mut cancelled, mut generated) = (0usize, false, 0usize);
     let mut prompt_tokens = 0usize;
     for (line, outcome) in lines.iter().zip(outcomes) {

@@ -208,7 +208,7 @@ impl ModelTask for Bench {
         anyhow::ensure!(
             args.prompt_tokens < info.context_length
                 && args.decode_context >= 1
-                && args.decode_context + gen_tokens < info.context_length,
+                && args.decode_context.saturating_add(gen_tokens) < info.context_length,
             "the model's context is {} tokens",
             info.context_length
         );

@@ -52,7 +52,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         ..EngineConfig::new(args.model.options()?)
     })?);
     let in_flight = Arc::new(AtomicU64::new(IDLE));
-    handle_ctrl_c(engine.clone(), in_flight.clone())?;
+    handle_ctrl_c(engine.clone(), in_flight.clone());
     let opening: Vec<ChatMessage> = args
         .system
         .iter()
@@ -163,7 +163,7 @@ const IDLE: u64 = u64::MAX;
 
 /// Ctrl-C while a reply is generated stops it (the conversation goes on); at the prompt, the
 /// first one only says how to quit and a second one quits.
-fn handle_ctrl_c(engine: Arc<Engine>, in_flight: Arc<AtomicU64>) -> Result<()> {
+fn handle_ctrl_c(engine: Arc<Engine>, in_flight: Arc<AtomicU64>) {
     let at_prompt = AtomicUsize::new(0);
     crate::interrupt::on_ctrl_c(move |_| {
         let id = in_flight.load(Ordering::SeqCst);

@@ -144,7 +144,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let cancel = engine.clone();
     crate::interrupt::cancel_on_ctrl_c(move || {
         cancel.cancel(id);
-    })?;
+    });
     let completion = loop {
         match stream.blocking_next() {
             // A closed stdout (e.g. `| head`) ends the command; dropping the stream cancels

@@ -59,7 +59,16 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e),
+    };
+    // Ctrl-C is the command's from the start (the server handles its own signals).
+    if !matches!(cli.command, Some(Command::Serve(_))) {
+        if let Err(e) = interrupt::install() {
+            return exit_code(Err(e));
+        }
+    }
     let result = match cli.command {
         None => chat::run(cli.chat),
         Some(Command::Chat(args)) => chat::run(args),
@@ -87,4 +96,26 @@ fn exit_code(result: anyhow::Result<()>) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A command line clap refuses: its first line (`error: ...`, naming what was wrong) and exit
+/// code 2, as for any other refusal one line; `--help` and `--version` print as usual.
+fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        let _ = e.print();
+        return ExitCode::SUCCESS;
+    }
+    let rendered = e.render().to_string();
+    let line = rendered
+        .lines()
+        .next()
+        .unwrap_or("error: invalid arguments");
+    eprintln!("{line} (see --help)");
+    ExitCode::from(2)
 }

@@ -139,6 +139,17 @@ fn each_size_a_user_controls_has_a_largest_value_and_a_clear_error_above_it() {
     err(&["--kv-cache-gb", "1e30"], "bytes free on");
     ok(&["--kv-blocks", "64"]);
 
+    // Values the argument parser refuses are one line too.
+    expect_error(
+        &cpu_args(m, &["--threads", "-1"]),
+        "unexpected argument '-1'",
+    );
+    expect_error(&cpu_args(m, &["--block-size", "nan"]), "--block-size");
+    expect_error(
+        &cpu_args(m, &["--kv-blocks", "18446744073709551616", "--prompt", "x"]),
+        "--kv-blocks",
+    );
+
     // Benchmarks and evaluations: repetitions, rounds, requests and token counts.
     let tool = |args: &[&str], phrase: &str| {
         let mut all = args.to_vec();

@@ -247,7 +247,8 @@ fn bench(c: &mut Criterion) {
             g.bench_function(format!("{name}_causal_s{n}_h32_d128"), |b| {
                 b.iter_custom(|iters| {
                     time_gpu(&dev, iters, || {
-                        plan.run(&dev, &q, &k, &v, 0.088, &mut out, None, 0).unwrap()
+                        plan.run(&dev, &q, &k, &v, 0.088, &mut out, None, 0)
+                            .unwrap()
                     })
                 })
             });
@@ -579,7 +580,8 @@ fn bench_cascade(c: &mut Criterion) {
                 g.bench_function(format!("{name}_prefix{prefix}_b{batch}"), |b| {
                     b.iter_custom(|iters| {
                         time_gpu(&dev, iters, || {
-                            plan.run(&dev, &q, &k, &v, 0.088, &mut out, None, 0).unwrap()
+                            plan.run(&dev, &q, &k, &v, 0.088, &mut out, None, 0)
+                                .unwrap()
                         })
                     })
                 });

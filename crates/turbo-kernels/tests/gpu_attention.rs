@@ -34,8 +34,7 @@ use rand_chacha::ChaCha8Rng;
 use turbo_attention::{PagedKv, QuerySpan};
 use turbo_kernels::ops::attention::{
     paged_attention, paged_attention_with, AttentionPlan, KvLayout, KvSplit, LogitScoring,
-    PlanOptions,
-    PrefillKernel, RowKernel, PREFILL_MIN_ROWS,
+    PlanOptions, PrefillKernel, RowKernel, PREFILL_MIN_ROWS,
 };
 use turbo_kernels::CudaDevice;
 

@@ -483,11 +483,7 @@ impl ScorePlan {
         .map(|v| v as i32);
         let f = dev.function("scores", "kv_score_logit_add")?;
         let mut b = dev.stream.launch_builder(&f);
-        b.arg(logits)
-            .arg(scores)
-            .arg(&tables)
-            .arg(&spans)
-            .arg(lse);
+        b.arg(logits).arg(scores).arg(&tables).arg(&spans).arg(lse);
         for a in &ints {
             b.arg(a);
         }
