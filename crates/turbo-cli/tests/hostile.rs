@@ -273,6 +273,19 @@ fn read_until(reader: &mut impl Read, needle: &str) -> String {
     text(&seen)
 }
 
+/// Runs `args`, sends Ctrl-C 1.5 s later, and waits for it to end.
+fn interrupted(args: &[&str]) -> std::process::Output {
+    let child = Command::new(env!("CARGO_BIN_EXE_turbo"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    ctrl_c(&child);
+    child.wait_with_output().unwrap()
+}
+
 #[test]
 fn ctrl_c_stops_generation_and_keeps_what_was_generated() {
     let (dir, model) = gguf_fixture(1_000_000);
@@ -289,15 +302,7 @@ fn ctrl_c_stops_generation_and_keeps_what_was_generated() {
             "--json",
         ],
     );
-    let child = Command::new(env!("CARGO_BIN_EXE_turbo"))
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
-    ctrl_c(&child);
-    let out = child.wait_with_output().unwrap();
+    let out = interrupted(&args);
     assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
     let json: serde_json::Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
     assert_eq!(json["finish_reason"], "cancelled");
@@ -319,15 +324,7 @@ fn ctrl_c_stops_generation_and_keeps_what_was_generated() {
             "40000",
         ],
     );
-    let child = Command::new(env!("CARGO_BIN_EXE_turbo"))
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
-    ctrl_c(&child);
-    let out = child.wait_with_output().unwrap();
+    let out = interrupted(&args);
     assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
     let rows: Vec<serde_json::Value> = text(&out.stdout)
         .lines()
