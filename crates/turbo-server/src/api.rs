@@ -294,9 +294,27 @@ impl ChatRequest {
     pub fn messages(&self) -> Result<Vec<ChatMessage>, ApiError> {
         self.messages
             .iter()
-            .map(|m| {
+            .enumerate()
+            .map(|(i, m)| {
+                // OpenAI's roles; only an assistant's message may come without content (it then
+                // held tool calls, which are not supported here anyway).
+                if !KNOWN_ROLES.contains(&m.role.as_str()) {
+                    return Err(ApiError::invalid(format!(
+                        "messages[{i}].role '{}' is not one of {}",
+                        m.role,
+                        KNOWN_ROLES.join(", ")
+                    ))
+                    .param("messages"));
+                }
                 let content = match &m.content {
-                    None => String::new(),
+                    None if m.role == "assistant" => String::new(),
+                    None => {
+                        return Err(ApiError::invalid(format!(
+                            "messages[{i}].content is required for role '{}'",
+                            m.role
+                        ))
+                        .param("messages"))
+                    }
                     Some(Content::Text(t)) => t.clone(),
                     Some(Content::Parts(parts)) => {
                         let mut text = String::new();
@@ -320,3 +338,6 @@ impl ChatRequest {
             .collect()
     }
 }
+
+/// Message roles a chat request may use (OpenAI's; `developer` is its newer name for `system`).
+const KNOWN_ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];

@@ -492,6 +492,9 @@ fn bad_requests_get_openai_errors() {
             json!({"messages": []}),
             json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
             json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 30}),
+            json!({"messages": [{"role": "bogus", "content": "x"}]}),
+            json!({"messages": [{"role": "user"}]}),
+            json!({"messages": [{"role": "user", "content": null}]}),
         ] {
             let (s, b) = post(url, "/v1/chat/completions", bad.clone()).await;
             assert_eq!(s, 400, "{bad}: {b}");
