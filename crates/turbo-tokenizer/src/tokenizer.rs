@@ -361,13 +361,22 @@ impl TextTokenizer {
         })?;
         // The tokenizers crate panics on some malformed files (a subword prefix longer than a
         // merge's part, a truncated decoder): contained, that is an error of the file.
-        let inner = crate::contain::contained(|| Tokenizer::from_str(&text))
+        let mut inner = crate::contain::contained(|| Tokenizer::from_str(&text))
             .map_err(|panic| format!("the tokenizers library failed on it ({panic})"))
             .and_then(|r| r.map_err(|e| e.to_string()))
             .map_err(|message| TokenizerError::Parse {
                 path: tok_path.clone(),
                 message,
             })?;
+        // A file's truncation and padding would cut or pad prompts silently (and a truncation
+        // whose stride is past its length panics in `encode`): the engine checks lengths itself.
+        inner
+            .with_truncation(None)
+            .map_err(|e| TokenizerError::Parse {
+                path: tok_path.clone(),
+                message: e.to_string(),
+            })?
+            .with_padding(None);
         if let Some(tok) = bpe_token_without_merges(&inner, &text) {
             return Err(TokenizerError::Parse {
                 path: tok_path,
