@@ -6,6 +6,11 @@ use turbo_llama::Llama;
 /// no size is given: the rest is left for activations, cuBLAS workspaces and other processes.
 pub const DEFAULT_GPU_KV_FRACTION: f64 = 0.9;
 
+/// Most bytes the CPU's default KV cache may grow to (1 GiB): its storage grows as blocks are
+/// used, so without a cap a server under load would take memory until the machine swaps. A
+/// larger cache is asked for with an explicit size.
+pub const DEFAULT_CPU_KV_BYTES: usize = 1 << 30;
+
 /// The size of the persistent batch's KV cache.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum KvSize {
@@ -19,7 +24,7 @@ pub enum KvSize {
     Contexts(usize),
     /// A GPU takes [`DEFAULT_GPU_KV_FRACTION`] of its free memory; the CPU, whose KV storage only
     /// grows as blocks are used, room for `cpu_slots` sequences of `cpu_tokens_per_slot` tokens
-    /// (at most the model's context each).
+    /// (at most the model's context each), at most [`DEFAULT_CPU_KV_BYTES`].
     Default {
         cpu_slots: usize,
         cpu_tokens_per_slot: usize,
@@ -138,7 +143,10 @@ impl KvSize {
                 ),
                 _ => {
                     let tokens = cpu_tokens_per_slot.min(info.context_length);
-                    let blocks = tokens.div_ceil(block_size).saturating_mul(cpu_slots);
+                    let blocks = tokens
+                        .div_ceil(block_size)
+                        .saturating_mul(cpu_slots)
+                        .min(DEFAULT_CPU_KV_BYTES / block_bytes);
                     Ok(cut_to_free(
                         blocks.clamp(1, u32::MAX as usize),
                         &format!("room for {cpu_slots} sequences of {tokens} tokens"),
@@ -147,5 +155,62 @@ impl KvSize {
             },
         }?;
         Ok(blocks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+    use turbo_core::cpu::CpuBackend;
+    use turbo_tests::{write_gguf, DType, TinySpec, TinyWeights};
+
+    fn tiny() -> (Llama<CpuBackend>, LoadedModelInfo, tempfile::TempDir) {
+        let spec = TinySpec {
+            context: 128,
+            ..TinySpec::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        write_gguf(&path, &spec, &TinyWeights::random(&spec), DType::F32);
+        let loaded = turbo_llama::LoadedModel::load(&path).unwrap();
+        let model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
+        let info = LoadedModelInfo {
+            path: PathBuf::from("tiny.gguf"),
+            context_length: 128,
+            vocab_size: spec.vocab,
+            chat_template: None,
+            block_size: 16,
+            device: Device::Cpu,
+        };
+        (model, info, dir)
+    }
+
+    /// The CPU default is room for the slots asked for, but never more than
+    /// [`DEFAULT_CPU_KV_BYTES`]: a server under load stays within a known amount of memory.
+    #[test]
+    fn cpu_default_is_capped_in_bytes() {
+        let (model, info, _dir) = tiny();
+        let block_bytes =
+            model.kv_spec(16, 1).bytes_per_token() / 4 * model.backend().kv_element_bytes() * 16;
+        let small = KvSize::Default {
+            cpu_slots: 4,
+            cpu_tokens_per_slot: 4096,
+        };
+        // The context (128 tokens) bounds each slot: 8 blocks each.
+        assert_eq!(small.num_blocks(&model, &info).unwrap(), 4 * 8);
+        let huge = KvSize::Default {
+            cpu_slots: 1 << 30,
+            cpu_tokens_per_slot: 4096,
+        };
+        let blocks = huge.num_blocks(&model, &info).unwrap();
+        let bytes = blocks * block_bytes;
+        assert!(
+            bytes <= DEFAULT_CPU_KV_BYTES && bytes + block_bytes > DEFAULT_CPU_KV_BYTES,
+            "{blocks} blocks of {block_bytes} bytes"
+        );
+        // An explicit size is not capped.
+        let explicit = KvSize::Blocks(blocks * 2);
+        assert_eq!(explicit.num_blocks(&model, &info).unwrap(), blocks * 2);
     }
 }

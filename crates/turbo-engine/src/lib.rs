@@ -21,7 +21,7 @@ pub mod requests_file;
 pub use device::Device;
 pub use error::{EngineError, SubmitError};
 pub use handle::{Engine, EngineConfig, EngineInfo, EngineStats, RequestStream};
-pub use kv_size::{KvSize, DEFAULT_GPU_KV_FRACTION};
+pub use kv_size::{KvSize, DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION};
 pub use load::{LoadedModelInfo, ModelOptions, ModelTask};
 pub use turbo_scheduler::{
     BatchStats, Completion, Event, FinishReason, Request, RequestError, SamplingParams, Timings,

@@ -1115,6 +1115,32 @@ mod tests {
         );
     }
 
+    /// A tokenizer.json's truncation and padding are ignored: a prompt is never cut or padded
+    /// silently, and a truncation whose stride is past its length (which panics inside the
+    /// tokenizers library) is harmless.
+    #[test]
+    fn hf_truncation_and_padding_are_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let tok = TextTokenizer::from_gguf_vocab(&tiny_vocab(None)).unwrap();
+        tok.save(&path).unwrap();
+        let text = "hello hello hello hello hello hello hello hello";
+        let full = tok.encode(text).unwrap();
+        assert!(full.len() > 4, "{full:?}");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        json["truncation"] = serde_json::json!({
+            "direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 7
+        });
+        json["padding"] = serde_json::json!({
+            "strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": null,
+            "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"
+        });
+        std::fs::write(&path, json.to_string()).unwrap();
+        let loaded = TextTokenizer::from_hf_dir(dir.path()).unwrap();
+        assert_eq!(loaded.encode(text).unwrap(), full);
+    }
+
     #[test]
     fn hf_dir_configs() {
         let tok = TextTokenizer::from_gguf_vocab(&tiny_vocab(None)).unwrap();
