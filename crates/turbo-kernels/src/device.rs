@@ -7,7 +7,14 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
+
+/// Environment variable naming a directory of kernel modules that replace the embedded ones: a
+/// module's `NAME.ptx` there is loaded, else its `NAME.cu` compiled with NVRTC. For kernel work on
+/// a GPU machine without a Rust toolchain: edited kernels run without rebuilding the binary, and
+/// nvcc's PTX and NVRTC's can be compared on the same source.
+pub const KERNELS_DIR_ENV: &str = "TURBO_KERNELS_DIR";
 
 /// Whether a CUDA driver library is loadable and reports at least one device. Never panics on a
 /// machine without CUDA.
@@ -173,6 +180,11 @@ impl CudaDevice {
                 ),
             });
         }
+        if let Some(dir) = std::env::var_os(KERNELS_DIR_ENV) {
+            let module = self.module_from_dir(spec, Path::new(&dir))?;
+            self.modules.lock().unwrap().insert(name, module.clone());
+            return Ok(module);
+        }
         // PTX built from an older source (a kernel edited since `cargo xtask kernels`) would run
         // old code or lack new kernels: the source itself is compiled instead.
         let loaded = match crate::ptx::is_current(spec) {
@@ -202,23 +214,64 @@ impl CudaDevice {
         Ok(module)
     }
 
+    /// `spec`'s module from a directory given by [`KERNELS_DIR_ENV`]: its `NAME.ptx` when there
+    /// is one, else its `NAME.cu` (with that directory's `common.cuh`) compiled by NVRTC, else
+    /// the embedded module compiled by NVRTC.
+    fn module_from_dir(&self, spec: &KernelModule, dir: &Path) -> Result<Arc<CudaModule>> {
+        let name = spec.name;
+        let fail = |reason: String| CudaError::Module {
+            module: name.into(),
+            reason: format!("{KERNELS_DIR_ENV}={}: {reason}", dir.display()),
+        };
+        let read = |file: &str| std::fs::read_to_string(dir.join(file));
+        if let Ok(ptx) = read(&format!("{name}.ptx")) {
+            tracing::warn!("kernel module {name}: PTX from {}", dir.display());
+            return self
+                .ctx
+                .load_module(Ptx::from_src(ptx))
+                .map_err(|e| fail(e.to_string()));
+        }
+        let (source, header) = match read(&format!("{name}.cu")) {
+            Ok(source) => (
+                source,
+                read("common.cuh").map_err(|e| fail(format!("common.cuh: {e}")))?,
+            ),
+            Err(_) => (
+                spec.source.to_string(),
+                crate::ptx::COMMON_HEADER.to_string(),
+            ),
+        };
+        tracing::warn!("kernel module {name}: NVRTC from {}", dir.display());
+        self.compile_source_with_nvrtc(spec, &source, &header)
+            .map_err(fail)
+    }
+
     fn compile_with_nvrtc(
         &self,
         spec: &KernelModule,
+    ) -> std::result::Result<Arc<CudaModule>, String> {
+        self.compile_source_with_nvrtc(spec, spec.source, crate::ptx::COMMON_HEADER)
+    }
+
+    fn compile_source_with_nvrtc(
+        &self,
+        spec: &KernelModule,
+        source: &str,
+        header: &str,
     ) -> std::result::Result<Arc<CudaModule>, String> {
         let (major, minor) = self.compute;
         // Architecture-specific modules need the "a" target of their architecture.
         let suffix = if spec.only_on.is_some() { "a" } else { "" };
         // NVRTC cannot read files: splice the shared header in place of its #include.
         // Nor does it ship the C library's headers: the fixed-width types and INFINITY are defined here.
-        let header = crate::ptx::COMMON_HEADER.replace(
+        let header = header.replace(
             "#include <stdint.h>",
             "typedef unsigned char uint8_t; typedef unsigned short uint16_t; \
              typedef unsigned int uint32_t; typedef unsigned long long uint64_t; \
              typedef int int32_t; typedef long long int64_t; typedef unsigned long long uintptr_t;\n\
              #ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif",
         );
-        let source = spec.source.replace("#include \"common.cuh\"", &header);
+        let source = source.replace("#include \"common.cuh\"", &header);
         let opts = cudarc::nvrtc::CompileOptions {
             arch: Some(Box::leak(
                 format!("compute_{major}{minor}{suffix}").into_boxed_str(),
