@@ -11,7 +11,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 /// Environment variable naming a directory of kernel modules that replace the embedded ones: a
-/// module's `NAME.ptx` there is loaded, else its `NAME.cu` compiled with NVRTC. For kernel work on
+/// module's `NAME.ptx` there is loaded, else its `NAME.cu` compiled with NVRTC (a module with
+/// neither loads as it would without the variable). For kernel work on
 /// a GPU machine without a Rust toolchain: edited kernels run without rebuilding the binary, and
 /// nvcc's PTX and NVRTC's can be compared on the same source.
 pub const KERNELS_DIR_ENV: &str = "TURBO_KERNELS_DIR";
@@ -180,8 +181,7 @@ impl CudaDevice {
                 ),
             });
         }
-        if let Some(dir) = std::env::var_os(KERNELS_DIR_ENV) {
-            let module = self.module_from_dir(spec, Path::new(&dir))?;
+        if let Some(module) = self.module_from_dir(spec)? {
             self.modules.lock().unwrap().insert(name, module.clone());
             return Ok(module);
         }
@@ -214,11 +214,14 @@ impl CudaDevice {
         Ok(module)
     }
 
-    /// `spec`'s module from a directory given by [`KERNELS_DIR_ENV`]: its `NAME.ptx` when there
-    /// is one, else its `NAME.cu` (with that directory's `common.cuh`) compiled by NVRTC, else
-    /// the embedded module compiled by NVRTC.
-    fn module_from_dir(&self, spec: &KernelModule, dir: &Path) -> Result<Arc<CudaModule>> {
-        let name = spec.name;
+    /// `spec`'s module from the directory [`KERNELS_DIR_ENV`] names, if any: its `NAME.ptx` when
+    /// there is one, else its `NAME.cu` (with that directory's `common.cuh`) compiled by NVRTC;
+    /// `None` when the directory has neither.
+    fn module_from_dir(&self, spec: &KernelModule) -> Result<Option<Arc<CudaModule>>> {
+        let Some(dir) = std::env::var_os(KERNELS_DIR_ENV) else {
+            return Ok(None);
+        };
+        let (name, dir) = (spec.name, Path::new(&dir));
         let fail = |reason: String| CudaError::Module {
             module: name.into(),
             reason: format!("{KERNELS_DIR_ENV}={}: {reason}", dir.display()),
@@ -226,24 +229,16 @@ impl CudaDevice {
         let read = |file: &str| std::fs::read_to_string(dir.join(file));
         if let Ok(ptx) = read(&format!("{name}.ptx")) {
             tracing::warn!("kernel module {name}: PTX from {}", dir.display());
-            return self
-                .ctx
-                .load_module(Ptx::from_src(ptx))
-                .map_err(|e| fail(e.to_string()));
+            let module = self.ctx.load_module(Ptx::from_src(ptx));
+            return module.map(Some).map_err(|e| fail(e.to_string()));
         }
-        let (source, header) = match read(&format!("{name}.cu")) {
-            Ok(source) => (
-                source,
-                read("common.cuh").map_err(|e| fail(format!("common.cuh: {e}")))?,
-            ),
-            Err(_) => (
-                spec.source.to_string(),
-                crate::ptx::COMMON_HEADER.to_string(),
-            ),
+        let Ok(source) = read(&format!("{name}.cu")) else {
+            return Ok(None);
         };
+        let header = read("common.cuh").map_err(|e| fail(format!("common.cuh: {e}")))?;
         tracing::warn!("kernel module {name}: NVRTC from {}", dir.display());
-        self.compile_source_with_nvrtc(spec, &source, &header)
-            .map_err(fail)
+        let module = self.compile_source_with_nvrtc(spec, &source, &header);
+        module.map(Some).map_err(fail)
     }
 
     fn compile_with_nvrtc(
