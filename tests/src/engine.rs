@@ -1,5 +1,6 @@
 //! Running Turbo's forward pass on a loaded model, the way the tests compare it.
 
+use turbo_core::comm::CpuGroup;
 use turbo_core::cpu::CpuBackend;
 use turbo_core::{Backend, KvCompaction};
 use turbo_llama::{Llama, LoadedModel, Logits, SequenceChunk};
@@ -7,6 +8,17 @@ use turbo_llama::{Llama, LoadedModel, Logits, SequenceChunk};
 /// Places a loaded model on the CPU backend.
 pub fn cpu_model(loaded: &LoadedModel) -> Llama<CpuBackend> {
     Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).expect("model placed on the CPU")
+}
+
+/// Places a loaded model on `world` CPU ranks of one tensor-parallel group (threads of this
+/// process, summing in a fixed order).
+pub fn cpu_model_split(loaded: &LoadedModel, world: usize) -> Llama<CpuBackend> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let backends = CpuGroup::members(world)
+        .into_iter()
+        .map(|m| CpuBackend::with_group((threads / world).max(1), m).expect("CPU threads"))
+        .collect();
+    Llama::new_parallel(backends, &loaded.config, &loaded.weights).expect("model split")
 }
 
 /// Splits row-major `[rows, vocab]` logits into rows.
@@ -20,10 +32,7 @@ pub fn rows(logits: &[f32], vocab: usize) -> Vec<Vec<f32>> {
 pub fn engine_logits<B: Backend>(model: &Llama<B>, tokens: &[u32]) -> Vec<Vec<f32>> {
     let block_size = 16;
     let blocks = tokens.len().div_ceil(block_size);
-    let mut cache = model
-        .backend()
-        .kv_cache(model.kv_spec(block_size, blocks))
-        .expect("KV cache");
+    let mut cache = model.kv_cache(block_size, blocks).expect("KV cache");
     let chunk = SequenceChunk {
         tokens: tokens.to_vec(),
         start: 0,

@@ -22,7 +22,7 @@ pub mod reference;
 pub mod tiny;
 pub mod vocab;
 
-pub use engine::{cpu_model, engine_logits, load_and_run};
+pub use engine::{cpu_model, cpu_model_split, engine_logits, load_and_run};
 pub use files::{gguf_metadata, gguf_tensors, gguf_writer, write_gguf, write_hf, GgufTensor};
 pub use reference::{
     max_rel_diff, max_rel_err, reference_logits, reference_logits_masked, RopeStyle,

@@ -21,6 +21,7 @@ use turbo_core::Backend;
 use turbo_llama::{Llama, Logits, SequenceChunk};
 use turbo_scheduler::{FinishReason, Request};
 use turbo_tests::alone::Alone;
+use turbo_tests::cpu_model_split;
 use turbo_tests::default_model::{default_model_path, load_default_model, model_chat_template};
 use turbo_tokenizer::chat::ChatMessage;
 use turbo_tokenizer::tokenizer::{TextStream, TextTokenizer};
@@ -274,10 +275,22 @@ fn tokenizer_matches_golden() {
 
 #[test]
 fn greedy_generation_matches_golden() {
-    let g = greedy_golden();
     let loaded = load_default_model();
     let model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
-    let mut alone = Alone::new(model, loaded.tokenizer.clone(), 16);
+    check_greedy(model, &loaded.tokenizer);
+}
+
+/// The same, with the model split over 3 CPU ranks (tensor parallelism: SmolLM2's 9 heads, 3
+/// KV heads and FFN of 1536 divide by 3; its Q4_1 rows split on whole blocks).
+#[test]
+fn greedy_generation_matches_golden_split_over_3_ranks() {
+    let loaded = load_default_model();
+    check_greedy(cpu_model_split(&loaded, 3), &loaded.tokenizer);
+}
+
+fn check_greedy<B: Backend>(model: Llama<B>, tokenizer: &TextTokenizer) {
+    let g = greedy_golden();
+    let mut alone = Alone::new(model, tokenizer.clone(), 16);
 
     let mut failures = Vec::new();
     let started = Instant::now();

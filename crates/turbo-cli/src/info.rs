@@ -11,7 +11,8 @@ pub struct InfoArgs {
 }
 
 pub fn run(args: InfoArgs) -> Result<()> {
-    let m = args.model.options()?.load()?;
+    let options = args.model.options()?;
+    let m = options.load()?;
     let c = &m.config;
     outln!("model        {}", m.path.display())?;
     outln!("format       {}", m.format)?;
@@ -40,6 +41,21 @@ pub fn run(args: InfoArgs) -> Result<()> {
     outln!("matrices     {}", types.join(", "))?;
     let params = c.parameter_count();
     outln!("parameters   {params} ({:.1}M)", params as f64 / 1e6)?;
+    let world = options.tensor_parallel;
+    if world > 1 {
+        let plan = turbo_llama::ShardPlan::new(c, world)?;
+        let kv = if plan.kv_replicas > 1 {
+            format!("1 KV head held by {} ranks", plan.kv_replicas)
+        } else {
+            format!("{} KV heads", plan.kv_heads_per_rank)
+        };
+        outln!(
+            "tensor par.  {world} ranks: {} heads, {kv}, FFN {} per rank; {:.2} GB of weights per rank (embedding and LM head replicated)",
+            plan.heads_per_rank,
+            plan.ffn_per_rank,
+            plan.bytes_per_rank(c, &m.weights) as f64 / 1e9
+        )?;
+    }
     outln!(
         "chat template {}",
         if m.chat_template.is_some() {

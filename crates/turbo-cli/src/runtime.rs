@@ -38,6 +38,16 @@ pub struct ModelArgs {
     /// cache at start.
     #[arg(long, value_name = "BLOCKS")]
     pub kv_alloc_chunk: Option<usize>,
+    /// Split the model over N ranks (tensor parallelism): GPUs cuda:K .. cuda:K+N-1 from the
+    /// --device named (NCCL), or N groups of CPU threads. Heads, KV heads (or N a multiple of
+    /// them) and the FFN width must divide by N.
+    #[arg(
+        long = "tensor-parallel",
+        visible_alias = "tp",
+        value_name = "N",
+        default_value_t = 1
+    )]
+    pub tensor_parallel: usize,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -89,6 +99,10 @@ impl ModelArgs {
             self.kv_alloc_chunk != Some(0),
             "--kv-alloc-chunk must be positive"
         );
+        anyhow::ensure!(
+            self.tensor_parallel > 0,
+            "--tensor-parallel must be positive"
+        );
         Ok(ModelOptions {
             model: self.model.clone(),
             device: self.device,
@@ -98,6 +112,7 @@ impl ModelArgs {
             cuda_graphs: !self.no_cuda_graphs,
             kv_alloc_chunk: self.kv_alloc_chunk,
             progress: true,
+            tensor_parallel: self.tensor_parallel,
         })
     }
 

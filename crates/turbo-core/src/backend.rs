@@ -1,5 +1,6 @@
 //! The interface every compute backend implements, so that a model's forward pass is written once.
 
+use crate::comm::RankInfo;
 use crate::cpu::KvCacheSpec;
 use crate::sampling::{PenaltyLists, SampleParams};
 use crate::WeightMatrix;
@@ -348,6 +349,25 @@ pub trait Backend: Send + Sync {
     fn swiglu(&self, gate_up: &Self::Tensor, out: &mut Self::Tensor) -> Result<()>;
     /// `x += y`.
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// This backend's place in a tensor-parallel group ([`crate::comm`]); rank 0 of 1 when alone.
+    fn rank_info(&self) -> RankInfo {
+        RankInfo { rank: 0, world: 1 }
+    }
+    /// `x` becomes the sum of every rank's `x`, on every rank of the backend's tensor-parallel
+    /// group, in an order that gives all ranks the same values. Nothing to do alone.
+    fn all_reduce_sum(&self, x: &mut Self::Tensor) -> Result<()> {
+        let _ = x;
+        match self.rank_info().world {
+            1 => Ok(()),
+            n => Err(BackendError::Unsupported(format!(
+                "{} cannot reduce over {n} ranks",
+                self.name()
+            ))),
+        }
+    }
+    /// Called by a rank that failed where its peers may be waiting in a collective: they get an
+    /// error instead of waiting forever. The group is unusable afterwards.
+    fn abort_collectives(&self) {}
     /// Splits the columns of `x` into `a`, `b` and `c` (in that order), e.g. a fused QKV product.
     fn split3(
         &self,

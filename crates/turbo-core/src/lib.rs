@@ -2,6 +2,7 @@
 //! backends (the [`Backend`] trait and its CPU implementation).
 
 pub mod backend;
+pub mod comm;
 pub mod cpu;
 pub mod dtype;
 pub mod quant;

@@ -55,6 +55,15 @@ impl Bytes {
         self.range.is_empty()
     }
 
+    /// The bytes at `range` of this window (relative to its start), sharing the same backing.
+    pub fn slice(&self, range: Range<usize>) -> Bytes {
+        assert!(range.end <= self.len(), "slice past the end of the window");
+        Bytes {
+            backing: self.backing.clone(),
+            range: self.range.start + range.start..self.range.start + range.end,
+        }
+    }
+
     /// True when the bytes live in a memory-mapped file rather than on the heap.
     pub fn is_mapped(&self) -> bool {
         matches!(self.backing, Backing::Mapped(_))
@@ -157,6 +166,47 @@ impl WeightMatrix {
         }
         let values: Vec<f32> = parts.iter().flat_map(|p| p.to_f32()).collect();
         Ok(WeightMatrix::from_f32(rows, cols, &values))
+    }
+
+    /// Rows `rows` (output features) of this matrix, sharing its bytes: a column-parallel shard.
+    pub fn row_range(&self, rows: Range<usize>) -> Result<WeightMatrix, String> {
+        if rows.start > rows.end || rows.end > self.rows {
+            return Err(format!("rows {rows:?} of a matrix of {} rows", self.rows));
+        }
+        let n = self.row_bytes();
+        Ok(WeightMatrix {
+            rows: rows.len(),
+            data: self.data.slice(rows.start * n..rows.end * n),
+            ..self.clone()
+        })
+    }
+
+    /// Columns `cols` (input features) of every row, copied: a row-parallel shard. The range
+    /// must start and end on the type's block boundaries.
+    pub fn col_range(&self, cols: Range<usize>) -> Result<WeightMatrix, String> {
+        let block = self.dtype.block_len();
+        if cols.start > cols.end || cols.end > self.cols {
+            return Err(format!(
+                "columns {cols:?} of a matrix of {} columns",
+                self.cols
+            ));
+        }
+        if !cols.start.is_multiple_of(block) || !cols.end.is_multiple_of(block) {
+            return Err(format!(
+                "columns {cols:?} do not fall on {} blocks of {block}",
+                self.dtype
+            ));
+        }
+        let bytes_per_block = self.dtype.block_bytes();
+        let (from, to) = (
+            cols.start / block * bytes_per_block,
+            cols.end / block * bytes_per_block,
+        );
+        let mut bytes = Vec::with_capacity(self.rows * (to - from));
+        for r in 0..self.rows {
+            bytes.extend_from_slice(&self.row(r)[from..to]);
+        }
+        WeightMatrix::new(self.dtype, self.rows, cols.len(), Bytes::owned(bytes))
     }
 
     /// A new matrix with rows taken in the order `order` (`order[i]` is the source row of row `i`).

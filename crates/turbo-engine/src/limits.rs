@@ -20,6 +20,10 @@ pub const MAX_CONTEXT: usize = i32::MAX as usize;
 /// size is already hundreds of megabytes).
 pub const MAX_BLOCK_SIZE: usize = 1024;
 
+/// Most ranks a model may be split over (a host has at most 8 or 16 GPUs; the CPU's ranks are
+/// threads of one process, for tests).
+pub const MAX_TENSOR_PARALLEL: usize = 64;
+
 /// Most batch slots (sequences running at once).
 pub const MAX_BATCH: usize = 1 << 16;
 

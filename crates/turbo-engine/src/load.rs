@@ -3,6 +3,7 @@
 
 use crate::{Device, EngineError};
 use std::path::PathBuf;
+use turbo_core::comm::CpuGroup;
 use turbo_core::cpu::CpuBackend;
 use turbo_core::Backend;
 use turbo_kernels::CudaBackend;
@@ -30,6 +31,9 @@ pub struct ModelOptions {
     pub kv_alloc_chunk: Option<usize>,
     /// Print the default model's download progress on stderr.
     pub progress: bool,
+    /// Ranks to split the model over (tensor parallelism): GPUs `cuda:N` .. `cuda:N+ranks-1`
+    /// on a GPU, threads of this process on the CPU. 1 runs it whole.
+    pub tensor_parallel: usize,
 }
 
 impl Default for ModelOptions {
@@ -43,6 +47,7 @@ impl Default for ModelOptions {
             cuda_graphs: true,
             kv_alloc_chunk: None,
             progress: true,
+            tensor_parallel: 1,
         }
     }
 }
@@ -86,7 +91,9 @@ impl ModelOptions {
     /// Refuses settings that can never work or that are past what this machine and the code can
     /// hold ([`crate::limits`]), before anything is loaded.
     pub fn validate(&self) -> Result<(), EngineError> {
-        use crate::limits::{check_positive, max_threads, MAX_BLOCK_SIZE, MAX_CONTEXT};
+        use crate::limits::{
+            check_positive, max_threads, MAX_BLOCK_SIZE, MAX_CONTEXT, MAX_TENSOR_PARALLEL,
+        };
         if let Some(threads) = self.threads {
             let cores = max_threads();
             if threads > cores {
@@ -103,6 +110,11 @@ impl ModelOptions {
         if let Some(chunk) = self.kv_alloc_chunk {
             check_positive("the KV allocation chunk", chunk, u32::MAX as usize)?;
         }
+        check_positive(
+            "the tensor-parallel size",
+            self.tensor_parallel,
+            MAX_TENSOR_PARALLEL,
+        )?;
         Ok(())
     }
 
@@ -153,20 +165,40 @@ impl ModelOptions {
             block_size: self.block_size,
             device,
         };
+        let world = self.tensor_parallel;
         match device {
             Device::Cuda(ordinal) => {
-                let backend = CudaBackend::new(ordinal)?;
-                backend.set_graphs(self.cuda_graphs);
-                backend.set_kv_chunk_blocks(self.kv_alloc_chunk);
-                let model = Llama::new(backend, &loaded.config, &loaded.weights)?;
+                let backends = match world {
+                    1 => vec![CudaBackend::new(ordinal)?],
+                    _ => CudaBackend::group(ordinal, world)?,
+                };
+                for b in &backends {
+                    b.set_graphs(self.cuda_graphs);
+                    b.set_kv_chunk_blocks(self.kv_alloc_chunk);
+                }
+                let model = Llama::new_parallel(backends, &loaded.config, &loaded.weights)?;
                 Ok(task.run(model, loaded.tokenizer, info))
             }
             _ => {
-                let backend = match self.threads {
-                    Some(n) => CpuBackend::with_threads(n)?,
-                    None => CpuBackend::new(),
+                let model = match world {
+                    1 => {
+                        let backend = match self.threads {
+                            Some(n) => CpuBackend::with_threads(n)?,
+                            None => CpuBackend::new(),
+                        };
+                        Llama::new(backend, &loaded.config, &loaded.weights)?
+                    }
+                    _ => {
+                        // The ranks share the machine's cores.
+                        let threads = self.threads.unwrap_or_else(crate::limits::max_threads);
+                        let per_rank = (threads / world).max(1);
+                        let backends = CpuGroup::members(world)
+                            .into_iter()
+                            .map(|member| CpuBackend::with_group(per_rank, member))
+                            .collect::<Result<Vec<_>, _>>()?;
+                        Llama::new_parallel(backends, &loaded.config, &loaded.weights)?
+                    }
                 };
-                let model = Llama::new(backend, &loaded.config, &loaded.weights)?;
                 Ok(task.run(model, loaded.tokenizer, info))
             }
         }

@@ -2,6 +2,7 @@
 
 use crate::device::CudaDevice;
 use crate::error::CudaError;
+use crate::nccl::NcclRank;
 use crate::ops;
 use crate::ops::attention::{AttentionPlan, KvLayout, KvSplit, LogitScoring, PlanOptions};
 use crate::ops::elementwise::CompactShape;
@@ -18,6 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use turbo_core::backend::{
     Backend, BatchLayout, BatchRows, KvCompaction, KvRuleCompaction, Result,
 };
+use turbo_core::comm::RankInfo;
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::SampleParams;
 use turbo_core::{BackendError, WeightMatrix};
@@ -173,6 +175,8 @@ pub struct CudaBackend {
     replayed: Arc<AtomicUsize>,
     /// KV blocks a new cache maps at a time; 0: allocated in full up front.
     kv_chunk_blocks: Arc<AtomicUsize>,
+    /// This GPU's communicator when it is a rank of a tensor-parallel group.
+    nccl: Option<Arc<NcclRank>>,
 }
 
 impl CudaBackend {
@@ -187,7 +191,28 @@ impl CudaBackend {
             recorded: Arc::new(AtomicUsize::new(0)),
             replayed: Arc::new(AtomicUsize::new(0)),
             kv_chunk_blocks: Arc::new(AtomicUsize::new(0)),
+            nccl: None,
         })
+    }
+
+    /// The backends of a tensor-parallel group over GPUs `first .. first + world`, rank order,
+    /// joined by NCCL.
+    pub fn group(first: usize, world: usize) -> Result<Vec<Self>> {
+        let count = crate::device_count();
+        if first.checked_add(world).is_none_or(|end| end > count) {
+            return Err(CudaError::NoDevice(format!(
+                "{world} GPUs from cuda:{first} requested, {count} present"
+            ))
+            .into());
+        }
+        let mut backends = (first..first + world)
+            .map(CudaBackend::new)
+            .collect::<Result<Vec<_>>>()?;
+        let streams = backends.iter().map(|b| b.dev.stream.clone()).collect();
+        for (b, rank) in backends.iter_mut().zip(NcclRank::group(streams)?) {
+            b.nccl = Some(Arc::new(rank));
+        }
+        Ok(backends)
     }
 
     pub fn graph_stats(&self) -> GraphStats {
@@ -839,6 +864,19 @@ impl Backend for CudaBackend {
     fn add(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
         let n = x.rows * x.cols;
         Ok(ops::elementwise::add(&self.dev, &mut x.data, &y.data, n)?)
+    }
+
+    fn rank_info(&self) -> RankInfo {
+        self.nccl
+            .as_ref()
+            .map_or(RankInfo { rank: 0, world: 1 }, |n| n.info())
+    }
+
+    fn all_reduce_sum(&self, x: &mut CudaTensor) -> Result<()> {
+        match &self.nccl {
+            Some(n) => Ok(n.all_reduce_sum(&mut x.data, x.rows * x.cols)?),
+            None => Ok(()),
+        }
     }
 
     fn gather_outputs(

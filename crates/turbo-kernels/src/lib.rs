@@ -10,9 +10,11 @@ pub mod device;
 mod error;
 mod kv;
 mod lt;
+mod nccl;
 pub mod ops;
 pub mod ptx;
 
 pub use backend::{CudaBackend, CudaKvCache, CudaMatrix, CudaTensor, GraphStats};
 pub use device::{cuda_available, device_count, CudaDevice};
 pub use error::{CudaError, Result};
+pub use nccl::nccl_available;

@@ -6,9 +6,12 @@ pub mod config;
 mod error;
 pub mod model;
 pub mod native;
+mod peers;
+pub mod shard;
 pub mod weights;
 
 pub use config::{LlamaConfig, RopeScaling};
 pub use error::{LlamaError, Result};
 pub use model::{Llama, Logits, SequenceChunk};
+pub use shard::ShardPlan;
 pub use weights::{HostWeights, LoadedModel, ModelFormat};

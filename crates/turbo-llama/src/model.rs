@@ -1,11 +1,16 @@
 //! The LLaMA forward pass, written once over any [`Backend`].
 
 use crate::config::LlamaConfig;
-use crate::error::Result;
+use crate::error::{LlamaError, Result};
+use crate::peers::{PeerCommand, PeerStep, Peers};
+use crate::shard::ShardPlan;
 use crate::weights::HostWeights;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 use std::sync::Mutex;
 use turbo_attention::QuerySpan;
 use turbo_core::backend::{BatchLayout, Sampling};
+use turbo_core::comm::RankInfo;
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::{PenaltyLists, SampleParams};
 use turbo_core::{Backend, BackendError, KvScoring};
@@ -126,30 +131,50 @@ impl<B: Backend> Workspace<B> {
 }
 
 /// What a forward pass hands back.
-enum Output {
+#[derive(Clone, Copy)]
+pub(crate) enum Output {
+    /// Nothing: a tensor-parallel peer runs the layers only (rank 0 computes the logits).
+    Nothing,
     Logits,
     Tokens,
     /// The tokens, and the logits they were chosen from (after the penalties).
     Both,
 }
 
-/// A LLaMA model resident on backend `B`.
-pub struct Llama<B: Backend> {
-    pub config: LlamaConfig,
-    backend: B,
+/// One rank's part of a model: all of it when alone, its shard under tensor parallelism.
+pub(crate) struct RankModel<B: Backend> {
+    /// The rank's shapes (its head counts and FFN width under tensor parallelism).
+    config: LlamaConfig,
+    pub(crate) backend: B,
     embed: B::Matrix,
     layers: Vec<DeviceLayer<B>>,
     final_norm: B::Tensor,
-    /// `None` when tied to the embedding.
+    /// `None` when tied to the embedding, or on a peer, which computes no logits.
     lm_head: Option<B::Matrix>,
     inv_freq: Vec<f32>,
     /// `None` until the first forward pass.
     workspace: Mutex<Option<Workspace<B>>>,
 }
 
-impl<B: Backend> Llama<B> {
-    /// Places host weights on the backend.
-    pub fn new(backend: B, config: &LlamaConfig, host: &HostWeights) -> Result<Self> {
+/// A LLaMA model resident on backend `B`: on one device, or split over the ranks of a
+/// tensor-parallel group ([`crate::shard`]), rank 0 on the calling thread and each other rank on
+/// a thread of its own that runs the same steps.
+pub struct Llama<B: Backend> {
+    /// The whole model's configuration.
+    pub config: LlamaConfig,
+    rank: RankModel<B>,
+    /// Ranks 1.. of a tensor-parallel group.
+    peers: Option<Peers<B>>,
+}
+
+impl<B: Backend> RankModel<B> {
+    /// Places host weights (the rank's shard) on the backend; a peer skips the LM head.
+    pub(crate) fn new(
+        backend: B,
+        config: &LlamaConfig,
+        host: &HostWeights,
+        head: bool,
+    ) -> Result<Self> {
         let d = config.hidden_size;
         let vector = |v: &Vec<f32>| backend.upload(v, 1, d);
         let layers = host
@@ -168,12 +193,15 @@ impl<B: Backend> Llama<B> {
             .collect::<Result<Vec<_>>>()?;
         let embed = backend.upload_matrix(&host.embed)?;
         let final_norm = vector(&host.final_norm)?;
-        let lm_head = host
-            .lm_head
-            .as_ref()
-            .map(|m| backend.upload_matrix(m))
-            .transpose()?;
-        Ok(Llama {
+        let lm_head = match head {
+            true => host
+                .lm_head
+                .as_ref()
+                .map(|m| backend.upload_matrix(m))
+                .transpose()?,
+            false => None,
+        };
+        Ok(RankModel {
             config: config.clone(),
             inv_freq: config.rope_inv_freq(),
             backend,
@@ -184,20 +212,99 @@ impl<B: Backend> Llama<B> {
             workspace: Mutex::new(None),
         })
     }
+}
 
-    pub fn backend(&self) -> &B {
-        &self.backend
+impl<B: Backend> Llama<B> {
+    /// Places host weights on the backend.
+    pub fn new(backend: B, config: &LlamaConfig, host: &HostWeights) -> Result<Self> {
+        if backend.rank_info().world != 1 {
+            return Err(LlamaError::Config(
+                "a backend of a tensor-parallel group needs Llama::new_parallel".into(),
+            ));
+        }
+        Ok(Llama {
+            config: config.clone(),
+            rank: RankModel::new(backend, config, host, true)?,
+            peers: None,
+        })
     }
 
-    /// The KV cache shape this model needs, for `max_blocks` blocks of `block_size` tokens.
+    /// Splits the model over `backends`, the ranks of one tensor-parallel group in rank order
+    /// (each one's `rank_info` says so), each rank uploading its shard on a thread of its own.
+    pub fn new_parallel(backends: Vec<B>, config: &LlamaConfig, host: &HostWeights) -> Result<Self>
+    where
+        B: 'static,
+    {
+        let world = backends.len();
+        let plan = ShardPlan::new(config, world)?;
+        for (r, b) in backends.iter().enumerate() {
+            let info = b.rank_info();
+            if info.rank != r || info.world != world {
+                return Err(LlamaError::Config(format!(
+                    "backend {r} of {world} is rank {} of a group of {}",
+                    info.rank, info.world
+                )));
+            }
+        }
+        if world == 1 {
+            let backend = backends.into_iter().next().expect("one backend");
+            return Ok(Llama {
+                config: config.clone(),
+                rank: RankModel::new(backend, config, host, true)?,
+                peers: None,
+            });
+        }
+        let rank_config = plan.rank_config(config);
+        let mut backends = backends.into_iter();
+        let first = backends.next().expect("a group has rank 0");
+        let peers = Peers::start(backends.collect(), &plan, config, host)?;
+        let shard = plan.shard(config, host, 0)?;
+        let rank = RankModel::new(first, &rank_config, &shard, true);
+        let ready = peers.wait_ready();
+        let rank = rank?;
+        ready?;
+        Ok(Llama {
+            config: config.clone(),
+            rank,
+            peers: Some(peers),
+        })
+    }
+
+    /// Rank 0's backend (the only one when the model is not split).
+    pub fn backend(&self) -> &B {
+        &self.rank.backend
+    }
+
+    /// Ranks the model is split over (1 when it is not).
+    pub fn world(&self) -> usize {
+        self.peers.as_ref().map_or(1, |p| p.len() + 1)
+    }
+
+    /// The KV cache shape each rank needs (its own KV heads), for `max_blocks` blocks of
+    /// `block_size` tokens.
     pub fn kv_spec(&self, block_size: usize, max_blocks: usize) -> KvCacheSpec {
         KvCacheSpec {
-            n_layers: self.config.n_layers,
-            n_kv_heads: self.config.n_kv_heads,
-            head_dim: self.config.head_dim,
+            n_layers: self.rank.config.n_layers,
+            n_kv_heads: self.rank.config.n_kv_heads,
+            head_dim: self.rank.config.head_dim,
             block_size,
             max_blocks,
         }
+    }
+
+    /// A KV cache of `max_blocks` blocks of `block_size` tokens for this model: rank 0's, which
+    /// the forward passes take; each peer makes (and keeps) its own of the same shape, replacing
+    /// the one it had, so a split model serves one cache at a time.
+    pub fn kv_cache(&self, block_size: usize, max_blocks: usize) -> Result<B::KvCache> {
+        let spec = self.kv_spec(block_size, max_blocks);
+        if let Some(peers) = &self.peers {
+            peers.broadcast(|| PeerCommand::NewCache(spec))?;
+        }
+        let cache = self.rank.backend.kv_cache(spec);
+        let peers = self.peers.as_ref().map_or(Ok(()), |p| p.collect());
+        let cache = cache?;
+        peers?;
+        Ok(cache)
     }
 
     /// Runs the new tokens of every sequence in `batch`, appending their KV to `cache`, and returns
@@ -208,10 +315,8 @@ impl<B: Backend> Llama<B> {
         cache: &mut B::KvCache,
         which: Logits,
     ) -> Result<Vec<f32>> {
-        let floats = self
-            .backend
-            .run(|| self.forward_inner(batch, cache, which, None, Output::Logits))?;
-        Ok(floats.0)
+        let out = self.run_ranks(batch, cache, which, None, Output::Logits)?;
+        Ok(out.0)
     }
 
     /// Runs the new tokens of every sequence in `batch`, appending their KV to `cache`, and
@@ -225,9 +330,7 @@ impl<B: Backend> Llama<B> {
         penalties: &PenaltyLists,
     ) -> Result<Vec<u32>> {
         let sampling = Sampling { params, penalties };
-        let out = self.backend.run(|| {
-            self.forward_inner(batch, cache, Logits::Last, Some(sampling), Output::Tokens)
-        })?;
+        let out = self.run_ranks(batch, cache, Logits::Last, Some(sampling), Output::Tokens)?;
         Ok(out.1)
     }
 
@@ -242,10 +345,65 @@ impl<B: Backend> Llama<B> {
         penalties: &PenaltyLists,
     ) -> Result<(Vec<u32>, Vec<f32>)> {
         let sampling = Sampling { params, penalties };
-        let (logits, tokens) = self
-            .backend
-            .run(|| self.forward_inner(batch, cache, Logits::Last, Some(sampling), Output::Both))?;
+        let (logits, tokens) =
+            self.run_ranks(batch, cache, Logits::Last, Some(sampling), Output::Both)?;
         Ok((tokens, logits))
+    }
+
+    /// One forward pass on every rank: the peers get the step, rank 0 runs it here, and the
+    /// first failure of any rank is the step's.
+    fn run_ranks(
+        &self,
+        batch: &[SequenceChunk],
+        cache: &mut B::KvCache,
+        which: Logits,
+        sampling: Option<Sampling>,
+        output: Output,
+    ) -> Result<(Vec<f32>, Vec<u32>)> {
+        let Some(peers) = &self.peers else {
+            return self
+                .rank
+                .backend
+                .run(|| self.rank.forward(batch, cache, which, sampling, output));
+        };
+        let step = Arc::new(PeerStep {
+            batch: batch.to_vec(),
+            which,
+        });
+        peers.broadcast(|| PeerCommand::Forward(step.clone()))?;
+        let mine = catch_unwind(AssertUnwindSafe(|| {
+            self.rank
+                .backend
+                .run(|| self.rank.forward(batch, cache, which, sampling, output))
+        }));
+        let mine = mine.unwrap_or_else(|panic| {
+            // Peers waiting in a collective must not wait forever.
+            self.rank.backend.abort_collectives();
+            let _ = peers.collect();
+            resume_unwind(panic)
+        });
+        let theirs = peers.collect();
+        let mine = mine?;
+        theirs?;
+        Ok(mine)
+    }
+}
+
+impl<B: Backend> RankModel<B> {
+    /// A forward pass of this rank; a failure releases peers waiting in a collective.
+    pub(crate) fn forward(
+        &self,
+        batch: &[SequenceChunk],
+        cache: &mut B::KvCache,
+        which: Logits,
+        sampling: Option<Sampling>,
+        output: Output,
+    ) -> Result<(Vec<f32>, Vec<u32>)> {
+        let result = self.forward_inner(batch, cache, which, sampling, output);
+        if result.is_err() {
+            self.backend.abort_collectives();
+        }
+        result
     }
 
     fn forward_inner(
@@ -354,10 +512,13 @@ impl<B: Backend> Llama<B> {
                 if !scoring.is_empty() {
                     b.accumulate_kv_scores(q, cache, i, c.n_heads, batch_layout, scale)?;
                 }
-                b.linear_residual(attn, &layer.wo, o, x)?;
+                residual(b, attn, &layer.wo, o, x)?;
                 // Feed-forward block (SwiGLU).
                 b.norm_linear_swiglu(x, &layer.ffn_norm, eps, h, &layer.w_gate_up, gate_up, act)?;
-                b.linear_residual(act, &layer.w_down, o, x)?;
+                residual(b, act, &layer.w_down, o, x)?;
+            }
+            if matches!(output, Output::Nothing) {
+                return Ok(());
             }
             b.gather_outputs(x, batch_layout, last)?;
             b.rms_norm(last, &self.final_norm, eps, normed)?;
@@ -368,11 +529,37 @@ impl<B: Backend> Llama<B> {
             Ok(())
         })?;
         Ok(match output {
+            Output::Nothing => (Vec::new(), Vec::new()),
             Output::Logits => (b.read_logits(batch_layout)?, Vec::new()),
             Output::Tokens => (Vec::new(), b.read_tokens(batch_layout)?),
             Output::Both => (b.read_logits(batch_layout)?, b.read_tokens(batch_layout)?),
         })
     }
+}
+
+/// A block's residual step, `x += input · wᵀ`. Split over ranks, `w` holds the rank's input
+/// columns (row-parallel), so each rank's product is a partial sum: rank 0 adds its part to the
+/// stream, the others contribute theirs alone, and the all-reduce makes every rank's `x` the
+/// whole stream again.
+fn residual<B: Backend>(
+    b: &B,
+    input: &B::Tensor,
+    w: &B::Matrix,
+    product: &mut B::Tensor,
+    x: &mut B::Tensor,
+) -> turbo_core::backend::Result<()> {
+    match b.rank_info() {
+        RankInfo { world: 1, .. } => b.linear_residual(input, w, product, x)?,
+        RankInfo { rank: 0, .. } => {
+            b.linear_residual(input, w, product, x)?;
+            b.all_reduce_sum(x)?;
+        }
+        _ => {
+            b.linear(input, w, x)?;
+            b.all_reduce_sum(x)?;
+        }
+    }
+    Ok(())
 }
 
 /// Token ids, positions, KV slots, and `(q_start, n_q, kv_len)` per sequence.

@@ -302,10 +302,7 @@ impl<B: Backend> PersistentBatch<B> {
         config: BatchConfig,
     ) -> Result<Self, BatchError> {
         config.validate().map_err(BatchError::Config)?;
-        let cache = model
-            .backend()
-            .kv_cache(model.kv_spec(config.block_size, config.num_blocks))
-            .map_err(LlamaError::from)?;
+        let cache = model.kv_cache(config.block_size, config.num_blocks)?;
         let kv = match config.prefix_caching {
             true => KvManager::new(config.num_blocks as u32, config.block_size),
             false => KvManager::without_reuse(config.num_blocks as u32, config.block_size),
@@ -427,6 +424,13 @@ impl<B: Backend> PersistentBatch<B> {
                 return id;
             }
         };
+        if eviction.is_some() && self.model.world() > 1 {
+            sink.send(Event::Failed(RequestError::Eviction(format!(
+                "KV eviction is not available for a model split over {} ranks yet",
+                self.model.world()
+            ))));
+            return id;
+        }
         if eviction.as_ref().is_some_and(EvictionState::needs_scores)
             && !self
                 .model

@@ -11,6 +11,7 @@ pub use kv::{CpuKvCache, KvCacheSpec};
 use crate::backend::{
     Backend, BackendError, BatchLayout, BatchRows, KvCompaction, KvScoring, OwnedSpans, Result,
 };
+use crate::comm::{CpuGroupMember, RankInfo};
 use crate::sampling::{sample_row, PenaltyLists, SampleParams};
 use crate::WeightMatrix;
 use rayon::prelude::*;
@@ -65,6 +66,8 @@ fn poisoned<T>(_: T) -> BackendError {
 #[derive(Clone, Debug)]
 pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
+    /// The tensor-parallel group this backend is a rank of, if any.
+    group: Option<Arc<CpuGroupMember>>,
 }
 
 impl CpuBackend {
@@ -82,7 +85,15 @@ impl CpuBackend {
             .map_err(|e| BackendError::Device(format!("cannot start CPU threads: {e}")))?;
         Ok(CpuBackend {
             pool: Arc::new(pool),
+            group: None,
         })
+    }
+
+    /// A backend of `threads` threads that is one rank of an in-process tensor-parallel group.
+    pub fn with_group(threads: usize, member: CpuGroupMember) -> Result<Self> {
+        let mut backend = Self::with_threads(threads)?;
+        backend.group = Some(Arc::new(member));
+        Ok(backend)
     }
 
     pub fn threads(&self) -> usize {
@@ -108,6 +119,26 @@ impl Backend for CpuBackend {
 
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+
+    fn rank_info(&self) -> RankInfo {
+        match &self.group {
+            Some(g) => g.info(),
+            None => RankInfo { rank: 0, world: 1 },
+        }
+    }
+
+    fn all_reduce_sum(&self, x: &mut HostTensor) -> Result<()> {
+        match &self.group {
+            Some(g) => g.all_reduce_sum(&mut x.data[..x.rows * x.cols]),
+            None => Ok(()),
+        }
+    }
+
+    fn abort_collectives(&self) {
+        if let Some(g) = &self.group {
+            g.abort();
+        }
     }
 
     fn upload_matrix(&self, w: &WeightMatrix) -> Result<WeightMatrix> {

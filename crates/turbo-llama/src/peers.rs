@@ -1,0 +1,184 @@
+//! The ranks 1.. of a tensor-parallel model: one thread each, holding its shard, its KV cache
+//! and its backend (so a GPU rank keeps its context, its buffers and its recorded steps on one
+//! thread). Rank 0, on the caller's thread, sends each step to all of them before running its
+//! own part; the ranks then meet only inside the step's collectives.
+
+use crate::config::LlamaConfig;
+use crate::error::{LlamaError, Result};
+use crate::model::{Logits, Output, RankModel, SequenceChunk};
+use crate::shard::ShardPlan;
+use crate::weights::HostWeights;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use turbo_core::cpu::KvCacheSpec;
+use turbo_core::Backend;
+
+/// What rank 0 asks of its peers.
+pub(crate) enum PeerCommand {
+    /// Make a KV cache of this shape, replacing the one held.
+    NewCache(KvCacheSpec),
+    /// Run the layers of this step over the held cache.
+    Forward(Arc<PeerStep>),
+}
+
+/// A step as every rank runs it.
+pub(crate) struct PeerStep {
+    pub batch: Vec<SequenceChunk>,
+    pub which: Logits,
+}
+
+struct Worker {
+    rank: usize,
+    commands: Option<Sender<PeerCommand>>,
+    results: Mutex<Receiver<Result<()>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+pub(crate) struct Peers<B: Backend> {
+    workers: Vec<Worker>,
+    _backend: std::marker::PhantomData<fn() -> B>,
+}
+
+impl<B: Backend + 'static> Peers<B> {
+    /// Starts one thread per backend (ranks 1.. in order), each placing its shard on its
+    /// backend; [`wait_ready`](Self::wait_ready) says when they are done.
+    pub(crate) fn start(
+        backends: Vec<B>,
+        plan: &ShardPlan,
+        config: &LlamaConfig,
+        host: &HostWeights,
+    ) -> Result<Self> {
+        let mut workers = Vec::with_capacity(backends.len());
+        for (i, backend) in backends.into_iter().enumerate() {
+            let rank = i + 1;
+            let (commands, inbox) = channel::<PeerCommand>();
+            let (outbox, results) = channel::<Result<()>>();
+            let (plan, config, host) = (*plan, config.clone(), host.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("turbo-rank-{rank}"))
+                .spawn(move || {
+                    let rank_config = plan.rank_config(&config);
+                    let built = plan
+                        .shard(&config, &host, rank)
+                        .and_then(|shard| RankModel::new(backend, &rank_config, &shard, false));
+                    drop(host);
+                    let model = match built {
+                        Ok(m) => {
+                            let _ = outbox.send(Ok(()));
+                            m
+                        }
+                        Err(e) => {
+                            let _ = outbox.send(Err(e));
+                            return;
+                        }
+                    };
+                    serve(model, inbox, outbox);
+                })
+                .map_err(|e| LlamaError::Config(format!("cannot start rank {rank}: {e}")))?;
+            workers.push(Worker {
+                rank,
+                commands: Some(commands),
+                results: Mutex::new(results),
+                thread: Some(thread),
+            });
+        }
+        Ok(Peers {
+            workers,
+            _backend: std::marker::PhantomData,
+        })
+    }
+}
+
+impl<B: Backend> Peers<B> {
+    /// Ranks 1.. of the group.
+    pub(crate) fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Waits for every rank to have placed its shard.
+    pub(crate) fn wait_ready(&self) -> Result<()> {
+        self.collect()
+    }
+
+    /// Sends `command()` to every peer.
+    pub(crate) fn broadcast(&self, command: impl Fn() -> PeerCommand) -> Result<()> {
+        for w in &self.workers {
+            let sent = w.commands.as_ref().map(|c| c.send(command()));
+            if !matches!(sent, Some(Ok(()))) {
+                return Err(stopped(w.rank));
+            }
+        }
+        Ok(())
+    }
+
+    /// Each peer's answer to the last command; the first failure if any failed.
+    pub(crate) fn collect(&self) -> Result<()> {
+        let mut first = Ok(());
+        for w in &self.workers {
+            let answer = match w.results.lock() {
+                Ok(r) => r.recv().unwrap_or_else(|_| Err(stopped(w.rank))),
+                Err(_) => Err(stopped(w.rank)),
+            };
+            if first.is_ok() {
+                first = answer;
+            }
+        }
+        first
+    }
+}
+
+impl<B: Backend> Drop for Peers<B> {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            w.commands = None;
+        }
+        for w in &mut self.workers {
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+fn stopped(rank: usize) -> LlamaError {
+    LlamaError::Config(format!("tensor-parallel rank {rank} has stopped"))
+}
+
+/// A peer's loop: one answer per command, until rank 0 goes away.
+fn serve<B: Backend>(
+    model: RankModel<B>,
+    inbox: Receiver<PeerCommand>,
+    outbox: Sender<Result<()>>,
+) {
+    let mut cache: Option<B::KvCache> = None;
+    for command in inbox {
+        let answer = catch_unwind(AssertUnwindSafe(|| match command {
+            PeerCommand::NewCache(spec) => {
+                cache = None;
+                cache = Some(model.backend.kv_cache(spec)?);
+                Ok(())
+            }
+            PeerCommand::Forward(step) => {
+                let Some(cache) = cache.as_mut() else {
+                    model.backend.abort_collectives();
+                    return Err(LlamaError::Config(
+                        "a tensor-parallel rank has no KV cache".into(),
+                    ));
+                };
+                model
+                    .backend
+                    .run(|| model.forward(&step.batch, cache, step.which, None, Output::Nothing))
+                    .map(|_| ())
+            }
+        }));
+        let answer = answer.unwrap_or_else(|_| {
+            model.backend.abort_collectives();
+            Err(LlamaError::Config("a tensor-parallel rank panicked".into()))
+        });
+        if outbox.send(answer).is_err() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! Tensor parallelism on the CPU: a model split over 2, 3 or 4 ranks (threads of this process,
+//! meeting in an in-process all-reduce that sums in a fixed order) computes what the whole model
+//! computes.
+//!
+//! Tolerances: a split changes only the order of f32 sums (each rank's partial W_o and W_down
+//! products, then their sum), so logits agree with the unsplit model's to f32 rounding:
+//! `SPLIT_TOL` = 1e-5 relative, the bound the other "same model, work split differently" tests
+//! use; both stay within `TOL` = 1e-4 of the f64 reference. Greedy tokens must be equal: a tiny
+//! random model has no top-2 gap anywhere near 1e-5 on these prompts (the test prints the
+//! smallest gap it met).
+
+use turbo_core::comm::CpuGroup;
+use turbo_core::cpu::CpuBackend;
+use turbo_keyformer::{BudgetConfig, BudgetSize, PolicyKind};
+use turbo_llama::{Llama, LoadedModel, ShardPlan};
+use turbo_scheduler::{BatchConfig, Event, KvEviction, PersistentBatch, Request};
+use turbo_tests::{
+    cpu_model, cpu_model_split, engine_logits, max_rel_diff, max_rel_err, random_tokens,
+    reference_logits, write_gguf, DType, RopeStyle, TinySpec, TinyWeights,
+};
+
+const TOL: f64 = 1e-4;
+const SPLIT_TOL: f64 = 1e-5;
+
+/// A tiny model with Llama-3-8B's proportions: grouped-query attention with 4 query heads per
+/// KV head, an FFN 2x the width, rows that are whole blocks of every quantized type even when
+/// split 4 ways.
+fn spec() -> TinySpec {
+    TinySpec {
+        vocab: 320,
+        hidden: 256,
+        layers: 3,
+        heads: 8,
+        kv_heads: 2,
+        ffn: 512,
+        context: 256,
+        seed: 7,
+        ..TinySpec::default()
+    }
+}
+
+fn load(
+    spec: &TinySpec,
+    dtype: DType,
+) -> (tempfile::TempDir, LoadedModel, turbo_tests::RefWeights) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    let stored = write_gguf(&path, spec, &TinyWeights::random(spec), dtype);
+    let loaded = LoadedModel::load(&path).unwrap();
+    (dir, loaded, stored)
+}
+
+#[test]
+fn split_logits_equal_the_whole_models() {
+    let spec = spec();
+    for dtype in [DType::F32, DType::Q8_0, DType::Q4_1] {
+        let (_dir, loaded, stored) = load(&spec, dtype);
+        let tokens = random_tokens(&spec, 40, 3);
+        let whole = engine_logits(&cpu_model(&loaded), &tokens);
+        let want = reference_logits(&spec, &stored, &tokens, RopeStyle::Interleaved);
+        for world in [2, 4] {
+            let split = engine_logits(&cpu_model_split(&loaded, world), &tokens);
+            let vs_whole = max_rel_diff(&split, &whole);
+            let vs_ref = max_rel_err(&split, &want);
+            eprintln!("{dtype} tp {world}: vs tp 1 {vs_whole:.2e}, vs f64 {vs_ref:.2e}");
+            assert!(
+                vs_whole < SPLIT_TOL,
+                "{dtype} tp {world}: {vs_whole:e} from tp 1"
+            );
+            assert!(
+                vs_ref < TOL,
+                "{dtype} tp {world}: {vs_ref:e} from the reference"
+            );
+        }
+    }
+}
+
+fn batch_config() -> BatchConfig {
+    BatchConfig {
+        max_batch: 4,
+        max_batched_tokens: 64,
+        prefill_chunk: 24,
+        num_blocks: 64,
+        ..BatchConfig::default()
+    }
+}
+
+/// Greedy completions of `prompts` submitted together (continuous batching: prompts of different
+/// lengths, chunked prefill beside decode steps).
+fn greedy(model: Llama<CpuBackend>, loaded: &LoadedModel, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    let mut batch = PersistentBatch::new(model, loaded.tokenizer.clone(), batch_config()).unwrap();
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            batch.submit(Request {
+                max_tokens: 24,
+                ignore_eos: true,
+                ..Request::new(p.clone())
+            })
+        })
+        .collect();
+    batch.run_until_idle().unwrap();
+    handles
+        .into_iter()
+        .map(|h| h.wait().expect("a completion").token_ids)
+        .collect()
+}
+
+#[test]
+fn split_models_generate_the_same_tokens_in_a_continuous_batch() {
+    let spec = spec();
+    let (_dir, loaded, _) = load(&spec, DType::Q8_0);
+    let prompts: Vec<Vec<u32>> = [5, 37, 60, 11, 80]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| random_tokens(&spec, n, 100 + i as u64))
+        .collect();
+    let whole = greedy(cpu_model(&loaded), &loaded, &prompts);
+    for world in [2, 4] {
+        let split = greedy(cpu_model_split(&loaded, world), &loaded, &prompts);
+        assert_eq!(split, whole, "tp {world}");
+    }
+}
+
+#[test]
+fn uneven_splits_are_refused_by_name() {
+    let spec = TinySpec {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 192,
+        ffn: 384,
+        ..spec()
+    };
+    let (_dir, loaded, _) = load(&spec, DType::F32);
+    let err = |world| {
+        ShardPlan::new(&loaded.config, world)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(
+        err(4).contains("6 attention heads do not divide by 4"),
+        "{}",
+        err(4)
+    );
+    assert!(err(0).contains("at least one rank"), "{}", err(0));
+    // 6 heads over 2: 3 KV heads do not divide by 2.
+    assert!(
+        err(2).contains("3 KV heads do not divide by 2"),
+        "{}",
+        err(2)
+    );
+    // 6 ranks over 3 KV heads: each KV head held by 2 ranks.
+    let plan = ShardPlan::new(&loaded.config, 6).unwrap();
+    assert_eq!((plan.heads_per_rank, plan.kv_replicas), (1, 2));
+    // A group backend cannot be used as a whole model, nor backends in the wrong order.
+    let mut members = CpuGroup::members(2);
+    let second = CpuBackend::with_group(1, members.pop().unwrap()).unwrap();
+    let first = CpuBackend::with_group(1, members.pop().unwrap()).unwrap();
+    assert!(Llama::new(first.clone(), &loaded.config, &loaded.weights).is_err());
+    let wrong = Llama::new_parallel(vec![second, first], &loaded.config, &loaded.weights);
+    assert!(wrong.is_err());
+}
+
+#[test]
+fn replicated_kv_heads_give_the_same_logits() {
+    // 8 ranks over 2 KV heads: each KV head is held by 4 ranks, each rank with one query head.
+    let spec = spec();
+    let (_dir, loaded, _) = load(&spec, DType::F32);
+    let tokens = random_tokens(&spec, 30, 9);
+    let whole = engine_logits(&cpu_model(&loaded), &tokens);
+    let split = engine_logits(&cpu_model_split(&loaded, 8), &tokens);
+    let d = max_rel_diff(&split, &whole);
+    assert!(d < SPLIT_TOL, "tp 8: {d:e}");
+}
+
+#[test]
+fn eviction_on_a_split_model_is_a_clean_refusal_and_others_run() {
+    let spec = spec();
+    let (_dir, loaded, _) = load(&spec, DType::F32);
+    let mut batch = PersistentBatch::new(
+        cpu_model_split(&loaded, 2),
+        loaded.tokenizer.clone(),
+        batch_config(),
+    )
+    .unwrap();
+    let prompt = random_tokens(&spec, 20, 1);
+    let evicting = batch.submit(Request {
+        max_tokens: 4,
+        kv_eviction: Some(KvEviction::new(
+            PolicyKind::Window,
+            BudgetConfig::new(BudgetSize::Tokens(8)),
+        )),
+        ..Request::new(prompt.clone())
+    });
+    let plain = batch.submit(Request {
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Request::new(prompt)
+    });
+    batch.run_until_idle().unwrap();
+    match evicting.drain().pop() {
+        Some(Event::Failed(e)) => assert!(e.to_string().contains("2 ranks"), "{e}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(plain.wait().unwrap().token_ids.len(), 4);
+}
