@@ -7,7 +7,7 @@ mod common;
 use common::*;
 use std::path::{Path, PathBuf};
 use turbo_tests::files::{gguf_metadata, gguf_tensors, gguf_writer};
-use turbo_tests::{write_hf, DType, TinySpec, TinyWeights};
+use turbo_tests::{write_gguf, write_hf, DType, TinySpec, TinyWeights};
 
 #[test]
 fn missing_model_path() {
@@ -946,4 +946,63 @@ fn eval_kv_plots_a_run() {
         text(&out.stdout)
     );
     assert_eq!(png_size(&png), (1500, 620));
+}
+
+/// `--tensor-parallel` on the CPU: a model that splits gives the same greedy text split over 2
+/// ranks as whole (the library tests compare logits); `info` shows the split; one that does not
+/// split is refused in one line naming why.
+#[test]
+fn tensor_parallel_generates_the_same_text_and_refuses_uneven_splits() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    let s = TinySpec {
+        hidden: 128,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 128,
+        context: 128,
+        seed: 5,
+        ..TinySpec::default()
+    };
+    write_gguf(&model, &s, &TinyWeights::random(&s), DType::Q8_0);
+    let m = p(&model);
+    let run = |tp: &str| {
+        let out = turbo(
+            &generate_args(
+                m,
+                &[
+                    "--device",
+                    "cpu",
+                    "--max-tokens",
+                    "12",
+                    "--ignore-eos",
+                    "--json",
+                    "--tp",
+                    tp,
+                ],
+            ),
+            None,
+        );
+        assert!(out.status.success(), "tp {tp}: {}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["token_ids"].clone()
+    };
+    let whole = run("1");
+    assert_eq!(whole.as_array().map(Vec::len), Some(12));
+    assert_eq!(run("2"), whole);
+    let info = turbo(&["info", "--model", m, "--tensor-parallel", "2"], None);
+    let shown = text(&info.stdout);
+    assert!(
+        shown.contains("2 ranks: 2 heads, 1 KV heads, FFN 64 per rank"),
+        "{shown}"
+    );
+
+    let (_fixture_dir, fixture) = gguf_fixture(64);
+    let f = p(&fixture);
+    let args = |tp: &'static str| generate_args(f, &["--device", "cpu", "--tp", tp]);
+    expect_error(&args("3"), "its 4 attention heads do not divide by 3");
+    // FFN 96 over 2 ranks: W_down's columns 0..48 are not whole Q8_0 blocks.
+    expect_error(&args("2"), "do not fall on Q8_0 blocks of 32");
+    expect_error(&args("65"), "more than the 64 allowed");
+    expect_error(&args("0"), "--tensor-parallel must be positive");
 }

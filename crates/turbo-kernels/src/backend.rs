@@ -662,7 +662,12 @@ impl Backend for CudaBackend {
     }
 
     fn run_step(&self, batch: &CudaBatch, step: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        let Some(shape) = batch.shape.filter(|_| self.graphs.load(Ordering::Relaxed)) else {
+        // A rank of a tensor-parallel group launches its steps directly: replaying steps
+        // recorded with NCCL all-reduces inside hung in a 100-request run on two H200s (while
+        // the same run launched directly finished), so graphs stay off there until that is
+        // understood.
+        let graphs_on = self.graphs.load(Ordering::Relaxed) && self.nccl.is_none();
+        let Some(shape) = batch.shape.filter(|_| graphs_on) else {
             return step();
         };
         let mut graphs = lock(&batch.graphs)?;
@@ -876,6 +881,12 @@ impl Backend for CudaBackend {
         match &self.nccl {
             Some(n) => Ok(n.all_reduce_sum(&mut x.data, x.rows * x.cols)?),
             None => Ok(()),
+        }
+    }
+
+    fn abort_collectives(&self) {
+        if let Some(n) = &self.nccl {
+            n.abort();
         }
     }
 

@@ -4,28 +4,55 @@
 //! everything but tensor parallelism.
 
 use crate::error::{CudaError, Result};
-use cudarc::driver::CudaStream;
-use cudarc::nccl::safe::{Comm, ReduceOp};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::nccl::{result, sys};
 use half::bf16;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use turbo_core::comm::RankInfo;
 
 /// Whether NCCL can be loaded (`libnccl.so` on the library path).
 pub fn nccl_available() -> bool {
     // SAFETY: only tries to open the library.
-    unsafe { cudarc::nccl::sys::is_culib_present() }
+    unsafe { sys::is_culib_present() }
+}
+
+/// The communicators of one group, made together; aborted together when a rank fails, so that
+/// no rank waits forever in a collective its peer will never join.
+struct Group {
+    comms: Vec<sys::ncclComm_t>,
+    aborted: AtomicBool,
+}
+
+// SAFETY: NCCL communicators may be used from any thread; each rank issues its collectives from
+// its own thread only, and ncclCommAbort is documented as callable from another thread.
+unsafe impl Send for Group {}
+unsafe impl Sync for Group {}
+
+impl Group {
+    fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::AcqRel) {
+            for &c in &self.comms {
+                // SAFETY: each communicator is aborted once and never used after.
+                let _ = unsafe { result::comm_abort(c) };
+            }
+        }
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        // Every rank's work has been read back or abandoned: nothing is in flight.
+        self.abort();
+    }
 }
 
 /// One rank's communicator.
 pub(crate) struct NcclRank {
-    comm: Mutex<Comm>,
+    group: Arc<Group>,
+    stream: Arc<CudaStream>,
     info: RankInfo,
 }
-
-// SAFETY: a communicator may be used from any thread, one call at a time (the mutex); its stream
-// is the rank's, which cudarc lets any thread use.
-unsafe impl Send for NcclRank {}
-unsafe impl Sync for NcclRank {}
 
 impl NcclRank {
     /// The communicators of a group over `streams` (one per GPU, rank order), made together in
@@ -39,13 +66,24 @@ impl NcclRank {
             ));
         }
         let world = streams.len();
-        let comms = Comm::from_devices(streams)
+        let ordinals: Vec<i32> = streams
+            .iter()
+            .map(|s| s.context().ordinal() as i32)
+            .collect();
+        let mut comms = vec![std::ptr::null_mut(); world];
+        // SAFETY: `comms` and `ordinals` hold `world` elements.
+        unsafe { result::comm_init_all(comms.as_mut_ptr(), world as i32, ordinals.as_ptr()) }
             .map_err(|e| CudaError::NoDevice(format!("NCCL could not join the GPUs: {e:?}")))?;
-        Ok(comms
+        let group = Arc::new(Group {
+            comms,
+            aborted: AtomicBool::new(false),
+        });
+        Ok(streams
             .into_iter()
             .enumerate()
-            .map(|(rank, comm)| NcclRank {
-                comm: Mutex::new(comm),
+            .map(|(rank, stream)| NcclRank {
+                group: group.clone(),
+                stream,
                 info: RankInfo { rank, world },
             })
             .collect())
@@ -56,18 +94,32 @@ impl NcclRank {
     }
 
     /// Sums the first `n` values of `x` over the group, in place, on the rank's stream.
-    pub(crate) fn all_reduce_sum(
-        &self,
-        x: &mut cudarc::driver::CudaSlice<bf16>,
-        n: usize,
-    ) -> Result<()> {
-        let comm = self
-            .comm
-            .lock()
-            .map_err(|_| CudaError::Shape("a collective panicked".into()))?;
+    pub(crate) fn all_reduce_sum(&self, x: &mut CudaSlice<bf16>, n: usize) -> Result<()> {
+        if self.group.aborted.load(Ordering::Acquire) {
+            return Err(CudaError::Shape(
+                "another rank of the tensor-parallel group failed".into(),
+            ));
+        }
         let mut view = x.slice_mut(0..n);
-        comm.all_reduce_in_place(&mut view, &ReduceOp::Sum)
-            .map_err(|e| CudaError::Shape(format!("NCCL all-reduce failed: {e:?}")))?;
+        let (ptr, _sync) = view.device_ptr_mut(&self.stream);
+        // SAFETY: `ptr` holds `n` bf16 values on this rank's device, ordered on its stream.
+        unsafe {
+            result::all_reduce(
+                ptr as *const _,
+                ptr as *mut _,
+                n,
+                sys::ncclDataType_t::ncclBfloat16,
+                sys::ncclRedOp_t::ncclSum,
+                self.group.comms[self.info.rank],
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| CudaError::Shape(format!("NCCL all-reduce failed: {e:?}")))?;
         Ok(())
+    }
+
+    /// Aborts every communicator of the group (see [`Group`]).
+    pub(crate) fn abort(&self) {
+        self.group.abort();
     }
 }
