@@ -13,7 +13,7 @@ use turbo_core::comm::CpuGroup;
 use turbo_core::cpu::CpuBackend;
 use turbo_keyformer::{BudgetConfig, BudgetSize, PolicyKind};
 use turbo_llama::{Llama, LoadedModel, ShardPlan};
-use turbo_scheduler::{BatchConfig, Event, KvEviction, PersistentBatch, Request};
+use turbo_scheduler::{BatchConfig, KvEviction, PersistentBatch, Request};
 use turbo_tests::{
     cpu_model, cpu_model_split, engine_logits, max_rel_diff, max_rel_err, random_tokens,
     reference_logits, write_gguf, DType, RopeStyle, TinySpec, TinyWeights,
@@ -173,34 +173,83 @@ fn replicated_kv_heads_give_the_same_logits() {
     assert!(d < SPLIT_TOL, "tp 8: {d:e}");
 }
 
+/// Greedy completions of `prompts` with `eviction` on, and the keys each holds at the end.
+fn evicting(
+    model: Llama<CpuBackend>,
+    loaded: &LoadedModel,
+    prompts: &[Vec<u32>],
+    eviction: KvEviction,
+) -> Vec<(Vec<u32>, usize)> {
+    let mut batch = PersistentBatch::new(model, loaded.tokenizer.clone(), batch_config()).unwrap();
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            batch.submit(Request {
+                max_tokens: 40,
+                ignore_eos: true,
+                kv_eviction: Some(eviction),
+                ..Request::new(p.clone())
+            })
+        })
+        .collect();
+    batch.run_until_idle().unwrap();
+    handles
+        .into_iter()
+        .map(|h| {
+            let c = h.wait().expect("a completion");
+            (c.token_ids, c.kv_tokens)
+        })
+        .collect()
+}
+
+/// KV eviction on a split model: each rank scores, chooses and compacts its own KV heads. With
+/// one rank per KV head group (no replicas) the scores of every (layer, KV head) are the whole
+/// model's, so window, sink and H2O (per layer or shared across layers) keep the same keys and
+/// generate the same tokens. Keyformer's noise is drawn per rank-local head index, so its draws
+/// (and kept keys) differ from the whole model's: it must keep its budget.
 #[test]
-fn eviction_on_a_split_model_is_a_clean_refusal_and_others_run() {
+fn split_models_evict_as_the_whole_model_does() {
+    use turbo_keyformer::SelectionMode;
     let spec = spec();
     let (_dir, loaded, _) = load(&spec, DType::F32);
-    let mut batch = PersistentBatch::new(
-        cpu_model_split(&loaded, 2),
-        loaded.tokenizer.clone(),
-        batch_config(),
-    )
-    .unwrap();
-    let prompt = random_tokens(&spec, 20, 1);
-    let evicting = batch.submit(Request {
-        max_tokens: 4,
-        kv_eviction: Some(KvEviction::new(
-            PolicyKind::Window,
-            BudgetConfig::new(BudgetSize::Tokens(8)),
-        )),
-        ..Request::new(prompt.clone())
-    });
-    let plain = batch.submit(Request {
-        max_tokens: 4,
-        ignore_eos: true,
-        ..Request::new(prompt)
-    });
-    batch.run_until_idle().unwrap();
-    match evicting.drain().pop() {
-        Some(Event::Failed(e)) => assert!(e.to_string().contains("2 ranks"), "{e}"),
-        other => panic!("expected a refusal, got {other:?}"),
+    let prompts: Vec<Vec<u32>> = [60, 90, 45]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| random_tokens(&spec, n, 200 + i as u64))
+        .collect();
+    let budget = BudgetConfig::new(BudgetSize::Tokens(24));
+    for (kind, mode) in [
+        (PolicyKind::Window, SelectionMode::PerLayer),
+        (PolicyKind::Sink, SelectionMode::PerLayer),
+        (PolicyKind::H2O, SelectionMode::PerLayer),
+        (PolicyKind::H2O, SelectionMode::Shared),
+        (PolicyKind::Keyformer, SelectionMode::PerLayer),
+    ] {
+        let eviction = KvEviction {
+            mode,
+            during_prefill: true,
+            ..KvEviction::new(kind, budget)
+        };
+        let whole = evicting(cpu_model(&loaded), &loaded, &prompts, eviction);
+        let split = evicting(cpu_model_split(&loaded, 2), &loaded, &prompts, eviction);
+        for ((w, s), p) in whole.iter().zip(&split).zip(&prompts) {
+            assert!(
+                w.1 < p.len(),
+                "{kind:?} {mode:?}: {} keys kept of {}",
+                w.1,
+                p.len()
+            );
+            assert_eq!(s.1, w.1, "{kind:?} {mode:?}: keys held at the end");
+            if kind != PolicyKind::Keyformer {
+                assert_eq!(s.0, w.0, "{kind:?} {mode:?}: tokens");
+            }
+        }
     }
-    assert_eq!(plain.wait().unwrap().token_ids.len(), 4);
+    // KV heads held by 2 ranks each: each replica scores with its own query heads.
+    let eviction = KvEviction::new(PolicyKind::H2O, budget);
+    let whole = evicting(cpu_model(&loaded), &loaded, &prompts, eviction);
+    let split = evicting(cpu_model_split(&loaded, 4), &loaded, &prompts, eviction);
+    for (w, s) in whole.iter().zip(&split) {
+        assert_eq!((s.0.len(), s.1), (w.0.len(), w.1));
+    }
 }

@@ -2,7 +2,7 @@
 
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
-use crate::peers::{PeerCommand, PeerStep, Peers};
+use crate::peers::{KvWork, PeerCommand, PeerStep, Peers};
 use crate::shard::ShardPlan;
 use crate::weights::HostWeights;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
@@ -348,6 +348,27 @@ impl<B: Backend> Llama<B> {
         let (logits, tokens) =
             self.run_ranks(batch, cache, Logits::Last, Some(sampling), Output::Both)?;
         Ok((tokens, logits))
+    }
+
+    /// Runs `work` on every rank's KV cache with that rank's backend (`cache` is rank 0's) and
+    /// returns what each hands back, in rank order: what a rank's cache holds (its KV heads,
+    /// their eviction scores) is for its own backend to read and rewrite, so a compaction, for
+    /// one, runs on each rank. The first failure of any rank is the result.
+    pub fn with_kv(
+        &self,
+        cache: &mut B::KvCache,
+        work: impl Fn(&B, &mut B::KvCache) -> Result<Vec<f32>> + Send + Sync + 'static,
+    ) -> Result<Vec<Vec<f32>>> {
+        let Some(peers) = &self.peers else {
+            return Ok(vec![work(&self.rank.backend, cache)?]);
+        };
+        let work: KvWork<B> = Arc::new(work);
+        peers.broadcast(|| PeerCommand::WithKv(work.clone()))?;
+        let mine = work(&self.rank.backend, cache);
+        let theirs = peers.collect_values();
+        let mut all = vec![mine?];
+        all.extend(theirs?);
+        Ok(all)
     }
 
     /// One forward pass on every rank: the peers get the step, rank 0 runs it here, and the

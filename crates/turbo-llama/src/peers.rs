@@ -15,12 +15,22 @@ use std::thread::JoinHandle;
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::Backend;
 
+/// Work on a rank's KV cache with the rank's backend, and the values it hands back (see
+/// [`crate::Llama::with_kv`]).
+pub type KvWork<B> =
+    Arc<dyn Fn(&B, &mut <B as Backend>::KvCache) -> Result<Vec<f32>> + Send + Sync + 'static>;
+
+/// A peer's answer: the values of a [`PeerCommand::WithKv`], nothing for the others.
+type Answer = Result<Vec<f32>>;
+
 /// What rank 0 asks of its peers.
-pub(crate) enum PeerCommand {
+pub(crate) enum PeerCommand<B: Backend> {
     /// Make a KV cache of this shape, replacing the one held.
     NewCache(KvCacheSpec),
     /// Run the layers of this step over the held cache.
     Forward(Arc<PeerStep>),
+    /// Run this on the held cache.
+    WithKv(KvWork<B>),
 }
 
 /// A step as every rank runs it.
@@ -29,16 +39,15 @@ pub(crate) struct PeerStep {
     pub which: Logits,
 }
 
-struct Worker {
+struct Worker<B: Backend> {
     rank: usize,
-    commands: Option<Sender<PeerCommand>>,
-    results: Mutex<Receiver<Result<()>>>,
+    commands: Option<Sender<PeerCommand<B>>>,
+    results: Mutex<Receiver<Answer>>,
     thread: Option<JoinHandle<()>>,
 }
 
 pub(crate) struct Peers<B: Backend> {
-    workers: Vec<Worker>,
-    _backend: std::marker::PhantomData<fn() -> B>,
+    workers: Vec<Worker<B>>,
 }
 
 impl<B: Backend + 'static> Peers<B> {
@@ -53,8 +62,8 @@ impl<B: Backend + 'static> Peers<B> {
         let mut workers = Vec::with_capacity(backends.len());
         for (i, backend) in backends.into_iter().enumerate() {
             let rank = i + 1;
-            let (commands, inbox) = channel::<PeerCommand>();
-            let (outbox, results) = channel::<Result<()>>();
+            let (commands, inbox) = channel::<PeerCommand<B>>();
+            let (outbox, results) = channel::<Answer>();
             let (plan, config, host) = (*plan, config.clone(), host.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("turbo-rank-{rank}"))
@@ -66,7 +75,7 @@ impl<B: Backend + 'static> Peers<B> {
                     drop(host);
                     let model = match built {
                         Ok(m) => {
-                            let _ = outbox.send(Ok(()));
+                            let _ = outbox.send(Ok(Vec::new()));
                             m
                         }
                         Err(e) => {
@@ -84,10 +93,7 @@ impl<B: Backend + 'static> Peers<B> {
                 thread: Some(thread),
             });
         }
-        Ok(Peers {
-            workers,
-            _backend: std::marker::PhantomData,
-        })
+        Ok(Peers { workers })
     }
 }
 
@@ -102,8 +108,25 @@ impl<B: Backend> Peers<B> {
         self.collect()
     }
 
+    /// Each peer's answer to the last command, in rank order; the first failure if any failed.
+    pub(crate) fn collect_values(&self) -> Result<Vec<Vec<f32>>> {
+        let mut first = Ok(Vec::new());
+        for w in &self.workers {
+            let answer = match w.results.lock() {
+                Ok(r) => r.recv().unwrap_or_else(|_| Err(stopped(w.rank))),
+                Err(_) => Err(stopped(w.rank)),
+            };
+            match (&mut first, answer) {
+                (Ok(values), Ok(v)) => values.push(v),
+                (Ok(_), Err(e)) => first = Err(e),
+                (Err(_), _) => {}
+            }
+        }
+        first
+    }
+
     /// Sends `command()` to every peer.
-    pub(crate) fn broadcast(&self, command: impl Fn() -> PeerCommand) -> Result<()> {
+    pub(crate) fn broadcast(&self, command: impl Fn() -> PeerCommand<B>) -> Result<()> {
         for w in &self.workers {
             let sent = w.commands.as_ref().map(|c| c.send(command()));
             if !matches!(sent, Some(Ok(()))) {
@@ -115,17 +138,7 @@ impl<B: Backend> Peers<B> {
 
     /// Each peer's answer to the last command; the first failure if any failed.
     pub(crate) fn collect(&self) -> Result<()> {
-        let mut first = Ok(());
-        for w in &self.workers {
-            let answer = match w.results.lock() {
-                Ok(r) => r.recv().unwrap_or_else(|_| Err(stopped(w.rank))),
-                Err(_) => Err(stopped(w.rank)),
-            };
-            if first.is_ok() {
-                first = answer;
-            }
-        }
-        first
+        self.collect_values().map(|_| ())
     }
 }
 
@@ -147,18 +160,14 @@ fn stopped(rank: usize) -> LlamaError {
 }
 
 /// A peer's loop: one answer per command, until rank 0 goes away.
-fn serve<B: Backend>(
-    model: RankModel<B>,
-    inbox: Receiver<PeerCommand>,
-    outbox: Sender<Result<()>>,
-) {
+fn serve<B: Backend>(model: RankModel<B>, inbox: Receiver<PeerCommand<B>>, outbox: Sender<Answer>) {
     let mut cache: Option<B::KvCache> = None;
     for command in inbox {
         let answer = catch_unwind(AssertUnwindSafe(|| match command {
             PeerCommand::NewCache(spec) => {
                 cache = None;
                 cache = Some(model.backend.kv_cache(spec)?);
-                Ok(())
+                Ok(Vec::new())
             }
             PeerCommand::Forward(step) => {
                 let Some(cache) = cache.as_mut() else {
@@ -170,8 +179,14 @@ fn serve<B: Backend>(
                 model
                     .backend
                     .run(|| model.forward(&step.batch, cache, step.which, None, Output::Nothing))
-                    .map(|_| ())
+                    .map(|_| Vec::new())
             }
+            PeerCommand::WithKv(work) => match cache.as_mut() {
+                Some(cache) => work(&model.backend, cache),
+                None => Err(LlamaError::Config(
+                    "a tensor-parallel rank has no KV cache".into(),
+                )),
+            },
         }));
         let answer = answer.unwrap_or_else(|_| {
             model.backend.abort_collectives();

@@ -424,13 +424,6 @@ impl<B: Backend> PersistentBatch<B> {
                 return id;
             }
         };
-        if eviction.is_some() && self.model.world() > 1 {
-            sink.send(Event::Failed(RequestError::Eviction(format!(
-                "KV eviction is not available for a model split over {} ranks yet",
-                self.model.world()
-            ))));
-            return id;
-        }
         if eviction.as_ref().is_some_and(EvictionState::needs_scores)
             && !self
                 .model
@@ -903,15 +896,8 @@ impl<B: Backend> PersistentBatch<B> {
         let Some(e) = &live.eviction else {
             return Ok(true);
         };
-        let shape = (self.model.config.n_layers, self.model.config.n_kv_heads);
         let started = Instant::now();
-        let result = e.compact(
-            self.model.backend(),
-            &mut self.cache,
-            &mut self.kv,
-            live.seq,
-            shape,
-        );
+        let result = e.compact(&self.model, &mut self.cache, &mut self.kv, live.seq);
         self.compactions.0 += 1;
         self.compactions.1 += started.elapsed().as_micros() as u64;
         let Err(error) = result else {

@@ -9,12 +9,15 @@
 //! prefix (shared blocks found at admission) is always kept: it counts as attention sinks.
 
 use crate::batch::request::RequestError;
+use std::sync::Arc;
+use turbo_core::cpu::KvCacheSpec;
 use turbo_core::{Backend, KvCompaction, KvRuleCompaction, KvScoring};
 use turbo_keyformer::{
     select_kept, Budget, BudgetConfig, Dims, EvictionPolicy, PolicyConfig, PolicyKind,
     SelectionMode,
 };
 use turbo_kv::{KvError, KvManager, SeqId};
+use turbo_llama::Llama;
 
 /// What a request asks of KV eviction; library users set it per request.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -48,8 +51,9 @@ impl KvEviction {
 }
 
 /// A running request's eviction: its policy built and its budget resolved for its prompt.
+#[derive(Clone)]
 pub(crate) struct EvictionState {
-    policy: Box<dyn EvictionPolicy>,
+    policy: Arc<dyn EvictionPolicy>,
     budget: Budget,
     mode: SelectionMode,
     seed: u64,
@@ -61,7 +65,7 @@ impl EvictionState {
     /// `None` for a policy that never evicts.
     pub fn new(e: &KvEviction, prompt_len: usize) -> Result<Option<Self>, RequestError> {
         let bad = |e: turbo_keyformer::Error| RequestError::Eviction(e.to_string());
-        let policy = e.policy.build(&e.config);
+        let policy: Arc<dyn EvictionPolicy> = Arc::from(e.policy.build(&e.config));
         let budget = e
             .budget
             .resolve(prompt_len, policy.default_sinks())
@@ -132,62 +136,103 @@ impl EvictionState {
     /// [`turbo_keyformer::KeepRule`] the backend runs where the scores are (on a GPU: no
     /// read-back); a custom policy or shared selection chooses on the host. Either way the frozen
     /// prefix (shared blocks) stays put: the policy chooses among the keys after it.
+    ///
+    /// On a model split over ranks, every (layer, KV head) row lives on one rank: a rule runs on
+    /// each rank over its own rows and scores, and a host choice sees every rank's rows (laid out
+    /// `[layer][rank][rank's KV heads]`, so shared selection sums them all) and sends each rank
+    /// its own. Every row keeps the same count, so the block table stays one.
     pub fn compact<B: Backend>(
         &self,
-        backend: &B,
+        model: &Llama<B>,
         cache: &mut B::KvCache,
         kv: &mut KvManager,
         seq: SeqId,
-        shape: (usize, usize),
     ) -> Result<(), CompactError> {
-        let (layers, kv_heads) = shape;
         let keys = kv.keys(seq)?;
         let frozen = kv.frozen(seq)?.min(keys);
-        let table = kv.block_table(seq)?.to_vec();
+        let table: Arc<[u32]> = kv.block_table(seq)?.into();
         let kept_per_row = self.budget.kept_count(keys).max(frozen);
-        let dims = Dims {
-            layers,
-            kv_heads,
+        let rank_dims = move |spec: KvCacheSpec| Dims {
+            layers: spec.n_layers,
+            kv_heads: spec.n_kv_heads,
             keys,
         };
         let rule = match self.mode {
             SelectionMode::PerLayer => self.policy.keep_rule(&self.budget),
             SelectionMode::Shared => None,
         };
-        match rule {
-            Some(rule) => backend.compact_kv_by_rule(
-                cache,
-                &KvRuleCompaction {
-                    block_table: &table,
-                    dims,
+        if let Some(rule) = rule {
+            let rule = rule.keeping_prefix(frozen);
+            let t = table.clone();
+            model.with_kv(cache, move |backend, cache| {
+                let compaction = KvRuleCompaction {
+                    block_table: &t,
+                    dims: rank_dims(backend.kv_spec(cache)),
                     kept_per_row,
-                    rule: rule.keeping_prefix(frozen),
-                },
-            )?,
-            None => {
-                let kept =
-                    self.select_on_host(backend, cache, &table, dims, frozen, kept_per_row)?;
-                backend.compact_kv(
-                    cache,
-                    &KvCompaction {
-                        block_table: &table,
-                        kept: &kept,
-                        kept_per_row,
-                    },
-                )?;
-            }
+                    rule,
+                };
+                backend.compact_kv_by_rule(cache, &compaction)?;
+                Ok(Vec::new())
+            })?;
+        } else {
+            let needs_scores = self.needs_scores();
+            let t = table.clone();
+            let per_rank = model.with_kv(cache, move |backend, cache| match needs_scores {
+                true => Ok(backend.read_kv_scores(cache, &t, keys)?),
+                false => Ok(Vec::new()),
+            })?;
+            let rank = rank_dims(model.kv_spec(1, 1));
+            let world = per_rank.len();
+            let dims = Dims {
+                kv_heads: rank.kv_heads * world,
+                ..rank
+            };
+            // [rank][layer][head][key] -> [layer][rank][head][key].
+            let row = rank.kv_heads * keys;
+            let scores: Vec<f32> = match needs_scores {
+                true => (0..rank.layers)
+                    .flat_map(|l| {
+                        per_rank
+                            .iter()
+                            .flat_map(move |r| &r[l * row..(l + 1) * row])
+                    })
+                    .copied()
+                    .collect(),
+                false => Vec::new(),
+            };
+            let kept: Arc<[u32]> = self
+                .select_on_host(scores, dims, frozen, kept_per_row)?
+                .into();
+            let t = table.clone();
+            model.with_kv(cache, move |backend, cache| {
+                // This rank's rows of every layer.
+                let r = backend.rank_info().rank;
+                let per_layer = rank.kv_heads * kept_per_row;
+                let mine: Vec<u32> = (0..rank.layers)
+                    .flat_map(|l| {
+                        let at = (l * world + r) * per_layer;
+                        kept[at..at + per_layer].iter().copied()
+                    })
+                    .collect();
+                let compaction = KvCompaction {
+                    block_table: &t,
+                    kept: &mine,
+                    kept_per_row,
+                };
+                backend.compact_kv(cache, &compaction)?;
+                Ok(Vec::new())
+            })?;
         }
         kv.compact(seq, kept_per_row)?;
         Ok(())
     }
 
-    /// The policy's `k` kept keys of every row, chosen on the host among the keys after the
-    /// frozen prefix (which is kept in front).
-    fn select_on_host<B: Backend>(
+    /// The policy's `k` kept keys of every row, chosen on the host from `scores` (`[layers]
+    /// [kv_heads][keys]`, empty for a policy that needs none) among the keys after the frozen
+    /// prefix (which is kept in front).
+    fn select_on_host(
         &self,
-        backend: &B,
-        cache: &B::KvCache,
-        table: &[u32],
+        scores: Vec<f32>,
         dims: Dims,
         frozen: usize,
         k: usize,
@@ -198,10 +243,6 @@ impl EvictionState {
         if k == frozen {
             return Ok((0..rows).flat_map(|_| 0..frozen as u32).collect());
         }
-        let scores = match self.needs_scores() {
-            true => backend.read_kv_scores(cache, table, keys)?,
-            false => Vec::new(),
-        };
         // The rows' keys after the frozen prefix, chosen within a budget less the prefix.
         let rest = keys - frozen;
         let suffix: Vec<f32> = match scores.is_empty() {
@@ -238,6 +279,8 @@ pub(crate) enum CompactError {
     Kv(#[from] KvError),
     #[error(transparent)]
     Backend(#[from] turbo_core::BackendError),
+    #[error(transparent)]
+    Model(#[from] turbo_llama::LlamaError),
     #[error("eviction policy: {0}")]
     Policy(String),
 }
