@@ -111,6 +111,10 @@ pub fn decode(dtype: DType, bytes: &[u8], n: usize) -> Vec<f64> {
                 out.extend(qs.iter().map(|q| (q >> 4) as f64 * d + m));
             }
         }
+        // Types only read from files (no encoder writes them here): their decoding is checked
+        // against the gguf package's reference dequantizers (turbo-core's
+        // `kquants_dequantize_like_gguf_py`).
+        other => panic!("{other} is not written by Stored::encode"),
     }
     assert_eq!(
         out.len(),

@@ -78,7 +78,7 @@ fn truncated_gguf() {
 
 #[test]
 fn unsupported_tensor_type() {
-    // Rows of 256 elements, so a Q4_K tensor (144-byte blocks of 256) has a plausible size.
+    // Rows of 256 elements, so an IQ2_XXS tensor (66-byte blocks of 256) has a plausible size.
     let s = TinySpec {
         ffn: 256,
         ..spec(64)
@@ -89,16 +89,16 @@ fn unsupported_tensor_type() {
         .find(|t| t.name == "blk.0.ffn_down.weight")
         .unwrap();
     assert_eq!(down.dims, [256, 64]);
-    down.ggml_type = 12; // GGML_TYPE_Q4_K
-    down.data = (0..64 * 144).map(|i| (i * 7 % 251) as u8).collect();
+    down.ggml_type = 16; // GGML_TYPE_IQ2_XXS
+    down.data = (0..64 * 66).map(|i| (i * 7 % 251) as u8).collect();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("k.gguf");
     gguf_writer(&gguf_metadata(&s), &tensors)
         .write(&path)
         .unwrap();
-    let line = expect_error(&generate_args(p(&path), &[]), "Q4_K");
+    let line = expect_error(&generate_args(p(&path), &[]), "IQ2_XXS");
     assert!(line.contains("blk.0.ffn_down.weight"), "{line}");
-    expect_error(&["info", "--model", p(&path)], "Q4_K");
+    expect_error(&["info", "--model", p(&path)], "IQ2_XXS");
 }
 
 #[test]

@@ -5,9 +5,13 @@ use std::str::FromStr;
 
 /// How the elements of a stored tensor are encoded.
 ///
-/// Block formats (`Q8_0`, `Q4_0`, `Q4_1`) pack [`DType::block_len`] consecutive elements of a row
-/// into [`DType::block_bytes`] bytes, so a row's length must be a multiple of the block length.
+/// Block formats pack [`DType::block_len`] consecutive elements of a row into
+/// [`DType::block_bytes`] bytes, so a row's length must be a multiple of the block length: 32 for
+/// the legacy formats (`Q8_0`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`), 256 for the K-quants, whose
+/// super-blocks hold 6-bit or 8-bit scales of 16 or 32-element sub-blocks (llama.cpp's
+/// `ggml-quants.c` defines them; [`crate::quant`] decodes them as its reference code does).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types)] // GGUF's names
 pub enum DType {
     F32,
     F16,
@@ -18,10 +22,42 @@ pub enum DType {
     Q4_0,
     /// 32 elements: f16 scale `d`, f16 minimum `m` and 16 bytes of nibbles; value = q * d + m.
     Q4_1,
+    /// 32 elements: f16 `d`, 32 high bits, 16 bytes of nibbles; value = (q - 16) * d.
+    Q5_0,
+    /// 32 elements: f16 `d` and `m`, 32 high bits, 16 bytes of nibbles; value = q * d + m.
+    Q5_1,
+    /// 256 elements: 16 sub-blocks of 16 with 4-bit scales and minimums, 2-bit values.
+    Q2_K,
+    /// 256 elements: 16 sub-blocks of 16 with 6-bit scales, 3-bit values (2 low bits + a mask).
+    Q3_K,
+    /// 256 elements: 8 sub-blocks of 32 with 6-bit scales and minimums, 4-bit values.
+    Q4_K,
+    /// 256 elements: 8 sub-blocks of 32 with 6-bit scales and minimums, 5-bit values.
+    Q5_K,
+    /// 256 elements: 16 sub-blocks of 16 with 8-bit scales, 6-bit values.
+    Q6_K,
 }
 
 impl DType {
-    pub const ALL: [DType; 6] = [
+    pub const ALL: [DType; 13] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+    ];
+
+    /// The types [`crate::quant::quantize_row`] can write (test models, conversions); the others
+    /// are only read from files that llama.cpp's quantizer made.
+    pub const WRITABLE: [DType; 6] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -34,7 +70,8 @@ impl DType {
     pub const fn block_len(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 32,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 => 32,
+            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => 256,
         }
     }
 
@@ -46,6 +83,13 @@ impl DType {
             DType::Q8_0 => 34,
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
+            DType::Q5_0 => 22,
+            DType::Q5_1 => 24,
+            DType::Q2_K => 84,
+            DType::Q3_K => 110,
+            DType::Q4_K => 144,
+            DType::Q5_K => 176,
+            DType::Q6_K => 210,
         }
     }
 
@@ -66,7 +110,14 @@ impl DType {
             DType::F16 => 1,
             DType::Q4_0 => 2,
             DType::Q4_1 => 3,
+            DType::Q5_0 => 6,
+            DType::Q5_1 => 7,
             DType::Q8_0 => 8,
+            DType::Q2_K => 10,
+            DType::Q3_K => 11,
+            DType::Q4_K => 12,
+            DType::Q5_K => 13,
+            DType::Q6_K => 14,
             DType::BF16 => 30,
         }
     }
@@ -83,6 +134,13 @@ impl DType {
             DType::Q8_0 => "Q8_0",
             DType::Q4_0 => "Q4_0",
             DType::Q4_1 => "Q4_1",
+            DType::Q5_0 => "Q5_0",
+            DType::Q5_1 => "Q5_1",
+            DType::Q2_K => "Q2_K",
+            DType::Q3_K => "Q3_K",
+            DType::Q4_K => "Q4_K",
+            DType::Q5_K => "Q5_K",
+            DType::Q6_K => "Q6_K",
         }
     }
 }
@@ -163,8 +221,8 @@ mod tests {
             assert_eq!(ggml_type_name(d.ggml_id()), d.name());
             assert_eq!(d.name().parse::<DType>().unwrap(), d);
         }
-        assert_eq!(DType::from_ggml_id(12), None);
-        assert_eq!(ggml_type_name(12), "Q4_K");
+        assert_eq!(DType::from_ggml_id(16), None);
+        assert_eq!(ggml_type_name(16), "IQ2_XXS");
     }
 
     #[test]

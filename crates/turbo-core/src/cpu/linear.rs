@@ -119,6 +119,11 @@ macro_rules! row_dots_for {
                 DType::F32 => rows_by_tokens::<F32, $isa>(w, rows, x, m, out),
                 DType::F16 => rows_by_tokens::<F16, $isa>(w, rows, x, m, out),
                 DType::BF16 => rows_by_tokens::<BF16, $isa>(w, rows, x, m, out),
+                DType::Q5_0 => rows_by_tokens::<Q5_0, $isa>(w, rows, x, m, out),
+                DType::Q5_1 => rows_by_tokens::<Q5_1, $isa>(w, rows, x, m, out),
+                DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                    decoded_rows_by_tokens::<$isa>(w, rows, x, m, out)
+                }
             }
         }
     };
@@ -234,6 +239,48 @@ impl Group32 for Q4_0 {
     }
 }
 
+/// Q5_0 and Q5_1: the fifth bit of element `j` is bit `j` of the 32-bit `qh`.
+#[inline(always)]
+fn decode_q5<I: Isa>(b: &[u8], min: Option<f32>, lo: &mut [f32; 16], hi: &mut [f32; 16]) {
+    let d = f16_at_with::<I>(b, 0);
+    let at = if min.is_some() { 4 } else { 2 };
+    let qh = u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+    let qs: &[u8; 16] = b[at + 4..at + 20].try_into().unwrap();
+    for j in 0..16 {
+        let q0 = (qs[j] as u32 & 0x0f) | (((qh >> j) << 4) & 0x10);
+        let q1 = (qs[j] as u32 >> 4) | ((qh >> (j + 12)) & 0x10);
+        match min {
+            Some(m) => {
+                lo[j] = q0 as f32 * d + m;
+                hi[j] = q1 as f32 * d + m;
+            }
+            None => {
+                lo[j] = (q0 as i32 - 16) as f32 * d;
+                hi[j] = (q1 as i32 - 16) as f32 * d;
+            }
+        }
+    }
+}
+
+struct Q5_0;
+impl Group32 for Q5_0 {
+    const BYTES: usize = 22;
+    #[inline(always)]
+    fn decode<I: Isa>(b: &[u8], lo: &mut [f32; 16], hi: &mut [f32; 16]) {
+        decode_q5::<I>(b, None, lo, hi);
+    }
+}
+
+struct Q5_1;
+impl Group32 for Q5_1 {
+    const BYTES: usize = 24;
+    #[inline(always)]
+    fn decode<I: Isa>(b: &[u8], lo: &mut [f32; 16], hi: &mut [f32; 16]) {
+        let m = f16_at_with::<I>(b, 2);
+        decode_q5::<I>(b, Some(m), lo, hi);
+    }
+}
+
 struct Q8_0;
 impl Group32 for Q8_0 {
     const BYTES: usize = 34;
@@ -337,6 +384,47 @@ unsafe fn rows_for<G: Group32, I: Isa, const M: usize>(
             *out.add(t * w.rows + r) = *s;
         }
     }
+}
+
+thread_local! {
+    /// One decoded K-quant row.
+    static DECODED_ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The K-quants (super-blocks of 256 with packed sub-block scales): each row is decoded once
+/// into an f32 scratch row that stays in cache, then dotted with the tokens as f32 weights.
+#[inline(always)]
+unsafe fn decoded_rows_by_tokens<I: Isa>(
+    w: &WeightMatrix,
+    rows: Range<usize>,
+    x: &[f32],
+    m: usize,
+    out: *mut f32,
+) {
+    DECODED_ROW.with(|scratch| {
+        let mut scratch = scratch.borrow_mut();
+        scratch.resize(w.cols, 0.0);
+        for r in rows {
+            w.dequantize_row(r, &mut scratch);
+            let bytes: &[u8] = bytemuck::cast_slice(&scratch);
+            let sums: [f32; 4] = match m {
+                1 => pad(row_dots::<F32, I, 1>(bytes, x, w.cols)),
+                2 => pad(row_dots::<F32, I, 2>(bytes, x, w.cols)),
+                3 => pad(row_dots::<F32, I, 3>(bytes, x, w.cols)),
+                _ => row_dots::<F32, I, 4>(bytes, x, w.cols),
+            };
+            for (t, s) in sums.iter().take(m).enumerate() {
+                *out.add(t * w.rows + r) = *s;
+            }
+        }
+    });
+}
+
+#[inline(always)]
+fn pad<const M: usize>(sums: [f32; M]) -> [f32; 4] {
+    let mut out = [0f32; 4];
+    out[..M].copy_from_slice(&sums);
+    out
 }
 
 /// Dot products of one weight row with `M` token rows of `x`, 16 lanes per token held in registers.
@@ -468,10 +556,20 @@ mod tests {
                 let values: Vec<f32> = (0..rows * cols)
                     .map(|_| rng.random_range(-1.0..1.0))
                     .collect();
-                let bytes: Vec<u8> = values
-                    .chunks(cols)
-                    .flat_map(|r| quantize_row(dtype, r))
-                    .collect();
+                let bytes: Vec<u8> = match DType::WRITABLE.contains(&dtype) {
+                    true => values
+                        .chunks(cols)
+                        .flat_map(|r| quantize_row(dtype, r))
+                        .collect(),
+                    // Types only read from files: random blocks (all rows here are whole
+                    // super-blocks of 256 for the K-quants).
+                    false if !cols.is_multiple_of(dtype.block_len()) => continue,
+                    false => {
+                        crate::quant::random_blocks(dtype, rows * cols / dtype.block_len(), || {
+                            rng.random()
+                        })
+                    }
+                };
                 let w = WeightMatrix::new(dtype, rows, cols, crate::Bytes::owned(bytes)).unwrap();
                 for n in [1usize, 3, 4, 5, 17] {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
