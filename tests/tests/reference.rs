@@ -58,9 +58,11 @@ fn check(
     assert!(err < TOL, "{label}: error {err:e} (tolerance {TOL:e})");
 }
 
+/// Every type a test can write; the types only read from files (K-quants, Q5_0/Q5_1) are
+/// checked against the gguf package's decoder and their F32 twins in `kquants.rs`.
 #[test]
 fn gguf_every_dtype_matches_reference() {
-    for (i, dtype) in DType::ALL.into_iter().enumerate() {
+    for (i, dtype) in DType::WRITABLE.into_iter().enumerate() {
         let spec = TinySpec {
             seed: 10 + i as u64,
             ..TinySpec::default()
