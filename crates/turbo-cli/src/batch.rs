@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::io::Read;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use turbo_engine::limits::MAX_REQUESTS_FILE_BYTES;
@@ -47,6 +48,11 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
     if lines.is_empty() {
         bail!("{} holds no requests", args.file.display());
     }
+    // Ctrl-C while the model loads cancels every request once they are queued: each still gets
+    // its line (cancelled), none is lost.
+    let early = Arc::new(AtomicBool::new(false));
+    let flag = early.clone();
+    crate::interrupt::cancel_on_ctrl_c(move || flag.store(true, Ordering::SeqCst));
     // CPU default: room for every slot to hold a full context (capped at 4096 tokens each). The
     // whole file is queued at once.
     let engine = Arc::new(Engine::start(EngineConfig {
@@ -75,11 +81,17 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
         outcomes.push(submitted);
     }
     let cancel = engine.clone();
-    crate::interrupt::cancel_on_ctrl_c(move || {
+    let cancel_all = Arc::new(move || {
         for &id in &ids {
             cancel.cancel(id);
         }
     });
+    let on_interrupt = cancel_all.clone();
+    crate::interrupt::cancel_on_ctrl_c(move || on_interrupt());
+    // Installed first, checked second: a Ctrl-C in between is taken by one or the other.
+    if early.load(Ordering::SeqCst) {
+        cancel_all();
+    }
     let (mut failed, mut cancelled, mut generated) = (0usize, false, 0usize);
     let mut prompt_tokens = 0usize;
     for (line, outcome) in lines.iter().zip(outcomes) {

@@ -81,6 +81,10 @@ pub fn run(args: ChatArgs) -> Result<()> {
                 eprintln!("[the message is not UTF-8 text; not sent]");
                 continue;
             }
+            Line::Endless => anyhow::bail!(
+                "the input has a line of more than {} bytes with no end; it is not chat text",
+                limit + MAX_DISCARDED_BYTES
+            ),
             Line::Text(text) => text,
         };
         match input.trim() {
@@ -186,16 +190,25 @@ enum Line {
     Text(String),
     /// Longer than the bound; the rest of it was read and dropped.
     TooLong,
+    /// Longer than the bound and still going [`MAX_DISCARDED_BYTES`] past it without a line
+    /// end: not lines at all (`/dev/zero`, a binary file), so reading stops.
+    Endless,
     NotUtf8,
     /// End of input.
     End,
 }
 
+/// How far past the bound a line may run before the input is taken for something that has no
+/// lines (a few tenths of a second of reading `/dev/zero`).
+const MAX_DISCARDED_BYTES: u64 = 64 << 20;
+
 /// Reads one line (without its `\n` or `\r\n`), holding at most `limit` bytes of it: a longer
-/// line is consumed to its end and reported, never kept.
+/// line is consumed to its end and reported, never kept, unless it runs on for
+/// [`MAX_DISCARDED_BYTES`] more.
 fn read_line_bounded(input: &mut impl BufRead, limit: u64) -> std::io::Result<Line> {
     let mut line = Vec::new();
     let mut too_long = false;
+    let mut discarded = 0u64;
     let mut any = false;
     loop {
         let buf = match input.fill_buf() {
@@ -226,6 +239,12 @@ fn read_line_bounded(input: &mut impl BufRead, limit: u64) -> std::io::Result<Li
         input.consume(used);
         if done.is_some() {
             break;
+        }
+        if too_long {
+            discarded += used as u64;
+            if discarded > MAX_DISCARDED_BYTES {
+                return Ok(Line::Endless);
+            }
         }
     }
     if too_long {
@@ -267,6 +286,21 @@ mod tests {
                 return out;
             }
         }
+    }
+
+    #[test]
+    fn an_endless_line_stops_the_reading() {
+        let mut reader = std::io::BufReader::new(std::io::repeat(0));
+        assert_eq!(read_line_bounded(&mut reader, 100).unwrap(), Line::Endless);
+        // A long line that does end is only refused.
+        let mut long = vec![b'a'; 5 << 20];
+        long.extend_from_slice(b"\nok\n");
+        let mut reader = std::io::BufReader::new(&long[..]);
+        assert_eq!(read_line_bounded(&mut reader, 100).unwrap(), Line::TooLong);
+        assert_eq!(
+            read_line_bounded(&mut reader, 100).unwrap(),
+            Line::Text("ok".into())
+        );
     }
 
     #[test]

@@ -152,8 +152,10 @@ pub fn run(args: EvalKvArgs) -> Result<()> {
 
 /// Reads `--json` rows, one a line (blank lines skipped).
 fn read_rows(path: &Path) -> Result<Vec<Row>> {
-    let content =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    // Saved rows are a few hundred bytes each: a million of them is far more than any run makes.
+    let limit = 256 << 20;
+    let content = turbo_engine::limits::read_file_bounded(path, limit)
+        .with_context(|| format!("cannot read {}", path.display()))?;
     let mut rows = Vec::new();
     for (i, line) in content.lines().enumerate() {
         if line.trim().is_empty() {

@@ -185,6 +185,57 @@ fn each_size_a_user_controls_has_a_largest_value_and_a_clear_error_above_it() {
         ],
         "is more than the model's context of 64",
     );
+
+    // The load generator and saved evaluation rows: sizes and reads bounded before any work.
+    let serve = |extra: &[&str], phrase: &str| {
+        let mut args = vec!["bench", "serve", "--url", "http://127.0.0.1:1"];
+        args.extend_from_slice(extra);
+        expect_error(&args, phrase);
+    };
+    serve(
+        &["--requests", "18446744073709551615"],
+        "--requests 18446744073709551615 is more than the 100000 allowed",
+    );
+    serve(
+        &["--requests", "1", "--mean-in", "18446744073709551615"],
+        "is more than the 100000 words allowed",
+    );
+    serve(
+        &["--requests", "1000", "--mean-in", "100000"],
+        "100000000 words, more than the 20000000 allowed",
+    );
+    serve(
+        &["--requests", "1", "--mean-out", "18446744073709551615"],
+        "tokens allowed",
+    );
+    serve(
+        &["--requests", "1", "--prompts-file", "/dev/zero"],
+        "is longer than 1073741824 bytes",
+    );
+    expect_error(
+        &["eval-kv", "--from-json", "/dev/zero"],
+        "is longer than 268435456 bytes",
+    );
+}
+
+/// Input with no lines at all (`/dev/zero`) ends chat with one error line instead of being read
+/// forever.
+#[test]
+fn chat_stops_on_input_without_lines() {
+    let (_dir, model) = gguf_fixture(64);
+    let started = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_turbo"))
+        .args(["chat", "--device", "cpu", "--model", p(&model)])
+        .stdin(std::fs::File::open("/dev/zero").unwrap())
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("with no end; it is not chat text"),
+        "{stderr}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
 }
 
 #[test]

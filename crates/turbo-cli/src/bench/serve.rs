@@ -50,8 +50,41 @@ pub struct ServeBenchArgs {
     json: Option<PathBuf>,
 }
 
+/// Most requests of one run (a ShareGPT-scale run is 1,000).
+const MAX_REQUESTS: usize = 100_000;
+/// Longest mean prompt of the synthetic requests, in words, and most words of all of them.
+const MAX_MEAN_IN: usize = 100_000;
+const MAX_SYNTHETIC_WORDS: usize = 20_000_000;
+/// Longest mean output of the synthetic requests, in tokens.
+const MAX_MEAN_OUT: usize = 1 << 20;
+
 pub fn run(args: ServeBenchArgs) -> Result<()> {
     anyhow::ensure!(args.requests > 0, "--requests must be positive");
+    anyhow::ensure!(
+        args.requests <= MAX_REQUESTS,
+        "--requests {} is more than the {MAX_REQUESTS} allowed",
+        args.requests
+    );
+    anyhow::ensure!(
+        args.mean_in <= MAX_MEAN_IN,
+        "--mean-in {} is more than the {MAX_MEAN_IN} words allowed",
+        args.mean_in
+    );
+    anyhow::ensure!(
+        args.mean_out <= MAX_MEAN_OUT,
+        "--mean-out {} is more than the {MAX_MEAN_OUT} tokens allowed",
+        args.mean_out
+    );
+    if args.prompts_file.is_none() {
+        let words = args.requests.saturating_mul(args.mean_in);
+        anyhow::ensure!(
+            words <= MAX_SYNTHETIC_WORDS,
+            "--requests {} of --mean-in {} words is {words} words, more than the \
+             {MAX_SYNTHETIC_WORDS} allowed",
+            args.requests,
+            args.mean_in
+        );
+    }
     anyhow::ensure!(
         args.timeout.is_finite() && args.timeout > 0.0,
         "--timeout must be a positive number of seconds"
@@ -66,7 +99,12 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         ),
     };
     let mut workload = match &args.prompts_file {
-        Some(path) => Workload::from_jsonl(path, args.mean_out)?,
+        Some(path) => {
+            let limit = turbo_engine::limits::MAX_REQUESTS_FILE_BYTES;
+            let text = turbo_engine::limits::read_file_bounded(path, limit)
+                .with_context(|| format!("prompts file {}", path.display()))?;
+            Workload::parse_jsonl(&text, &path.display().to_string(), args.mean_out)?
+        }
         None => Workload::synthetic(&Synthetic {
             requests: args.requests,
             mean_in: args.mean_in,
