@@ -84,3 +84,22 @@ impl<B: Backend> Alone<B> {
             .unwrap_or_else(|e| panic!("a request run alone failed: {e}"))
     }
 }
+
+/// The opposite of alone: `requests` submitted together to a fresh batch of `config` over
+/// `model` (continuous batching, chunked prefill beside decode steps), run until idle. Their
+/// completions in submission order (panicking on a failed one), and the model back.
+pub fn run_together<B: Backend>(
+    model: Llama<B>,
+    tokenizer: &TextTokenizer,
+    config: BatchConfig,
+    requests: Vec<Request>,
+) -> (Vec<Completion>, Llama<B>) {
+    let mut batch = PersistentBatch::new(model, tokenizer.clone(), config).expect("a batch");
+    let handles: Vec<_> = requests.into_iter().map(|r| batch.submit(r)).collect();
+    batch.run_until_idle().expect("the batch steps");
+    let completions = handles
+        .into_iter()
+        .map(|h| h.wait().unwrap_or_else(|e| panic!("a request failed: {e}")))
+        .collect();
+    (completions, batch.into_parts().0)
+}

@@ -8,7 +8,8 @@
 use rand::{Rng, SeedableRng};
 use turbo_core::quant::{dequantize_row, random_blocks};
 use turbo_llama::LoadedModel;
-use turbo_scheduler::{BatchConfig, PersistentBatch, Request};
+use turbo_scheduler::{BatchConfig, Request};
+use turbo_tests::alone::run_together;
 use turbo_tests::files::{gguf_metadata, gguf_tensors, gguf_writer};
 use turbo_tests::{
     cpu_model, engine_logits, max_rel_diff, random_tokens, DType, TinySpec, TinyWeights,
@@ -73,23 +74,16 @@ fn greedy(loaded: &LoadedModel, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
         num_blocks: 64,
         ..BatchConfig::default()
     };
-    let mut batch =
-        PersistentBatch::new(cpu_model(loaded), loaded.tokenizer.clone(), config).unwrap();
-    let handles: Vec<_> = prompts
+    let requests = prompts
         .iter()
-        .map(|p| {
-            batch.submit(Request {
-                max_tokens: 16,
-                ignore_eos: true,
-                ..Request::new(p.clone())
-            })
+        .map(|p| Request {
+            max_tokens: 16,
+            ignore_eos: true,
+            ..Request::new(p.clone())
         })
         .collect();
-    batch.run_until_idle().unwrap();
-    handles
-        .into_iter()
-        .map(|h| h.wait().unwrap().token_ids)
-        .collect()
+    let (done, _) = run_together(cpu_model(loaded), &loaded.tokenizer, config, requests);
+    done.into_iter().map(|c| c.token_ids).collect()
 }
 
 #[test]

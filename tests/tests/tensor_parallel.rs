@@ -13,7 +13,8 @@ use turbo_core::comm::CpuGroup;
 use turbo_core::cpu::CpuBackend;
 use turbo_keyformer::{BudgetConfig, BudgetSize, PolicyKind};
 use turbo_llama::{Llama, LoadedModel, ShardPlan};
-use turbo_scheduler::{BatchConfig, KvEviction, PersistentBatch, Request};
+use turbo_scheduler::{BatchConfig, KvEviction, Request};
+use turbo_tests::alone::run_together;
 use turbo_tests::{
     cpu_model, cpu_model_split, engine_logits, max_rel_diff, max_rel_err, random_tokens,
     reference_logits, write_gguf, DType, RopeStyle, TinySpec, TinyWeights,
@@ -88,22 +89,16 @@ fn batch_config() -> BatchConfig {
 /// Greedy completions of `prompts` submitted together (continuous batching: prompts of different
 /// lengths, chunked prefill beside decode steps).
 fn greedy(model: Llama<CpuBackend>, loaded: &LoadedModel, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
-    let mut batch = PersistentBatch::new(model, loaded.tokenizer.clone(), batch_config()).unwrap();
-    let handles: Vec<_> = prompts
+    let requests = prompts
         .iter()
-        .map(|p| {
-            batch.submit(Request {
-                max_tokens: 24,
-                ignore_eos: true,
-                ..Request::new(p.clone())
-            })
+        .map(|p| Request {
+            max_tokens: 24,
+            ignore_eos: true,
+            ..Request::new(p.clone())
         })
         .collect();
-    batch.run_until_idle().unwrap();
-    handles
-        .into_iter()
-        .map(|h| h.wait().expect("a completion").token_ids)
-        .collect()
+    let (done, _) = run_together(model, &loaded.tokenizer, batch_config(), requests);
+    done.into_iter().map(|c| c.token_ids).collect()
 }
 
 #[test]
@@ -180,25 +175,18 @@ fn evicting(
     prompts: &[Vec<u32>],
     eviction: KvEviction,
 ) -> Vec<(Vec<u32>, usize)> {
-    let mut batch = PersistentBatch::new(model, loaded.tokenizer.clone(), batch_config()).unwrap();
-    let handles: Vec<_> = prompts
+    let requests = prompts
         .iter()
-        .map(|p| {
-            batch.submit(Request {
-                max_tokens: 40,
-                ignore_eos: true,
-                kv_eviction: Some(eviction),
-                ..Request::new(p.clone())
-            })
+        .map(|p| Request {
+            max_tokens: 40,
+            ignore_eos: true,
+            kv_eviction: Some(eviction),
+            ..Request::new(p.clone())
         })
         .collect();
-    batch.run_until_idle().unwrap();
-    handles
-        .into_iter()
-        .map(|h| {
-            let c = h.wait().expect("a completion");
-            (c.token_ids, c.kv_tokens)
-        })
+    let (done, _) = run_together(model, &loaded.tokenizer, batch_config(), requests);
+    done.into_iter()
+        .map(|c| (c.token_ids, c.kv_tokens))
         .collect()
 }
 

@@ -10,7 +10,8 @@
 use turbo_core::DType;
 use turbo_kernels::CudaBackend;
 use turbo_llama::{Llama, LoadedModel};
-use turbo_scheduler::{BatchConfig, PersistentBatch, Request};
+use turbo_scheduler::{BatchConfig, Request};
+use turbo_tests::alone::run_together;
 use turbo_tests::engine::{cpu_model, engine_logits};
 use turbo_tests::files::write_gguf;
 use turbo_tests::tiny::{random_tokens, TinySpec, TinyWeights};
@@ -67,23 +68,16 @@ fn greedy<B: turbo_core::Backend>(
         num_blocks: 256,
         ..BatchConfig::default()
     };
-    let mut batch = PersistentBatch::new(model, loaded.tokenizer.clone(), config).unwrap();
-    let handles: Vec<_> = prompts
+    let requests = prompts
         .iter()
-        .map(|p| {
-            batch.submit(Request {
-                max_tokens: 32,
-                ignore_eos: true,
-                ..Request::new(p.clone())
-            })
+        .map(|p| Request {
+            max_tokens: 32,
+            ignore_eos: true,
+            ..Request::new(p.clone())
         })
         .collect();
-    batch.run_until_idle().unwrap();
-    let tokens = handles
-        .into_iter()
-        .map(|h| h.wait().expect("a completion").token_ids)
-        .collect();
-    (tokens, batch.into_parts().0)
+    let (done, model) = run_together(model, &loaded.tokenizer, config, requests);
+    (done.into_iter().map(|c| c.token_ids).collect(), model)
 }
 
 #[test]

@@ -141,6 +141,16 @@ pub(crate) enum Output {
     Both,
 }
 
+/// What one forward pass runs and hands back.
+#[derive(Clone, Copy)]
+pub(crate) struct Pass<'a> {
+    pub batch: &'a [SequenceChunk],
+    pub which: Logits,
+    /// How to sample each output row, when the pass samples.
+    pub sampling: Option<Sampling<'a>>,
+    pub output: Output,
+}
+
 /// One rank's part of a model: all of it when alone, its shard under tensor parallelism.
 pub(crate) struct RankModel<B: Backend> {
     /// The rank's shapes (its head counts and FFN width under tensor parallelism).
@@ -315,7 +325,13 @@ impl<B: Backend> Llama<B> {
         cache: &mut B::KvCache,
         which: Logits,
     ) -> Result<Vec<f32>> {
-        let out = self.run_ranks(batch, cache, which, None, Output::Logits)?;
+        let pass = Pass {
+            batch,
+            which,
+            sampling: None,
+            output: Output::Logits,
+        };
+        let out = self.run_ranks(pass, cache)?;
         Ok(out.0)
     }
 
@@ -329,8 +345,13 @@ impl<B: Backend> Llama<B> {
         params: &[SampleParams],
         penalties: &PenaltyLists,
     ) -> Result<Vec<u32>> {
-        let sampling = Sampling { params, penalties };
-        let out = self.run_ranks(batch, cache, Logits::Last, Some(sampling), Output::Tokens)?;
+        let pass = Pass {
+            batch,
+            which: Logits::Last,
+            sampling: Some(Sampling { params, penalties }),
+            output: Output::Tokens,
+        };
+        let out = self.run_ranks(pass, cache)?;
         Ok(out.1)
     }
 
@@ -344,9 +365,13 @@ impl<B: Backend> Llama<B> {
         params: &[SampleParams],
         penalties: &PenaltyLists,
     ) -> Result<(Vec<u32>, Vec<f32>)> {
-        let sampling = Sampling { params, penalties };
-        let (logits, tokens) =
-            self.run_ranks(batch, cache, Logits::Last, Some(sampling), Output::Both)?;
+        let pass = Pass {
+            batch,
+            which: Logits::Last,
+            sampling: Some(Sampling { params, penalties }),
+            output: Output::Both,
+        };
+        let (logits, tokens) = self.run_ranks(pass, cache)?;
         Ok((tokens, logits))
     }
 
@@ -373,29 +398,17 @@ impl<B: Backend> Llama<B> {
 
     /// One forward pass on every rank: the peers get the step, rank 0 runs it here, and the
     /// first failure of any rank is the step's.
-    fn run_ranks(
-        &self,
-        batch: &[SequenceChunk],
-        cache: &mut B::KvCache,
-        which: Logits,
-        sampling: Option<Sampling>,
-        output: Output,
-    ) -> Result<(Vec<f32>, Vec<u32>)> {
+    fn run_ranks(&self, pass: Pass, cache: &mut B::KvCache) -> Result<(Vec<f32>, Vec<u32>)> {
         let Some(peers) = &self.peers else {
-            return self
-                .rank
-                .backend
-                .run(|| self.rank.forward(batch, cache, which, sampling, output));
+            return self.rank.backend.run(|| self.rank.forward(pass, cache));
         };
         let step = Arc::new(PeerStep {
-            batch: batch.to_vec(),
-            which,
+            batch: pass.batch.to_vec(),
+            which: pass.which,
         });
         peers.broadcast(|| PeerCommand::Forward(step.clone()))?;
         let mine = catch_unwind(AssertUnwindSafe(|| {
-            self.rank
-                .backend
-                .run(|| self.rank.forward(batch, cache, which, sampling, output))
+            self.rank.backend.run(|| self.rank.forward(pass, cache))
         }));
         let mine = mine.unwrap_or_else(|panic| {
             // Peers waiting in a collective must not wait forever.
@@ -414,27 +427,23 @@ impl<B: Backend> RankModel<B> {
     /// A forward pass of this rank; a failure releases peers waiting in a collective.
     pub(crate) fn forward(
         &self,
-        batch: &[SequenceChunk],
+        pass: Pass,
         cache: &mut B::KvCache,
-        which: Logits,
-        sampling: Option<Sampling>,
-        output: Output,
     ) -> Result<(Vec<f32>, Vec<u32>)> {
-        let result = self.forward_inner(batch, cache, which, sampling, output);
+        let result = self.forward_inner(pass, cache);
         if result.is_err() {
             self.backend.abort_collectives();
         }
         result
     }
 
-    fn forward_inner(
-        &self,
-        batch: &[SequenceChunk],
-        cache: &mut B::KvCache,
-        which: Logits,
-        sampling: Option<Sampling>,
-        output: Output,
-    ) -> Result<(Vec<f32>, Vec<u32>)> {
+    fn forward_inner(&self, pass: Pass, cache: &mut B::KvCache) -> Result<(Vec<f32>, Vec<u32>)> {
+        let Pass {
+            batch,
+            which,
+            sampling,
+            output,
+        } = pass;
         let b = &self.backend;
         let c = &self.config;
         let block_size = b.kv_spec(cache).block_size;

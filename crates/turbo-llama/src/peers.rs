@@ -5,7 +5,7 @@
 
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
-use crate::model::{Logits, Output, RankModel, SequenceChunk};
+use crate::model::{Logits, Output, Pass, RankModel, SequenceChunk};
 use crate::shard::ShardPlan;
 use crate::weights::HostWeights;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -178,7 +178,15 @@ fn serve<B: Backend>(model: RankModel<B>, inbox: Receiver<PeerCommand<B>>, outbo
                 };
                 model
                     .backend
-                    .run(|| model.forward(&step.batch, cache, step.which, None, Output::Nothing))
+                    .run(|| {
+                        let pass = Pass {
+                            batch: &step.batch,
+                            which: step.which,
+                            sampling: None,
+                            output: Output::Nothing,
+                        };
+                        model.forward(pass, cache)
+                    })
                     .map(|_| Vec::new())
             }
             PeerCommand::WithKv(work) => match cache.as_mut() {
