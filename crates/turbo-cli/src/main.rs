@@ -14,7 +14,7 @@ mod plot;
 mod runtime;
 mod serve;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -59,7 +59,10 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let cli = match Cli::try_parse() {
+    let cli = match numbers_may_be_negative(Cli::command())
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m))
+    {
         Ok(cli) => cli,
         Err(e) => return usage_error(e),
     };
@@ -100,6 +103,16 @@ fn exit_code(result: anyhow::Result<()>) -> ExitCode {
 
 /// A command line clap refuses: its first line (`error: ...`, naming what was wrong) and exit
 /// code 2, as for any other refusal one line; `--help` and `--version` print as usual.
+/// Lets every option that takes a value take a negative number, so that `--threads -1` is refused
+/// by the option's own check, naming it, rather than taken for an unknown flag `-1`.
+fn numbers_may_be_negative(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| match a.get_action().takes_values() {
+        true => a.allow_negative_numbers(true),
+        false => a,
+    })
+    .mut_subcommands(numbers_may_be_negative)
+}
+
 fn usage_error(e: clap::Error) -> ExitCode {
     use clap::error::ErrorKind;
     if matches!(

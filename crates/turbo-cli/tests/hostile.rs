@@ -142,7 +142,7 @@ fn each_size_a_user_controls_has_a_largest_value_and_a_clear_error_above_it() {
     // Values the argument parser refuses are one line too.
     expect_error(
         &cpu_args(m, &["--threads", "-1"]),
-        "unexpected argument '-1'",
+        "invalid value '-1' for '--threads <THREADS>'",
     );
     expect_error(&cpu_args(m, &["--block-size", "nan"]), "--block-size");
     expect_error(
@@ -410,8 +410,9 @@ fn ctrl_c_in_chat_stops_the_reply_and_keeps_the_conversation() {
     stdout.read_exact(&mut byte).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     ctrl_c(&child);
-    let stats = read_until(&mut stderr, " cached tokens in");
-    assert!(stats.contains("[reply stopped: "), "{stats}");
+    let first = read_until(&mut stderr, " cached tokens in");
+    assert!(first.contains("[reply stopped: "), "{first}");
+    let first_prompt = number_after(&first, "; prompt ");
     read_until(&mut stdout, ">>> ");
     // The conversation goes on: the next turn finds the first turn's KV resident.
     writeln!(stdin, "Thanks.").unwrap();
@@ -419,8 +420,10 @@ fn ctrl_c_in_chat_stops_the_reply_and_keeps_the_conversation() {
     ctrl_c(&child);
     let stats = read_until(&mut stderr, " cached tokens in");
     assert!(stats.contains("[reply stopped: "), "{stats}");
+    // At least the whole first prompt is reused (and the stopped reply's tokens, however few
+    // came before the Ctrl-C on a loaded machine).
     let cached = number_after(&stats, " new + ");
-    assert!(cached > 40, "{stats}");
+    assert!(cached >= first_prompt, "{first}\n{stats}");
     writeln!(stdin, "/exit").unwrap();
     drop(stdin);
     let status = child.wait().unwrap();
