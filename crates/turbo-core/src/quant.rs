@@ -206,13 +206,12 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
             }
         }
         _ if dtype.block_len() == 256 => {
-            let mut tmp = [0f32; 256];
             for (o, block) in out
                 .chunks_exact_mut(256)
                 .zip(bytes.chunks_exact(dtype.block_bytes()))
             {
-                dequantize_superblock(dtype, block, &mut tmp);
-                o.copy_from_slice(&tmp);
+                let o: &mut [f32; 256] = o.try_into().expect("chunks of 256");
+                dequantize_superblock(dtype, block, o);
             }
         }
         _ => {

@@ -258,11 +258,7 @@ impl<B: Backend> Llama<B> {
         }
         if world == 1 {
             let backend = backends.into_iter().next().expect("one backend");
-            return Ok(Llama {
-                config: config.clone(),
-                rank: RankModel::new(backend, config, host, true)?,
-                peers: None,
-            });
+            return Self::new(backend, config, host);
         }
         let rank_config = plan.rank_config(config);
         let mut backends = backends.into_iter();
@@ -307,14 +303,11 @@ impl<B: Backend> Llama<B> {
     /// the one it had, so a split model serves one cache at a time.
     pub fn kv_cache(&self, block_size: usize, max_blocks: usize) -> Result<B::KvCache> {
         let spec = self.kv_spec(block_size, max_blocks);
-        if let Some(peers) = &self.peers {
-            peers.broadcast(|| PeerCommand::NewCache(spec))?;
+        let mine = || Ok(self.rank.backend.kv_cache(spec)?);
+        match &self.peers {
+            Some(peers) => Ok(peers.alongside(|| PeerCommand::NewCache(spec), mine)?.0),
+            None => mine(),
         }
-        let cache = self.rank.backend.kv_cache(spec);
-        let peers = self.peers.as_ref().map_or(Ok(()), |p| p.collect());
-        let cache = cache?;
-        peers?;
-        Ok(cache)
     }
 
     /// Runs the new tokens of every sequence in `batch`, appending their KV to `cache`, and returns
@@ -388,12 +381,11 @@ impl<B: Backend> Llama<B> {
             return Ok(vec![work(&self.rank.backend, cache)?]);
         };
         let work: KvWork<B> = Arc::new(work);
-        peers.broadcast(|| PeerCommand::WithKv(work.clone()))?;
-        let mine = work(&self.rank.backend, cache);
-        let theirs = peers.collect_values();
-        let mut all = vec![mine?];
-        all.extend(theirs?);
-        Ok(all)
+        let (mine, theirs) = peers.alongside(
+            || PeerCommand::WithKv(work.clone()),
+            || work(&self.rank.backend, cache),
+        )?;
+        Ok(std::iter::once(mine).chain(theirs).collect())
     }
 
     /// One forward pass on every rank: the peers get the step, rank 0 runs it here, and the

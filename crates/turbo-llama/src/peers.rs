@@ -125,6 +125,19 @@ impl<B: Backend> Peers<B> {
         first
     }
 
+    /// Sends `command()` to every peer, runs rank 0's part, then waits for the peers: rank 0's
+    /// result and the peers' values, or the first failure of any rank.
+    pub(crate) fn alongside<R>(
+        &self,
+        command: impl Fn() -> PeerCommand<B>,
+        mine: impl FnOnce() -> Result<R>,
+    ) -> Result<(R, Vec<Vec<f32>>)> {
+        self.broadcast(command)?;
+        let mine = mine();
+        let theirs = self.collect_values();
+        Ok((mine?, theirs?))
+    }
+
     /// Sends `command()` to every peer.
     pub(crate) fn broadcast(&self, command: impl Fn() -> PeerCommand<B>) -> Result<()> {
         for w in &self.workers {

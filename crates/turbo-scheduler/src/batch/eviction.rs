@@ -163,10 +163,9 @@ impl EvictionState {
         };
         if let Some(rule) = rule {
             let rule = rule.keeping_prefix(frozen);
-            let t = table.clone();
             model.with_kv(cache, move |backend, cache| {
                 let compaction = KvRuleCompaction {
-                    block_table: &t,
+                    block_table: &table,
                     dims: rank_dims(backend.kv_spec(cache)),
                     kept_per_row,
                     rule,
@@ -175,7 +174,8 @@ impl EvictionState {
                 Ok(Vec::new())
             })?;
         } else {
-            let needs_scores = self.needs_scores();
+            // Scores matter only when there is a choice beyond the frozen prefix.
+            let needs_scores = self.needs_scores() && kept_per_row > frozen;
             let t = table.clone();
             let per_rank = model.with_kv(cache, move |backend, cache| match needs_scores {
                 true => Ok(backend.read_kv_scores(cache, &t, keys)?),
@@ -203,7 +203,6 @@ impl EvictionState {
             let kept: Arc<[u32]> = self
                 .select_on_host(scores, dims, frozen, kept_per_row)?
                 .into();
-            let t = table.clone();
             model.with_kv(cache, move |backend, cache| {
                 // This rank's rows of every layer.
                 let r = backend.rank_info().rank;
@@ -215,7 +214,7 @@ impl EvictionState {
                     })
                     .collect();
                 let compaction = KvCompaction {
-                    block_table: &t,
+                    block_table: &table,
                     kept: &mine,
                     kept_per_row,
                 };
