@@ -990,6 +990,39 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
         if constexpr (LOGITS) {
             // f(x) of this row's scored keys, x = scale q.k, for the eviction scores.
             if (logit_base != ATTN_NO_STATE) {
+                // The Gumbel draws this lane's logits need. With at most 4 query heads in the
+                // tile only lanes 0-15 hold logits (rows g < 4): lanes 16-31 draw the second
+                // half of their keys (n = 1) and pass it down, so that the whole warp shares the
+                // hashes and logs instead of half of it doing them all.
+                float nz[2][4];
+#pragma unroll
+                for (int n = 0; n < 2; n++) nz[n][0] = nz[n][1] = nz[n][2] = nz[n][3] = 0.f;
+                if (noisy) {
+                    if (nh <= 4) {
+                        const int gr = g & 3, nn = g >> 2;
+                        const uint32_t kk = base + (uint32_t)(8 * nn + 2 * t);
+                        float d0 = 0.f, d1 = 0.f;
+                        if (gr < nh) {
+                            d0 = score_gumbel_at(gumbel_base, (unsigned)(h0 + gr), kk);
+                            d1 = score_gumbel_at(gumbel_base, (unsigned)(h0 + gr), kk + 1u);
+                        }
+                        nz[0][0] = d0;
+                        nz[0][1] = d1;
+                        nz[1][0] = __shfl_down_sync(0xffffffffu, d0, 16);
+                        nz[1][1] = __shfl_down_sync(0xffffffffu, d1, 16);
+                    } else {
+#pragma unroll
+                        for (int n = 0; n < 2; n++) {
+#pragma unroll
+                            for (int e = 0; e < 4; e++) {
+                                const int r = g + 8 * (e >> 1);
+                                if (r < nh)
+                                    nz[n][e] = score_gumbel_at(gumbel_base, (unsigned)(h0 + r),
+                                                               base + (uint32_t)(8 * n + 2 * t + (e & 1)));
+                            }
+                        }
+                    }
+                }
                 float y[2][4];
 #pragma unroll
                 for (int n = 0; n < 2; n++) {
@@ -1000,7 +1033,7 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
                         y[n][e] = attn_neg_inf();
                         if (key < k1 && r < nh) {
                             float v = s[n][e] * scale;
-                            if (noisy) v = (v + score_gumbel_at(gumbel_base, (unsigned)(h0 + r), key)) * inv_tau;
+                            if (noisy) v = (v + nz[n][e]) * inv_tau;
                             logits[(size_t)logit_base + (size_t)(h0 + r) * logit_stride + key] = v;
                             y[n][e] = v;
                         }

@@ -505,36 +505,89 @@ extern "C" __global__ void kv_score_gather(float* __restrict__ out, const unsign
 // row's normaliser logsumexp_j f(x_j) to `lse` ([token][n_heads]). One kernel, reading no key,
 // with a launch shape fixed by the step's row count alone (so that a recorded decode step replays
 // it whatever its key counts):
-//   kv_score_logit_add  one CTA per (span, part of its keys, KV head), its keys cut into `parts`
-//                       equal ranges: each thread sums, for its keys, exp(f(x) - lse) over the
-//                       rows and query heads that see the key and adds that into the key's score
-//                       (a key written in this step starts from 0). No atomics.
+//   kv_score_logit_add  grid (span x part of its keys, sub-range of the part): each span's keys
+//                       are cut into `parts` equal ranges and each of those into gridDim.y
+//                       sub-ranges. A thread owns one key for every KV head: it sums, per KV
+//                       head, exp(f(x) - lse) over the rows and query heads that see the key and
+//                       adds that into the key's score (a key written in this step starts from
+//                       0). No atomics. Owning all KV heads of a key makes the thread's score
+//                       updates one contiguous run of the [slot][n_kv_heads] layout (a thread per
+//                       (key, KV head) touched a 32-byte sector for each 4-byte score), while the
+//                       logit reads stay contiguous along keys across the warp.
 // Tables: spans as above, with row_base the span's logits offset (padding spans are all zeros).
 #define LOGIT_THREADS 256
+
+// One KV head's increment for key j: sum over rows r0.. and the group's query heads of
+// exp(f(x) - lse).
+__device__ __forceinline__ float score_logit_inc(const float* __restrict__ logits, const float* __restrict__ lse,
+                                                 const ScoreSpan& p, unsigned j, unsigned r0, int g, int group,
+                                                 int n_heads) {
+    float inc = 0.f;
+    for (unsigned r = r0; r < p.n_q; r++) {
+        const float* y = logits + (size_t)p.row_base + ((size_t)r * n_heads + (size_t)g * group) * p.kv_len + j;
+        const float* row_lse = lse + ((size_t)p.q_start + r) * n_heads + (size_t)g * group;
+        for (int h = 0; h < group; h++) inc += __expf(y[(size_t)h * p.kv_len] - row_lse[h]);
+    }
+    return inc;
+}
 
 extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
     kv_score_logit_add(const float* __restrict__ logits, float* __restrict__ scores,
                        const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,
                        const float* __restrict__ lse, int n_heads, int n_kv_heads, int block_size, int parts) {
-    const int g = blockIdx.y;
     const ScoreSpan p = score_span(spans, blockIdx.x / (unsigned)parts);
     if (p.n_q == 0) return;
-    const unsigned part = blockIdx.x % (unsigned)parts;
+    const unsigned part = blockIdx.x % (unsigned)parts, subs = gridDim.y;
     const unsigned len = (p.kv_len + (unsigned)parts - 1) / (unsigned)parts;
-    const unsigned first = part * len, end = min(p.kv_len, first + len);
+    const unsigned part_first = part * len, part_end = min(p.kv_len, part_first + len);
+    if (part_first >= part_end) return;
+    const unsigned sub_len = (part_end - part_first + subs - 1) / subs;
+    const unsigned first = part_first + blockIdx.y * sub_len, end = min(part_end, first + sub_len);
     const int group = n_heads / n_kv_heads;
     const unsigned cached = p.kv_len - p.n_q;
+    const bool by4 = (n_kv_heads & 3) == 0;
     for (unsigned j = first + threadIdx.x; j < end; j += blockDim.x) {
-        // Rows before r0 do not see key j.
+        // Rows before r0 do not see key j; a key written in this step starts from 0.
         const unsigned r0 = j > cached ? j - cached : 0;
-        float inc = 0.f;
-        for (unsigned r = r0; r < p.n_q; r++) {
-            const float* y = logits + (size_t)p.row_base + ((size_t)r * n_heads + (size_t)g * group) * p.kv_len + j;
-            const float* row_lse = lse + ((size_t)p.q_start + r) * n_heads + (size_t)g * group;
-            for (int h = 0; h < group; h++) inc += __expf(y[(size_t)h * p.kv_len] - row_lse[h]);
+        const bool fresh = j >= cached;
+        float* s = scores + score_slot(tables, p, j, block_size) * n_kv_heads;
+        if (p.n_q == 1 && by4) {
+            // A decode row: four KV heads at a time, their query heads' logits loaded together
+            // (independent loads in flight, where the loop below waits on each in turn).
+            const float* y = logits + (size_t)p.row_base + j;
+            const float* row_lse = lse + (size_t)p.q_start * n_heads;
+#pragma unroll 2
+            for (int g = 0; g < n_kv_heads; g += 4) {
+                float inc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+                for (int h = 0; h < group; h++) {
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        const int head = (g + u) * group + h;
+                        inc[u] += __expf(y[(size_t)head * p.kv_len] - row_lse[head]);
+                    }
+                }
+                float4 v = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(s + g);
+                v.x += inc[0];
+                v.y += inc[1];
+                v.z += inc[2];
+                v.w += inc[3];
+                *reinterpret_cast<float4*>(s + g) = v;
+            }
+        } else if (by4) {
+            for (int g = 0; g < n_kv_heads; g += 4) {
+                float4 v = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(s + g);
+                v.x += score_logit_inc(logits, lse, p, j, r0, g, group, n_heads);
+                v.y += score_logit_inc(logits, lse, p, j, r0, g + 1, group, n_heads);
+                v.z += score_logit_inc(logits, lse, p, j, r0, g + 2, group, n_heads);
+                v.w += score_logit_inc(logits, lse, p, j, r0, g + 3, group, n_heads);
+                *reinterpret_cast<float4*>(s + g) = v;
+            }
+        } else {
+            for (int g = 0; g < n_kv_heads; g++) {
+                s[g] = (fresh ? 0.f : s[g]) + score_logit_inc(logits, lse, p, j, r0, g, group, n_heads);
+            }
         }
-        const size_t at = score_slot(tables, p, j, block_size) * n_kv_heads + g;
-        scores[at] = (j >= cached ? 0.f : scores[at]) + inc;
     }
 }
 

@@ -239,7 +239,7 @@ struct ScoreStep {
 fn scored_run<B: turbo_core::Backend>(
     backend: &B,
     function: turbo_keyformer::ScoreFunction,
-    head_dim: usize,
+    (head_dim, n_kv_heads): (usize, usize),
     choose: &mut Choose,
 ) -> Vec<Vec<f32>> {
     use rand::SeedableRng;
@@ -250,7 +250,7 @@ fn scored_run<B: turbo_core::Backend>(
     const HEADS: usize = 8;
     let spec = KvCacheSpec {
         n_layers: 2,
-        n_kv_heads: 2,
+        n_kv_heads,
         head_dim,
         block_size: 16,
         max_blocks: 40,
@@ -383,18 +383,19 @@ fn scored_run<B: turbo_core::Backend>(
     out
 }
 
-/// `policy`'s kept keys of the scoring scenario's 2 x 2 rows at half of `keys` (an eighth
-/// recent), and how many per row.
+/// `policy`'s kept keys of the scoring scenario's 2 x `kv_heads` rows at half of `keys` (an
+/// eighth recent), and how many per row.
 fn keep_half(
     policy: &dyn turbo_keyformer::EvictionPolicy,
     scores: &[f32],
     keys: usize,
+    kv_heads: usize,
 ) -> (Vec<u32>, usize) {
     use turbo_keyformer::{select_kept, Budget, Dims, SelectionMode};
     let budget = Budget::new(keys / 2, keys / 8, 0).unwrap();
     let dims = Dims {
         layers: 2,
-        kv_heads: 2,
+        kv_heads,
         keys,
     };
     let kept = select_kept(policy, scores, dims, &budget, SelectionMode::PerLayer).unwrap();
@@ -412,8 +413,10 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
     let Some(gpu) = gpu() else { return };
     let cpu = CpuBackend::new();
     // 64 and 128: tensor-core prompt scoring and decode scoring from the attention's logits;
-    // 96: the CUDA-core kernels reading the keys for both.
-    for head_dim in [64, 128, 96] {
+    // 96: the CUDA-core kernels reading the keys for both. 8 query heads over 2 KV heads (4 a
+    // group: the decode kernel's lanes share the noise), 1 (8 a group) and 4 (a key's scores
+    // updated four at a time).
+    for (head_dim, kv_heads) in [(64, 2), (128, 2), (96, 2), (128, 1), (128, 4)] {
         for (kind, function) in [
             (PolicyKind::H2O, ScoreFunction::Softmax),
             (
@@ -426,20 +429,20 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
             // comparable), and the GPU's own choice is compared with it.
             let mut cpu_kept: Vec<Vec<u32>> = Vec::new();
             let mut choose_cpu = |_s: usize, scores: &[f32], keys: usize| {
-                let (kept, k) = keep_half(policy.as_ref(), scores, keys);
+                let (kept, k) = keep_half(policy.as_ref(), scores, keys, kv_heads);
                 cpu_kept.push(kept.clone());
                 (kept, k)
             };
-            let cpu_scores = scored_run(&cpu, function, head_dim, &mut choose_cpu);
+            let cpu_scores = scored_run(&cpu, function, (head_dim, kv_heads), &mut choose_cpu);
             let mut i = 0;
             let mut tie_breaks = 0;
             let mut choose_gpu = |_s: usize, scores: &[f32], keys: usize| {
-                let (kept, k) = keep_half(policy.as_ref(), scores, keys);
+                let (kept, k) = keep_half(policy.as_ref(), scores, keys, kv_heads);
                 let want = &cpu_kept[i];
                 i += 1;
                 // Keys chosen by one side only must tie with the other side's choice: their
                 // scores within rounding of the smallest score kept by policy.
-                for row in 0..4 {
+                for row in 0..2 * kv_heads {
                     let (g, c) = (&kept[row * k..][..k], &want[row * k..][..k]);
                     let row_scores = &scores[row * keys..][..keys];
                     let min_kept = c
@@ -452,7 +455,7 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
                             let s = row_scores[j as usize];
                             assert!(
                                 (s - min_kept).abs() <= 1e-4 * (1.0 + min_kept.abs()),
-                                "{kind:?} d={head_dim}: GPU keeps key {j} (score {s}) that the \
+                                "{kind:?} d={head_dim} kv={kv_heads}: GPU keeps key {j} (score {s}) that the \
                                  CPU drops; the CPU's smallest kept score is {min_kept}"
                             );
                         }
@@ -460,7 +463,7 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
                 }
                 (want.clone(), k)
             };
-            let gpu_scores = scored_run(&gpu, function, head_dim, &mut choose_gpu);
+            let gpu_scores = scored_run(&gpu, function, (head_dim, kv_heads), &mut choose_gpu);
             assert_eq!(cpu_scores.len(), gpu_scores.len());
             let mut worst = 0f32;
             for (c, g) in cpu_scores.iter().zip(&gpu_scores) {
@@ -470,12 +473,12 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
                 }
             }
             eprintln!(
-                "{kind:?} d={head_dim}: max relative score difference {worst:.2e}, \
+                "{kind:?} d={head_dim} kv={kv_heads}: max relative score difference {worst:.2e}, \
                  {tie_breaks} kept keys differing by a tie"
             );
             assert!(
                 worst <= 2e-3,
-                "{kind:?} d={head_dim}: scores differ by {worst}"
+                "{kind:?} d={head_dim} kv={kv_heads}: scores differ by {worst}"
             );
         }
     }
