@@ -35,6 +35,7 @@ fn bench(c: &mut Criterion) {
             block_size,
             n_kv_heads,
             head_dim: d,
+            quant: None,
         };
         let q: Vec<f32> = (0..n_q * n_heads * d)
             .map(|i| (i % 13) as f32 / 13.0 - 0.5)
@@ -81,6 +82,7 @@ fn bench_shared_prefix(c: &mut Criterion) {
             block_size,
             n_kv_heads,
             head_dim: d,
+            quant: None,
         };
         let tables: Vec<Vec<u32>> = (0..batch)
             .map(|b| {

@@ -11,6 +11,7 @@
 //! [`cascade_groups`] finds the groups from the block tables alone; [`paged_attention_cascade`]
 //! runs a batch with them. Backends call the first once per batch and the second per layer.
 
+use crate::kv_quant::dequantize_row;
 use crate::paged::{check_batch, dot, head_kernel, row_positions, Tiled};
 use crate::{merge_into, AttentionError, PagedKv, QuerySpan};
 use rayon::prelude::*;
@@ -444,6 +445,11 @@ fn shared_states(ctx: &SharedCtx, task: SharedTask) {
     sum.fill(0.0);
     let mut at = [0usize; KEY_TILE];
     let mut p = [0f32; KEY_TILE];
+    // A quantized tile's rows, decoded once for all the group's queries.
+    let (mut kt, mut vt) = match kv.quant {
+        Some(_) => (vec![0f32; KEY_TILE * d], vec![0f32; KEY_TILE * d]),
+        None => (Vec::new(), Vec::new()),
+    };
     let mut k0 = keys.start;
     while k0 < keys.end {
         let n = KEY_TILE.min(keys.end - k0);
@@ -452,13 +458,30 @@ fn shared_states(ctx: &SharedCtx, task: SharedTask) {
             let block = ctx.table[pos / kv.block_size] as usize;
             *a = (block * kv.block_size + pos % kv.block_size) * slot_stride + kv_head * d;
         }
+        let (tile_keys, tile_values) = match &kv.quant {
+            None => (kv.keys, kv.values),
+            Some(q) => {
+                for (t, a) in at[..n].iter_mut().enumerate() {
+                    let (row, scale, out) = (*a..*a + d, *a / d, t * d..(t + 1) * d);
+                    dequantize_row(
+                        q.dtype,
+                        &q.keys[row.clone()],
+                        q.key_scales[scale],
+                        &mut kt[out.clone()],
+                    );
+                    dequantize_row(q.dtype, &q.values[row], q.value_scales[scale], &mut vt[out]);
+                    *a = t * d;
+                }
+                (&kt[..], &vt[..])
+            }
+        };
         for (i, query) in queries.clone().enumerate() {
             let (row, j) = (ctx.rows[query / ctx.per_kv], query % ctx.per_kv);
             let head = kv_head * ctx.per_kv + j;
             let qv = &ctx.q[(row * ctx.n_heads + head) * d..][..d];
             let mut m = max[i];
             for (s, &a) in p[..n].iter_mut().zip(&at[..n]) {
-                *s = dot(qv, &kv.keys[a..a + d]) * ctx.scale;
+                *s = dot(qv, &tile_keys[a..a + d]) * ctx.scale;
                 m = m.max(*s);
             }
             if m == f32::NEG_INFINITY {
@@ -475,7 +498,7 @@ fn shared_states(ctx: &SharedCtx, task: SharedTask) {
             for (s, &a) in p[..n].iter().zip(&at[..n]) {
                 let w = (s - m).exp();
                 sum[i] += w;
-                for (x, v) in oq.iter_mut().zip(&kv.values[a..a + d]) {
+                for (x, v) in oq.iter_mut().zip(&tile_values[a..a + d]) {
                     *x += w * v;
                 }
             }

@@ -1,5 +1,6 @@
+use crate::kv_quant::MAX_QUANT_HEAD_DIM;
 use crate::tiled::{tile_kernel, TileCtx, TileJob, TileKernel, TileScratch};
-use crate::AttentionError;
+use crate::{AttentionError, QuantKv};
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -21,7 +22,10 @@ impl KvRows<'_> {
 
 /// One layer's KV storage as fixed-size blocks: `[block][slot in block][kv head][head_dim]` for keys
 /// and values alike. Sequences reach their tokens through block tables, so their KV need not be
-/// contiguous.
+/// contiguous. The rows are f32 (`keys`, `values`), or 8-bit codes with a scale per row
+/// (`quant`, and then `keys` and `values` are empty); every attention path reads a row through
+/// [`PagedKv::key_row`] / [`PagedKv::value_row`] or decodes a chunk of rows into its scratch, so
+/// quantized rows are decoded as they are used, never copied out whole.
 #[derive(Clone, Copy)]
 pub struct PagedKv<'a> {
     pub keys: &'a [f32],
@@ -29,6 +33,72 @@ pub struct PagedKv<'a> {
     pub block_size: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    pub quant: Option<QuantKv<'a>>,
+}
+
+impl<'a> PagedKv<'a> {
+    /// f32 storage in `[block][slot][kv head][head_dim]` order.
+    pub fn f32(
+        keys: &'a [f32],
+        values: &'a [f32],
+        block_size: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Self {
+        PagedKv {
+            keys,
+            values,
+            block_size,
+            n_kv_heads,
+            head_dim,
+            quant: None,
+        }
+    }
+
+    /// Elements of key (and of value) storage, codes or f32.
+    pub fn elements(&self) -> usize {
+        match &self.quant {
+            Some(q) => q.keys.len(),
+            None => self.keys.len(),
+        }
+    }
+
+    /// The key row starting at element `at` (a multiple of `head_dim`): the stored f32 row, or
+    /// the quantized row decoded into `buf` (at least `head_dim` long).
+    #[inline]
+    pub fn key_row<'b>(&'b self, at: usize, buf: &'b mut [f32]) -> &'b [f32] {
+        let d = self.head_dim;
+        match &self.quant {
+            None => &self.keys[at..at + d],
+            Some(q) => {
+                crate::kv_quant::dequantize_row(
+                    q.dtype,
+                    &q.keys[at..at + d],
+                    q.key_scales[at / d],
+                    &mut buf[..d],
+                );
+                &buf[..d]
+            }
+        }
+    }
+
+    /// The value row starting at element `at` (see [`PagedKv::key_row`]).
+    #[inline]
+    pub fn value_row<'b>(&'b self, at: usize, buf: &'b mut [f32]) -> &'b [f32] {
+        let d = self.head_dim;
+        match &self.quant {
+            None => &self.values[at..at + d],
+            Some(q) => {
+                crate::kv_quant::dequantize_row(
+                    q.dtype,
+                    &q.values[at..at + d],
+                    q.value_scales[at / d],
+                    &mut buf[..d],
+                );
+                &buf[..d]
+            }
+        }
+    }
 }
 
 /// The queries of one sequence in a batch: rows `q_start..q_start + n_q` of the query tensor are
@@ -307,14 +377,33 @@ pub(crate) fn check_batch(
         }
     }
     let block_len = kv.block_size * kv.n_kv_heads * d;
-    if kv.keys.len() != kv.values.len() || !kv.keys.len().is_multiple_of(block_len) {
+    let (keys, values) = match &kv.quant {
+        Some(_) if d > MAX_QUANT_HEAD_DIM => {
+            return shape(format!(
+                "a quantized KV cache serves head dimensions up to {MAX_QUANT_HEAD_DIM}, not {d}"
+            ))
+        }
+        Some(q) => {
+            if q.key_scales.len() * d != q.keys.len() || q.value_scales.len() * d != q.values.len()
+            {
+                return shape(format!(
+                    "{} key and {} value codes need one scale per {d}; there are {} and {}",
+                    q.keys.len(),
+                    q.values.len(),
+                    q.key_scales.len(),
+                    q.value_scales.len()
+                ));
+            }
+            (q.keys.len(), q.values.len())
+        }
+        None => (kv.keys.len(), kv.values.len()),
+    };
+    if keys != values || !keys.is_multiple_of(block_len) {
         return shape(format!(
-            "keys ({}) and values ({}) must hold the same whole number of {block_len}-element blocks",
-            kv.keys.len(),
-            kv.values.len()
+            "keys ({keys}) and values ({values}) must hold the same whole number of {block_len}-element blocks"
         ));
     }
-    let n_blocks = kv.keys.len() / block_len;
+    let n_blocks = keys / block_len;
     if spans.is_empty() && n_tokens > 0 {
         return shape(format!("{n_tokens} query rows but no spans"));
     }
@@ -444,8 +533,9 @@ fn head_attention(
     };
     scores.resize(end - first, 0.0);
     let mut max = f32::NEG_INFINITY;
+    let mut row = [0f32; MAX_QUANT_HEAD_DIM];
     for_each_row(&mut |i, at| {
-        let s = dot(q, &kv.keys[at..at + d]) * scale;
+        let s = dot(q, kv.key_row(at, &mut row)) * scale;
         scores[i] = s;
         max = max.max(s);
     });
@@ -459,7 +549,7 @@ fn head_attention(
     }
     for_each_row(&mut |i, at| {
         let w = scores[i];
-        for (x, v) in o.iter_mut().zip(&kv.values[at..at + d]) {
+        for (x, v) in o.iter_mut().zip(kv.value_row(at, &mut row)) {
             *x += w * v;
         }
     });
@@ -528,6 +618,7 @@ mod tests {
 
     use super::*;
     use crate::tiled::tile_kernels;
+    use crate::KvDtype;
     use rand::seq::SliceRandom;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
@@ -543,6 +634,9 @@ mod tests {
         tables: Vec<Vec<u32>>,
         /// Per span: (q_start, n_q, kv_len).
         spans: Vec<(usize, usize, usize)>,
+        /// Quantized storage: dtype, key and value codes, key and value scales (`keys` and
+        /// `values` then hold the decoded rows, which the reference reads).
+        quant: Option<(KvDtype, Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>)>,
     }
 
     impl Case {
@@ -582,17 +676,49 @@ mod tests {
                 q: r(row * n_heads * d),
                 tables,
                 spans,
+                quant: None,
             }
         }
 
+        /// The same case with its keys and values stored as `dtype` codes.
+        fn quantized(mut self, dtype: KvDtype) -> Case {
+            let d = self.d;
+            let encode = |rows: &mut Vec<f32>| {
+                let mut codes = vec![0u8; rows.len()];
+                let mut scales = Vec::new();
+                for (x, c) in rows.chunks_mut(d).zip(codes.chunks_mut(d)) {
+                    let scale = crate::kv_quant::quantize_row(dtype, x, c);
+                    crate::kv_quant::dequantize_row(dtype, c, scale, x);
+                    scales.push(scale);
+                }
+                (codes, scales)
+            };
+            let (kc, ks) = encode(&mut self.keys);
+            let (vc, vs) = encode(&mut self.values);
+            self.quant = Some((dtype, kc, vc, ks, vs));
+            self
+        }
+
         fn kv(&self) -> PagedKv<'_> {
-            PagedKv {
-                keys: &self.keys,
-                values: &self.values,
-                block_size: self.block_size,
-                n_kv_heads: self.n_kv_heads,
-                head_dim: self.d,
+            let mut kv = PagedKv::f32(
+                &self.keys,
+                &self.values,
+                self.block_size,
+                self.n_kv_heads,
+                self.d,
+            );
+            if let Some((dtype, kc, vc, ks, vs)) = &self.quant {
+                kv.keys = &[];
+                kv.values = &[];
+                kv.quant = Some(QuantKv {
+                    dtype: *dtype,
+                    keys: kc,
+                    values: vc,
+                    key_scales: ks,
+                    value_scales: vs,
+                });
             }
+            kv
         }
 
         fn spans(&self) -> Vec<QuerySpan<'_>> {
@@ -726,6 +852,74 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Quantized storage: every kernel decodes each chunk's rows as the reference (which reads
+    /// the decoded rows) sees them, decode rows included.
+    #[test]
+    fn every_kernel_matches_the_reference_on_quantized_kv() {
+        let mut seed = 100;
+        for (name, kernel) in tile_kernels() {
+            for dtype in [KvDtype::Int8, KvDtype::Fp8] {
+                for (per_kv, d, block_size) in [(4usize, 64usize, 16usize), (3, 9, 4), (1, 128, 1)]
+                {
+                    seed += 1;
+                    eprintln!("{name} {dtype}: per_kv {per_kv}, d {d}, block {block_size}");
+                    Case::new(seed, block_size, per_kv, d, SHAPES)
+                        .quantized(dtype)
+                        .check(kernel, None, |_| 0);
+                }
+            }
+        }
+    }
+
+    /// The public path (tiled spans, per-head decode rows) over quantized storage gives the bits
+    /// it gives over the decoded rows stored as f32.
+    #[test]
+    fn quantized_storage_equals_its_decoded_rows() {
+        for dtype in [KvDtype::Int8, KvDtype::Fp8] {
+            let case = Case::new(5, 4, 4, 64, SHAPES).quantized(dtype);
+            let spans = case.spans();
+            let scale = 0.125;
+            let run = |kv: &PagedKv| {
+                let mut out = vec![0f32; case.q.len()];
+                let mut lse = vec![0f32; case.q.len() / case.d];
+                paged_attention(
+                    &case.q,
+                    case.n_heads,
+                    kv,
+                    &spans,
+                    scale,
+                    &mut out,
+                    Some(&mut lse),
+                );
+                (out, lse)
+            };
+            let quant = run(&case.kv());
+            let plain = run(&PagedKv::f32(
+                &case.keys,
+                &case.values,
+                4,
+                case.n_kv_heads,
+                case.d,
+            ));
+            assert!(
+                quant
+                    .0
+                    .iter()
+                    .zip(&plain.0)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dtype}"
+            );
+            assert!(
+                quant
+                    .1
+                    .iter()
+                    .zip(&plain.1)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dtype}"
+            );
         }
     }
 

@@ -29,6 +29,7 @@
 //! SIMD lane; chunks start at fixed key positions), so results do not depend on tile sizes,
 //! thread counts or how rows are blocked.
 
+use crate::kv_quant::dequantize_row;
 use crate::PagedKv;
 
 /// Keys scored together before one softmax update. Fixed, so that results do not depend on the
@@ -74,8 +75,13 @@ pub(crate) struct TileScratch {
     corr: Vec<f32>,
     /// Per row: one past the last key position it sees.
     end: Vec<u32>,
-    /// Offsets of the chunk's key (and value) rows in the KV storage.
+    /// Offsets of the chunk's key (and value) rows in the KV storage (in `kq` / `vq` when the
+    /// storage is quantized).
     at: Vec<usize>,
+    /// A quantized chunk's key and value rows decoded, `[KEY_CHUNK][head_dim]` each: one
+    /// chunk at a time, so the decoded rows stay in L1 and nothing is copied out whole.
+    kq: Vec<f32>,
+    vq: Vec<f32>,
 }
 
 /// Computes one tile: writes `out` (`[n_tokens][heads per KV head][head_dim]`) and `lse`
@@ -422,6 +428,31 @@ fn tile<K: Kernels>(
             let block = job.table[pos / kv.block_size] as usize;
             *a = (block * kv.block_size + pos % kv.block_size) * slot_stride + job.kv_head * d;
         }
+        let (keys, values) = match &kv.quant {
+            None => (kv.keys, kv.values),
+            Some(q) => {
+                s.kq.resize(KEY_CHUNK * d, 0.0);
+                s.vq.resize(KEY_CHUNK * d, 0.0);
+                for (j, a) in s.at[..n].iter_mut().enumerate() {
+                    let (row, scale) = (*a..*a + d, *a / d);
+                    let out = j * d..(j + 1) * d;
+                    dequantize_row(
+                        q.dtype,
+                        &q.keys[row.clone()],
+                        q.key_scales[scale],
+                        &mut s.kq[out.clone()],
+                    );
+                    dequantize_row(
+                        q.dtype,
+                        &q.values[row],
+                        q.value_scales[scale],
+                        &mut s.vq[out],
+                    );
+                    *a = j * d;
+                }
+                (&s.kq[..], &s.vq[..])
+            }
+        };
         let at = &s.at[..n];
         let rb = K::BIG_ROWS;
         let mut r0 = 0;
@@ -429,10 +460,10 @@ fn tile<K: Kernels>(
             // SAFETY: the kernels are those of the feature set the caller was dispatched to.
             unsafe {
                 if r0 + rb <= rp {
-                    K::scores::<true>(kv.keys, at, &s.qt, block(r0), &mut s.p);
+                    K::scores::<true>(keys, at, &s.qt, block(r0), &mut s.p);
                     r0 += rb;
                 } else {
-                    K::scores::<false>(kv.keys, at, &s.qt, block(r0), &mut s.p);
+                    K::scores::<false>(keys, at, &s.qt, block(r0), &mut s.p);
                     r0 += ROW_LANES;
                 }
             }
@@ -454,10 +485,10 @@ fn tile<K: Kernels>(
             // SAFETY: as above.
             unsafe {
                 if r0 + rb <= rp {
-                    K::values::<true>(kv.values, at, &s.p, block(r0), &s.corr, &mut s.ot);
+                    K::values::<true>(values, at, &s.p, block(r0), &s.corr, &mut s.ot);
                     r0 += rb;
                 } else {
-                    K::values::<false>(kv.values, at, &s.p, block(r0), &s.corr, &mut s.ot);
+                    K::values::<false>(values, at, &s.p, block(r0), &s.corr, &mut s.ot);
                     r0 += ROW_LANES;
                 }
             }

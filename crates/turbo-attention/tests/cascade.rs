@@ -12,7 +12,8 @@ use rand_chacha::ChaCha8Rng;
 use turbo_attention::cascade::{
     cascade_groups, paged_attention_cascade, try_paged_attention_cascade, CascadeGroup,
 };
-use turbo_attention::{paged_attention, AttentionError, PagedKv, QuerySpan};
+use turbo_attention::kv_quant::{dequantize_row, quantize_row};
+use turbo_attention::{paged_attention, AttentionError, KvDtype, PagedKv, QuantKv, QuerySpan};
 
 /// A random batch: the paged KV storage, the query tensor, and per sequence (q_start, n_q,
 /// kv_len, table).
@@ -95,13 +96,29 @@ impl Batch {
     }
 
     fn kv(&self) -> PagedKv<'_> {
-        PagedKv {
-            keys: &self.keys,
-            values: &self.values,
-            block_size: self.block_size,
-            n_kv_heads: self.n_kv_heads,
-            head_dim: self.d,
-        }
+        PagedKv::f32(
+            &self.keys,
+            &self.values,
+            self.block_size,
+            self.n_kv_heads,
+            self.d,
+        )
+    }
+
+    /// Quantizes the keys and values as `dtype` (codes, scales) and replaces the f32 rows with
+    /// their decoded values.
+    fn quantize(&mut self, dtype: KvDtype) -> [(Vec<u8>, Vec<f32>); 2] {
+        let d = self.d;
+        [&mut self.keys, &mut self.values].map(|rows| {
+            let mut codes = vec![0u8; rows.len()];
+            let mut scales = Vec::new();
+            for (x, c) in rows.chunks_mut(d).zip(codes.chunks_mut(d)) {
+                let scale = quantize_row(dtype, x, c);
+                dequantize_row(dtype, c, scale, x);
+                scales.push(scale);
+            }
+            (codes, scales)
+        })
     }
 
     fn spans(&self) -> Vec<QuerySpan<'_>> {
@@ -281,6 +298,50 @@ fn spans_of(seqs: &[(usize, usize, Vec<u32>)]) -> Vec<QuerySpan<'_>> {
             s
         })
         .collect()
+}
+
+/// Cascade over a quantized cache decodes each shared tile as the plain path reads the same rows
+/// stored as f32: the outputs are the same bits.
+#[test]
+fn cascade_over_quantized_kv_equals_it_over_the_decoded_rows() {
+    for dtype in [KvDtype::Int8, KvDtype::Fp8] {
+        let family = (3, vec![(0, 20, 1), (1, 7, 1), (0, 33, 1), (0, 5, 4)]);
+        let mut batch = Batch::new(9, 4, 2, 4, 64, 1.0, &[family.clone(), family]);
+        let [(kc, ks), (vc, vs)] = batch.quantize(dtype);
+        let spans = batch.spans();
+        let groups = cascade_groups(&spans, batch.block_size, 1);
+        assert!(!groups.is_empty());
+        let rows = batch.q.len() / batch.d;
+        let run = |kv: &PagedKv| {
+            let mut out = (vec![f32::NAN; batch.q.len()], vec![f32::NAN; rows]);
+            paged_attention_cascade(
+                &batch.q,
+                batch.n_heads,
+                kv,
+                &spans,
+                &groups,
+                batch.scale(),
+                &mut out.0,
+                Some(&mut out.1),
+            );
+            out
+        };
+        let plain = run(&batch.kv());
+        let mut quant = PagedKv::f32(&[], &[], batch.block_size, batch.n_kv_heads, batch.d);
+        quant.quant = Some(QuantKv {
+            dtype,
+            keys: &kc,
+            values: &vc,
+            key_scales: &ks,
+            value_scales: &vs,
+        });
+        let quantized = run(&quant);
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same(&plain.0, &quantized.0) && same(&plain.1, &quantized.1),
+            "{dtype}"
+        );
+    }
 }
 
 #[test]

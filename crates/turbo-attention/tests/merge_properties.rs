@@ -231,6 +231,7 @@ fn paged_attention_matches_reference_on_ragged_batches() {
         block_size,
         n_kv_heads,
         head_dim: d,
+        quant: None,
     };
     // Two sequences with scattered, non-monotonic blocks: a 3-token prefill over 6 cached tokens
     // (crossing a block boundary), and a 1-token decode at length 13.
@@ -297,6 +298,7 @@ fn malformed_batches_are_errors_not_panics() {
         block_size,
         n_kv_heads,
         head_dim: d,
+        quant: None,
     };
     let q = vec![0.1f32; 2 * n_heads * d];
     let table = [2u32, 0];

@@ -89,6 +89,7 @@ impl Batch {
             block_size: self.block_size,
             n_kv_heads: self.n_kv_heads,
             head_dim: self.d,
+            quant: None,
         };
         let spans: Vec<QuerySpan> = self
             .spans

@@ -170,6 +170,7 @@ impl Problem {
             block_size: c.block_size,
             n_kv_heads: c.n_kv_heads,
             head_dim: c.head_dim,
+            quant: None,
         };
         let mut out = vec![0f32; self.q.len()];
         let mut lse = vec![0f32; self.n_tokens * c.n_heads];

@@ -88,6 +88,7 @@ impl CpuKvCache {
             block_size: self.spec.block_size,
             n_kv_heads: self.spec.n_kv_heads,
             head_dim: self.spec.head_dim,
+            quant: None,
         };
         (kv, &mut self.scores[layer])
     }
@@ -172,6 +173,7 @@ impl CpuKvCache {
             block_size: self.spec.block_size,
             n_kv_heads: self.spec.n_kv_heads,
             head_dim: self.spec.head_dim,
+            quant: None,
         }
     }
 

@@ -1,0 +1,344 @@
+//! Quantized KV storage: 8-bit codes with one f32 scale per (token, KV head) row.
+//!
+//! A KV cache costs more memory and bandwidth than the weights once sequences are long, so it may
+//! store each row of `head_dim` keys (or values) of one token and KV head as 8-bit codes and one
+//! scale, half the bytes of bf16 and a quarter of f32:
+//! - [`KvDtype::Int8`]: symmetric, `scale = max|x| / 127`, `code = round_ties_even(x / scale)`
+//!   in `-127..=127`, value `code * scale`.
+//! - [`KvDtype::Fp8`]: E4M3 (the "FN" variant: no infinities, largest finite 448),
+//!   `scale = max|x| / 448`, `code = e4m3(x / scale)` rounded to nearest, ties to even,
+//!   saturating at 448 (CUDA's `__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)`), value
+//!   `e4m3_value(code) * scale`.
+//!
+//! Every step is one IEEE f32 operation (the division, the rounding, the product), so a GPU kernel
+//! doing the same operations writes the same codes and reads the same values bit for bit. A row
+//! of zeros has scale 0 and codes 0. A row holding a non-finite value gets a non-finite scale
+//! and decodes to non-finite values: attention over it is as undefined as over the unquantized
+//! row, nothing panics.
+
+use std::fmt;
+
+/// How a KV cache stores keys and values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// Unquantized: f32 on the CPU, bf16 on a GPU.
+    #[default]
+    Full,
+    /// Symmetric INT8 codes, one f32 scale per (token, KV head).
+    Int8,
+    /// FP8 E4M3 codes, one f32 scale per (token, KV head).
+    Fp8,
+}
+
+impl KvDtype {
+    /// Every dtype, in the order the CLI lists them.
+    pub const ALL: [KvDtype; 3] = [KvDtype::Full, KvDtype::Int8, KvDtype::Fp8];
+
+    /// The name the CLI and the server use (`bf16` for the unquantized cache, which is what a GPU
+    /// stores; the CPU stores it as f32).
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::Full => "bf16",
+            KvDtype::Int8 => "int8",
+            KvDtype::Fp8 => "fp8",
+        }
+    }
+
+    /// Parses a name of [`KvDtype::name`] (and `f32`, `full` for the unquantized cache).
+    pub fn parse(s: &str) -> Option<KvDtype> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" | "f32" | "full" => Some(KvDtype::Full),
+            "int8" | "i8" => Some(KvDtype::Int8),
+            "fp8" | "e4m3" | "fp8_e4m3" => Some(KvDtype::Fp8),
+            _ => None,
+        }
+    }
+
+    pub fn is_quantized(self) -> bool {
+        self != KvDtype::Full
+    }
+
+    /// Bytes of one (token, KV head) row of `head_dim` elements, scale included, given the
+    /// backend's unquantized element size (4 on the CPU, 2 on a GPU).
+    pub fn row_bytes(self, head_dim: usize, full_element_bytes: usize) -> usize {
+        match self {
+            KvDtype::Full => head_dim * full_element_bytes,
+            KvDtype::Int8 | KvDtype::Fp8 => head_dim + 4,
+        }
+    }
+
+    /// The largest code magnitude the scale maps `max|x|` to.
+    fn code_max(self) -> f32 {
+        match self {
+            KvDtype::Full => 1.0,
+            KvDtype::Int8 => 127.0,
+            KvDtype::Fp8 => E4M3_MAX,
+        }
+    }
+}
+
+impl fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The largest head dimension a quantized cache serves (its rows are decoded into stack buffers
+/// of this size).
+pub const MAX_QUANT_HEAD_DIM: usize = 512;
+
+/// The largest finite E4M3 value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// The value of an E4M3 code: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+/// subnormal (`m / 8 * 2^-6`); `S.1111.111` is NaN.
+pub const fn e4m3_value(code: u8) -> f32 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = ((code >> 3) & 0xF) as i32;
+    let man = (code & 7) as f32;
+    if exp == 0xF && code & 7 == 7 {
+        return f32::NAN;
+    }
+    let magnitude = if exp == 0 {
+        man / 8.0 / 64.0
+    } else {
+        // 2^(exp - 7) for exp in 1..=15, exactly.
+        let p = if exp >= 7 {
+            (1u32 << (exp - 7)) as f32
+        } else {
+            1.0 / (1u32 << (7 - exp)) as f32
+        };
+        (1.0 + man / 8.0) * p
+    };
+    sign * magnitude
+}
+
+/// Every E4M3 code's value, for decoding by table.
+pub static E4M3_VALUES: [f32; 256] = {
+    let mut t = [0f32; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = e4m3_value(i as u8);
+        i += 1;
+    }
+    t
+};
+
+/// The E4M3 code nearest to `x` (ties to the even code), saturating finite values past 448 to
+/// ±448 and NaN to NaN: the semantics of CUDA's `__nv_cvt_float_to_fp8(x, __NV_SATFINITE,
+/// __NV_E4M3)`.
+pub fn e4m3_code(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7F;
+    }
+    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    let a = x.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7E;
+    }
+    // The binade: exponent e with 2^e <= a < 2^(e+1); below 2^-6 the spacing is fixed (2^-9).
+    let bits = a.to_bits();
+    let e = ((bits >> 23) as i32) - 127;
+    let code = if e < -6 {
+        // Subnormal: a / 2^-9 rounded to an integer 0..=8 (8 is the smallest normal, 2^-6).
+        (a * 512.0).round_ties_even() as u32
+    } else {
+        // Normal: mantissa of 3 bits, rounded to nearest even on the f32 bits; a carry into the
+        // exponent is the next binade's first code, which the code arithmetic gives as is.
+        let mant = bits & 0x7F_FFFF;
+        let shift = 20;
+        let keep = mant >> shift;
+        let rest = mant & ((1 << shift) - 1);
+        let half = 1 << (shift - 1);
+        let up = rest > half || (rest == half && keep & 1 == 1);
+        (((e + 7) as u32) << 3) + keep + up as u32
+    };
+    // `a < 448` rounds at most to 448 (code 0x7E); the clamp only guards the arithmetic.
+    sign | code.min(0x7E) as u8
+}
+
+/// Quantizes one row `x` of `head_dim` values into `codes`, returning the row's scale.
+pub fn quantize_row(dtype: KvDtype, x: &[f32], codes: &mut [u8]) -> f32 {
+    assert!(dtype.is_quantized(), "quantize_row of an unquantized dtype");
+    assert_eq!(x.len(), codes.len());
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 {
+        codes.fill(0);
+        return 0.0;
+    }
+    let scale = amax / dtype.code_max();
+    match dtype {
+        KvDtype::Int8 => {
+            for (c, &v) in codes.iter_mut().zip(x) {
+                *c = ((v / scale).round_ties_even().clamp(-127.0, 127.0) as i8) as u8;
+            }
+        }
+        KvDtype::Fp8 => {
+            for (c, &v) in codes.iter_mut().zip(x) {
+                *c = e4m3_code(v / scale);
+            }
+        }
+        KvDtype::Full => unreachable!(),
+    }
+    scale
+}
+
+/// Decodes one row of `codes` with its `scale` into `out`.
+#[inline]
+pub fn dequantize_row(dtype: KvDtype, codes: &[u8], scale: f32, out: &mut [f32]) {
+    match dtype {
+        KvDtype::Int8 => {
+            for (o, &c) in out.iter_mut().zip(codes) {
+                *o = (c as i8) as f32 * scale;
+            }
+        }
+        KvDtype::Fp8 => {
+            for (o, &c) in out.iter_mut().zip(codes) {
+                *o = E4M3_VALUES[c as usize] * scale;
+            }
+        }
+        KvDtype::Full => panic!("dequantize_row of an unquantized dtype"),
+    }
+}
+
+/// One layer's quantized keys and values, laid out as [`crate::PagedKv`]'s f32 storage is
+/// (`[block][slot][kv head][head_dim]` codes), with one scale per (slot, KV head).
+#[derive(Clone, Copy)]
+pub struct QuantKv<'a> {
+    pub dtype: KvDtype,
+    pub keys: &'a [u8],
+    pub values: &'a [u8],
+    pub key_scales: &'a [f32],
+    pub value_scales: &'a [f32],
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The E4M3 values in increasing order of magnitude (non-negative codes but NaN).
+    fn e4m3_grid() -> Vec<(u8, f64)> {
+        (0u8..0x7F).map(|c| (c, e4m3_value(c) as f64)).collect()
+    }
+
+    #[test]
+    fn e4m3_values_are_the_format() {
+        assert_eq!(e4m3_value(0x7E), 448.0);
+        assert_eq!(e4m3_value(0x08), 2f32.powi(-6));
+        assert_eq!(e4m3_value(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3_value(0x38), 1.0);
+        assert_eq!(e4m3_value(0xB8), -1.0);
+        assert!(e4m3_value(0x7F).is_nan() && e4m3_value(0xFF).is_nan());
+        let grid = e4m3_grid();
+        assert!(grid.windows(2).all(|w| w[0].1 < w[1].1), "codes increase");
+    }
+
+    /// Against an f64 search of the grid: the nearest value, ties to the even code, on random
+    /// inputs over every binade and on every midpoint between neighbours.
+    #[test]
+    fn e4m3_rounds_to_nearest_even_like_the_reference() {
+        let grid = e4m3_grid();
+        let reference = |x: f32| -> u8 {
+            let a = (x as f64).abs();
+            let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+            if a >= 448.0 {
+                return sign | 0x7E;
+            }
+            let mut best = grid[0];
+            for &(c, v) in &grid {
+                let (d, db) = ((v - a).abs(), (best.1 - a).abs());
+                if d < db || (d == db && c % 2 == 0) {
+                    best = (c, v);
+                }
+            }
+            sign | best.0
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for _ in 0..200_000 {
+            let x = (rng.random::<f32>() * 2.0 - 1.0) * 2f32.powi(rng.random_range(-12..10));
+            assert_eq!(e4m3_code(x), reference(x), "x = {x:e}");
+        }
+        for w in grid.windows(2) {
+            let mid = ((w[0].1 + w[1].1) / 2.0) as f32;
+            assert_eq!(e4m3_code(mid), reference(mid), "midpoint {mid:e}");
+            assert_eq!(e4m3_code(-mid), reference(-mid), "midpoint {:e}", -mid);
+        }
+        assert_eq!(e4m3_code(1e30), 0x7E);
+        assert_eq!(e4m3_code(f32::NEG_INFINITY), 0xFE);
+        assert_eq!(e4m3_code(f32::NAN), 0x7F);
+        assert_eq!(e4m3_code(-0.0), 0x80);
+    }
+
+    /// Round trips: every code but NaN decodes and re-encodes to itself.
+    #[test]
+    fn e4m3_codes_round_trip() {
+        for c in 0u8..=255 {
+            if c & 0x7F == 0x7F {
+                continue;
+            }
+            assert_eq!(e4m3_code(e4m3_value(c)), c, "code {c:#x}");
+        }
+    }
+
+    /// A quantized row decodes within half a step of the code grid: INT8 within scale / 2, FP8
+    /// within 2^-4 of each value (3 mantissa bits) or the subnormal step; the largest element
+    /// maps to the largest code exactly.
+    #[test]
+    fn rows_decode_within_their_rounding() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        for dtype in [KvDtype::Int8, KvDtype::Fp8] {
+            for _ in 0..500 {
+                let n = rng.random_range(1..200);
+                let mag = 2f32.powi(rng.random_range(-20..20));
+                let x: Vec<f32> = (0..n).map(|_| (rng.random::<f32>() - 0.5) * mag).collect();
+                let mut codes = vec![0u8; n];
+                let scale = quantize_row(dtype, &x, &mut codes);
+                let mut back = vec![0f32; n];
+                dequantize_row(dtype, &codes, scale, &mut back);
+                let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (a, b) in x.iter().zip(&back) {
+                    let err = (a - b).abs() as f64;
+                    let bound = match dtype {
+                        KvDtype::Int8 => scale as f64 * 0.5 * (1.0 + 1e-6),
+                        _ => {
+                            (a.abs() as f64 / 16.0).max(scale as f64 * 2f64.powi(-10))
+                                * (1.0 + 1e-6)
+                        }
+                    };
+                    assert!(err <= bound, "{dtype}: {a} -> {b} (scale {scale})");
+                }
+                let i = x.iter().position(|v| v.abs() == amax).unwrap();
+                let top = match dtype {
+                    KvDtype::Int8 => 127.0,
+                    _ => 448.0,
+                };
+                assert!(
+                    ((back[i].abs() - amax) / amax).abs() < 1e-6,
+                    "{dtype}: max {amax} decodes to {} (code max {top})",
+                    back[i]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn zero_rows_have_zero_scale() {
+        for dtype in [KvDtype::Int8, KvDtype::Fp8] {
+            let mut codes = [9u8; 4];
+            assert_eq!(quantize_row(dtype, &[0.0; 4], &mut codes), 0.0);
+            let mut out = [1f32; 4];
+            dequantize_row(dtype, &codes, 0.0, &mut out);
+            assert_eq!(out, [0.0; 4]);
+        }
+    }
+
+    #[test]
+    fn names_parse_back() {
+        for d in KvDtype::ALL {
+            assert_eq!(KvDtype::parse(d.name()), Some(d));
+        }
+        assert_eq!(KvDtype::parse("F32"), Some(KvDtype::Full));
+        assert_eq!(KvDtype::parse("int4"), None);
+    }
+}
