@@ -623,6 +623,9 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
+    /// dtype, key and value codes, key and value scales.
+    type QuantStore = (KvDtype, Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>);
+
     struct Case {
         block_size: usize,
         n_kv_heads: usize,
@@ -636,7 +639,7 @@ mod tests {
         spans: Vec<(usize, usize, usize)>,
         /// Quantized storage: dtype, key and value codes, key and value scales (`keys` and
         /// `values` then hold the decoded rows, which the reference reads).
-        quant: Option<(KvDtype, Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>)>,
+        quant: Option<QuantStore>,
     }
 
     impl Case {

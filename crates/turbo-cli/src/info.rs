@@ -41,6 +41,23 @@ pub fn run(args: InfoArgs) -> Result<()> {
     outln!("matrices     {}", types.join(", "))?;
     let params = c.parameter_count();
     outln!("parameters   {params} ({:.1}M)", params as f64 / 1e6)?;
+    // The KV cache's bytes per token for the dtype asked for (scales included), against bf16.
+    let kv_row =
+        |dtype: turbo_core::KvDtype| c.n_layers * 2 * c.n_kv_heads * dtype.row_bytes(c.head_dim, 2);
+    let dtype = options.kv_dtype;
+    outln!(
+        "kv cache     {dtype}: {} bytes a token{}",
+        kv_row(dtype),
+        if dtype.is_quantized() {
+            format!(
+                " with its scales ({:.0}% of bf16's {})",
+                100.0 * kv_row(dtype) as f64 / kv_row(turbo_core::KvDtype::Full) as f64,
+                kv_row(turbo_core::KvDtype::Full)
+            )
+        } else {
+            " (f32 on the CPU: twice that)".to_string()
+        }
+    )?;
     let world = options.tensor_parallel;
     if world > 1 {
         let plan = turbo_llama::ShardPlan::new(c, world)?;

@@ -4,7 +4,7 @@
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
-use turbo_core::Backend;
+use turbo_core::{Backend, KvDtype};
 use turbo_engine::{Device, KvSize, LoadedModelInfo, ModelOptions, ModelTask};
 use turbo_llama::Llama;
 use turbo_scheduler::SamplingParams;
@@ -48,6 +48,16 @@ pub struct ModelArgs {
         default_value_t = 1
     )]
     pub tensor_parallel: usize,
+    /// How the KV cache stores keys and values: bf16 (unquantized; f32 on the CPU), int8
+    /// (symmetric, a scale per token and KV head) or fp8 (E4M3, a scale per token and KV head).
+    /// INT8 and FP8 take half the bytes of bf16, so the same --kv-cache-gb holds twice the
+    /// tokens. CPU only for now.
+    #[arg(long, default_value = "bf16", value_parser = parse_kv_dtype)]
+    pub kv_dtype: KvDtype,
+}
+
+fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
+    KvDtype::parse(s).ok_or_else(|| format!("unknown KV dtype {s:?} (bf16, int8 or fp8)"))
 }
 
 #[derive(Args, Clone, Debug)]
@@ -113,6 +123,7 @@ impl ModelArgs {
             kv_alloc_chunk: self.kv_alloc_chunk,
             progress: true,
             tensor_parallel: self.tensor_parallel,
+            kv_dtype: self.kv_dtype,
         })
     }
 

@@ -12,3 +12,4 @@ pub mod storage;
 pub use backend::{Backend, BackendError, KvCompaction, KvRuleCompaction, KvScoring};
 pub use dtype::DType;
 pub use storage::{Bytes, WeightMatrix};
+pub use turbo_attention::KvDtype;

@@ -22,6 +22,7 @@ fn cache(rng: &mut ChaCha8Rng, blocks: usize) -> CpuKvCache {
         head_dim: D,
         block_size: BLOCK,
         max_blocks: blocks,
+        dtype: turbo_core::KvDtype::Full,
     });
     let n = blocks * BLOCK;
     let mut r =

@@ -33,6 +33,7 @@ fn case(rng: &mut ChaCha8Rng, lens: &[usize]) -> Case {
         head_dim: D,
         block_size: BLOCK,
         max_blocks: 64,
+        dtype: turbo_core::KvDtype::Full,
     };
     let mut cache = CpuKvCache::new(spec);
     let mut ids: Vec<u32> = (0..64).collect();

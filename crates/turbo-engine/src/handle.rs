@@ -68,6 +68,8 @@ pub struct EngineInfo {
     pub vocab_size: usize,
     pub block_size: usize,
     pub num_blocks: usize,
+    /// How the KV cache stores keys and values (`bf16`, `int8`, `fp8`).
+    pub kv_dtype: turbo_core::KvDtype,
     pub max_batch: usize,
     pub max_pending: usize,
     /// What a request may ask (context, vocabulary, KV cache size).
@@ -490,6 +492,7 @@ impl ModelTask for EngineThread {
                 vocab_size: info.vocab_size,
                 block_size: info.block_size,
                 num_blocks,
+                kv_dtype: model.kv_dtype(),
                 max_batch: config.max_batch,
                 max_pending: config.max_pending,
                 limits: RequestLimits {

@@ -43,9 +43,10 @@ impl KvSize {
         info: &LoadedModelInfo,
     ) -> Result<usize, EngineError> {
         let block_size = info.block_size;
-        let block_bytes = (model.kv_spec(block_size, 1).bytes_per_token() / 4)
-            .checked_mul(model.backend().kv_element_bytes())
-            .and_then(|b| b.checked_mul(block_size))
+        let block_bytes = model
+            .kv_spec(block_size, 1)
+            .bytes_per_token_with(model.backend().kv_element_bytes())
+            .checked_mul(block_size)
             .filter(|&b| b > 0)
             .ok_or_else(|| {
                 EngineError::Config(format!("a KV block of {block_size} tokens is too large"))
@@ -191,8 +192,10 @@ mod tests {
     #[test]
     fn cpu_default_is_capped_in_bytes() {
         let (model, info, _dir) = tiny();
-        let block_bytes =
-            model.kv_spec(16, 1).bytes_per_token() / 4 * model.backend().kv_element_bytes() * 16;
+        let block_bytes = model
+            .kv_spec(16, 1)
+            .bytes_per_token_with(model.backend().kv_element_bytes())
+            * 16;
         let small = KvSize::Default {
             cpu_slots: 4,
             cpu_tokens_per_slot: 4096,
@@ -212,5 +215,24 @@ mod tests {
         // An explicit size is not capped.
         let explicit = KvSize::Blocks(blocks * 2);
         assert_eq!(explicit.num_blocks(&model, &info).unwrap(), blocks * 2);
+    }
+
+    /// A byte budget holds blocks of the cache's own dtype: codes and a scale per (token, KV
+    /// head) instead of f32 rows, so INT8 and FP8 fit (4 head_dim) / (head_dim + 4) times the
+    /// blocks of f32 on the CPU.
+    #[test]
+    fn byte_budgets_count_the_kv_dtype() {
+        let (mut model, info, _dir) = tiny();
+        let c = model.config.clone();
+        let bytes = 1e6;
+        let full = KvSize::Bytes(bytes).num_blocks(&model, &info).unwrap();
+        let row = |d: usize| c.n_layers * 2 * c.n_kv_heads * d * info.block_size;
+        assert_eq!(full, bytes as usize / row(c.head_dim * 4));
+        for dtype in [turbo_core::KvDtype::Int8, turbo_core::KvDtype::Fp8] {
+            model.set_kv_dtype(dtype);
+            let quant = KvSize::Bytes(bytes).num_blocks(&model, &info).unwrap();
+            assert_eq!(quant, bytes as usize / row(c.head_dim + 4), "{dtype}");
+            assert!(quant > 2 * full, "{dtype}: {quant} blocks against {full}");
+        }
     }
 }

@@ -23,6 +23,7 @@ pub use error::{EngineError, SubmitError};
 pub use handle::{Engine, EngineConfig, EngineInfo, EngineStats, RequestStream};
 pub use kv_size::{KvSize, DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION};
 pub use load::{LoadedModelInfo, ModelOptions, ModelTask};
+pub use turbo_core::KvDtype;
 pub use turbo_scheduler::{
     BatchStats, Completion, Event, FinishReason, Request, RequestError, SamplingParams, Timings,
     TokenLogprobs, MAX_TOP_LOGPROBS,

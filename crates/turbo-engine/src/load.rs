@@ -5,7 +5,7 @@ use crate::{Device, EngineError};
 use std::path::PathBuf;
 use turbo_core::comm::CpuGroup;
 use turbo_core::cpu::CpuBackend;
-use turbo_core::Backend;
+use turbo_core::{Backend, KvDtype};
 use turbo_kernels::CudaBackend;
 use turbo_llama::{Llama, LoadedModel};
 use turbo_models::DEFAULT_MODEL;
@@ -34,6 +34,8 @@ pub struct ModelOptions {
     /// Ranks to split the model over (tensor parallelism): GPUs `cuda:N` .. `cuda:N+ranks-1`
     /// on a GPU, threads of this process on the CPU. 1 runs it whole.
     pub tensor_parallel: usize,
+    /// How the KV cache stores keys and values (INT8 or FP8 halve its bytes against bf16).
+    pub kv_dtype: KvDtype,
 }
 
 impl Default for ModelOptions {
@@ -48,6 +50,7 @@ impl Default for ModelOptions {
             kv_alloc_chunk: None,
             progress: true,
             tensor_parallel: 1,
+            kv_dtype: KvDtype::Full,
         }
     }
 }
@@ -166,6 +169,13 @@ impl ModelOptions {
             device,
         };
         let world = self.tensor_parallel;
+        if matches!(device, Device::Cuda(_)) && self.kv_dtype.is_quantized() {
+            return Err(EngineError::Config(format!(
+                "a {} KV cache runs on the CPU only for now (use --kv-dtype bf16 on a GPU, or \
+                 --device cpu)",
+                self.kv_dtype
+            )));
+        }
         match device {
             Device::Cuda(ordinal) => {
                 let backends = match world {
@@ -176,7 +186,8 @@ impl ModelOptions {
                     b.set_graphs(self.cuda_graphs);
                     b.set_kv_chunk_blocks(self.kv_alloc_chunk);
                 }
-                let model = Llama::new_parallel(backends, &loaded.config, &loaded.weights)?;
+                let mut model = Llama::new_parallel(backends, &loaded.config, &loaded.weights)?;
+                model.set_kv_dtype(self.kv_dtype);
                 Ok(task.run(model, loaded.tokenizer, info))
             }
             _ => {
@@ -199,6 +210,8 @@ impl ModelOptions {
                         Llama::new_parallel(backends, &loaded.config, &loaded.weights)?
                     }
                 };
+                let mut model = model;
+                model.set_kv_dtype(self.kv_dtype);
                 Ok(task.run(model, loaded.tokenizer, info))
             }
         }

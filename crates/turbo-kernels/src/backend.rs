@@ -421,6 +421,12 @@ impl Backend for CudaBackend {
     }
 
     fn kv_cache(&self, spec: KvCacheSpec) -> Result<CudaKvCache> {
+        if spec.dtype.is_quantized() {
+            return Err(turbo_core::BackendError::Unsupported(format!(
+                "the CUDA backend has no {} KV cache yet (use --kv-dtype bf16, or --device cpu)",
+                spec.dtype
+            )));
+        }
         if !ops::attention::SUPPORTED_HEAD_DIMS.contains(&spec.head_dim) {
             return Err(turbo_core::BackendError::Unsupported(format!(
                 "the CUDA backend has no attention kernel for head dimension {} (supported: {:?})",

@@ -489,6 +489,7 @@ fn gpu_kv_cache_growth_past_device_memory_fails_cleanly() {
         head_dim: dim,
         block_size: BLOCK,
         max_blocks: free_before / 10 * 6 / block_bytes,
+        dtype: turbo_core::KvDtype::Full,
     };
     gpu.set_kv_chunk_blocks(Some(4));
     let cache = gpu

@@ -254,6 +254,7 @@ fn scored_run<B: turbo_core::Backend>(
         head_dim,
         block_size: 16,
         max_blocks: 40,
+        dtype: turbo_core::KvDtype::Full,
     };
     let kv_cols = spec.n_kv_heads * head_dim;
     let scale = 1.0 / (head_dim as f32).sqrt();

@@ -13,7 +13,7 @@ use turbo_core::backend::{BatchLayout, Sampling};
 use turbo_core::comm::RankInfo;
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::{PenaltyLists, SampleParams};
-use turbo_core::{Backend, BackendError, KvScoring};
+use turbo_core::{Backend, BackendError, KvDtype, KvScoring};
 
 /// One sequence's part of a batch: its newest tokens, which continue a history already in the KV
 /// cache.
@@ -175,6 +175,8 @@ pub struct Llama<B: Backend> {
     rank: RankModel<B>,
     /// Ranks 1.. of a tensor-parallel group.
     peers: Option<Peers<B>>,
+    /// How the KV caches this model makes store keys and values.
+    kv_dtype: KvDtype,
 }
 
 impl<B: Backend> RankModel<B> {
@@ -236,6 +238,7 @@ impl<B: Backend> Llama<B> {
             config: config.clone(),
             rank: RankModel::new(backend, config, host, true)?,
             peers: None,
+            kv_dtype: KvDtype::Full,
         })
     }
 
@@ -273,6 +276,7 @@ impl<B: Backend> Llama<B> {
             config: config.clone(),
             rank,
             peers: Some(peers),
+            kv_dtype: KvDtype::Full,
         })
     }
 
@@ -295,7 +299,17 @@ impl<B: Backend> Llama<B> {
             head_dim: self.rank.config.head_dim,
             block_size,
             max_blocks,
+            dtype: self.kv_dtype,
         }
+    }
+
+    /// How the KV caches made from now on store keys and values (unquantized by default).
+    pub fn set_kv_dtype(&mut self, dtype: KvDtype) {
+        self.kv_dtype = dtype;
+    }
+
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype
     }
 
     /// A KV cache of `max_blocks` blocks of `block_size` tokens for this model: rank 0's, which

@@ -208,7 +208,9 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let text = state.metrics.render(&state.engine.stats());
+    let text = state
+        .metrics
+        .render(&state.engine.stats(), state.engine.info().kv_dtype);
     (
         [(
             header::CONTENT_TYPE,

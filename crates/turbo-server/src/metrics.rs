@@ -33,6 +33,8 @@ pub struct Metrics {
     kv_free: Gauge,
     kv_evictable: Gauge,
     kv_total: Gauge,
+    /// 1 for the KV cache's dtype (`bf16`, `int8`, `fp8`), Prometheus' "info" pattern.
+    kv_dtype: Family<Vec<(String, String)>, Gauge>,
     preemptions: Counter,
     /// The engine's preemption count at the last scrape, so the counter only grows by what is new.
     preemptions_seen: AtomicU64,
@@ -63,6 +65,7 @@ impl Metrics {
             kv_free: Gauge::default(),
             kv_evictable: Gauge::default(),
             kv_total: Gauge::default(),
+            kv_dtype: Family::default(),
             preemptions: Counter::default(),
             preemptions_seen: AtomicU64::new(0),
         };
@@ -135,6 +138,11 @@ impl Metrics {
                 m.kv_total.clone(),
             );
             r.register(
+                "kv_cache_dtype",
+                "How the KV cache stores keys and values (1 for the dtype in use)",
+                m.kv_dtype.clone(),
+            );
+            r.register(
                 "preemptions",
                 "Requests preempted to free KV blocks",
                 m.preemptions.clone(),
@@ -150,8 +158,9 @@ impl Metrics {
             .inc();
     }
 
-    /// The Prometheus text exposition, with the engine's state as of `stats`.
-    pub fn render(&self, stats: &EngineStats) -> String {
+    /// The Prometheus text exposition, with the engine's state as of `stats` and its KV cache's
+    /// dtype.
+    pub fn render(&self, stats: &EngineStats, kv_dtype: turbo_engine::KvDtype) -> String {
         let b = &stats.batch;
         let set = |g: &Gauge, v: usize| g.set(i64::try_from(v).unwrap_or(i64::MAX));
         set(&self.running, b.running);
@@ -161,6 +170,9 @@ impl Metrics {
         set(&self.kv_free, b.kv_blocks_free);
         set(&self.kv_evictable, b.kv_blocks_evictable);
         set(&self.kv_total, b.kv_blocks_total);
+        self.kv_dtype
+            .get_or_create(&vec![("dtype".to_string(), kv_dtype.to_string())])
+            .set(1);
         let seen = self
             .preemptions_seen
             .fetch_max(b.preemptions, Ordering::AcqRel);

@@ -178,7 +178,7 @@ impl Backend for CpuBackend {
     }
 
     fn kv_cache(&self, spec: KvCacheSpec) -> Result<CpuKvCache> {
-        Ok(CpuKvCache::new(spec))
+        CpuKvCache::try_new(spec)
     }
 
     fn kv_spec(&self, cache: &CpuKvCache) -> KvCacheSpec {

@@ -73,9 +73,10 @@ fn span_increments(c: &ScoreLayer, span: &QuerySpan, scoring: &KvScoring, g: usi
         let visible = span.kv_len - span.n_q + r + 1;
         for h in g * group..(g + 1) * group {
             let q = &c.q[(row * c.n_heads + h) * hd..][..hd];
+            let mut row_buf = [0f32; turbo_attention::kv_quant::MAX_QUANT_HEAD_DIM];
             for (j, logit) in logits[..visible].iter_mut().enumerate() {
                 let slot = span.block_table[j / bs] as usize * bs + j % bs;
-                let k = &c.kv.keys[(slot * kv_heads + g) * hd..][..hd];
+                let k = c.kv.key_row((slot * kv_heads + g) * hd, &mut row_buf);
                 *logit = c.scale * dot(q, k);
             }
             let ctx = StepContext {
