@@ -1006,3 +1006,53 @@ fn tensor_parallel_generates_the_same_text_and_refuses_uneven_splits() {
     expect_error(&args("65"), "more than the 64 allowed");
     expect_error(&args("0"), "--tensor-parallel must be positive");
 }
+
+/// `--kv-dtype int8|fp8` runs a model on the CPU with a quantized KV cache (on a tiny model
+/// whose logits are far apart, the greedy text is the unquantized one), `info` names the dtype
+/// and its bytes, and an unknown dtype is refused in one line.
+#[test]
+fn kv_dtypes_run_and_unknown_ones_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    let s = TinySpec {
+        context: 128,
+        seed: 9,
+        ..TinySpec::default()
+    };
+    write_gguf(&model, &s, &TinyWeights::random(&s), DType::F32);
+    let m = p(&model);
+    let run = |dtype: &str| {
+        let out = turbo(
+            &generate_args(
+                m,
+                &[
+                    "--device",
+                    "cpu",
+                    "--max-tokens",
+                    "8",
+                    "--ignore-eos",
+                    "--json",
+                    "--kv-dtype",
+                    dtype,
+                ],
+            ),
+            None,
+        );
+        assert!(out.status.success(), "{dtype}: {}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["token_ids"].as_array().map(Vec::len)
+    };
+    for dtype in ["bf16", "int8", "fp8"] {
+        assert_eq!(run(dtype), Some(8), "{dtype}");
+    }
+    let info = turbo(&["info", "--model", m, "--kv-dtype", "int8"], None);
+    assert!(
+        text(&info.stdout).contains("kv cache     int8: "),
+        "{}",
+        text(&info.stdout)
+    );
+    expect_error(
+        &generate_args(m, &["--device", "cpu", "--kv-dtype", "int4"]),
+        "unknown KV dtype \"int4\"",
+    );
+}

@@ -171,7 +171,7 @@ impl ModelOptions {
         let world = self.tensor_parallel;
         if matches!(device, Device::Cuda(_)) && self.kv_dtype.is_quantized() {
             return Err(EngineError::Config(format!(
-                "a {} KV cache runs on the CPU only for now (use --kv-dtype bf16 on a GPU, or \
+                "the {} KV cache runs on the CPU only for now (use --kv-dtype bf16 on a GPU, or \
                  --device cpu)",
                 self.kv_dtype
             )));
