@@ -1,6 +1,6 @@
 use crate::kv_quant::MAX_QUANT_HEAD_DIM;
 use crate::tiled::{tile_kernel, TileCtx, TileJob, TileKernel, TileScratch};
-use crate::{AttentionError, QuantKv};
+use crate::{AttentionError, KvDtype, QuantKv};
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -67,36 +67,41 @@ impl<'a> PagedKv<'a> {
     /// the quantized row decoded into `buf` (at least `head_dim` long).
     #[inline]
     pub fn key_row<'b>(&'b self, at: usize, buf: &'b mut [f32]) -> &'b [f32] {
-        let d = self.head_dim;
-        match &self.quant {
-            None => &self.keys[at..at + d],
-            Some(q) => {
-                crate::kv_quant::dequantize_row(
-                    q.dtype,
-                    &q.keys[at..at + d],
-                    q.key_scales[at / d],
-                    &mut buf[..d],
-                );
-                &buf[..d]
-            }
-        }
+        let rows = self.quant.as_ref().map(|q| (q.dtype, q.keys, q.key_scales));
+        self.row(self.keys, rows, at, buf)
     }
 
     /// The value row starting at element `at` (see [`PagedKv::key_row`]).
     #[inline]
     pub fn value_row<'b>(&'b self, at: usize, buf: &'b mut [f32]) -> &'b [f32] {
+        let rows = self
+            .quant
+            .as_ref()
+            .map(|q| (q.dtype, q.values, q.value_scales));
+        self.row(self.values, rows, at, buf)
+    }
+
+    /// An f32 row of `plain`, or a row of codes with its scale decoded into `buf`.
+    #[inline]
+    fn row<'b>(
+        &self,
+        plain: &'b [f32],
+        quant: Option<(KvDtype, &'b [u8], &'b [f32])>,
+        at: usize,
+        buf: &'b mut [f32],
+    ) -> &'b [f32] {
         let d = self.head_dim;
-        match &self.quant {
-            None => &self.values[at..at + d],
-            Some(q) => {
+        match quant {
+            Some((dtype, codes, scales)) => {
                 crate::kv_quant::dequantize_row(
-                    q.dtype,
-                    &q.values[at..at + d],
-                    q.value_scales[at / d],
+                    dtype,
+                    &codes[at..at + d],
+                    scales[at / d],
                     &mut buf[..d],
                 );
                 &buf[..d]
             }
+            None => &plain[at..at + d],
         }
     }
 }
@@ -618,7 +623,6 @@ mod tests {
 
     use super::*;
     use crate::tiled::tile_kernels;
-    use crate::KvDtype;
     use rand::seq::SliceRandom;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
