@@ -4,6 +4,7 @@
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
+use turbo_core::cpu::CpuActivations;
 use turbo_core::{Backend, KvDtype};
 use turbo_engine::{Device, KvSize, LoadedModelInfo, ModelOptions, ModelTask};
 use turbo_llama::Llama;
@@ -54,6 +55,15 @@ pub struct ModelArgs {
     /// tokens. CPU only for now.
     #[arg(long, default_value = "bf16", value_parser = parse_kv_dtype)]
     pub kv_dtype: KvDtype,
+    /// On the CPU: f32 keeps decode products exact; q8 rounds their activations to 8 bits per
+    /// 32 values for Q4_0, Q4_1 and Q8_0 weights and multiplies on integers, as llama.cpp does
+    /// (faster decode, slightly different logits: docs/perf/cpu.md).
+    #[arg(long, default_value = "f32", value_parser = parse_cpu_activations)]
+    pub cpu_activations: CpuActivations,
+}
+
+fn parse_cpu_activations(s: &str) -> Result<CpuActivations, String> {
+    CpuActivations::parse(s).ok_or_else(|| format!("unknown CPU activations {s:?} (f32 or q8)"))
 }
 
 fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
@@ -124,6 +134,7 @@ impl ModelArgs {
             progress: true,
             tensor_parallel: self.tensor_parallel,
             kv_dtype: self.kv_dtype,
+            cpu_activations: self.cpu_activations,
         })
     }
 

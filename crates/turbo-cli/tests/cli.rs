@@ -1056,3 +1056,36 @@ fn kv_dtypes_run_and_unknown_ones_are_refused() {
         "unknown KV dtype \"int4\"",
     );
 }
+
+/// `--cpu-activations q8` runs decode products on 8-bit activations (a Q8_0 model, which it
+/// serves); an unknown choice is refused in one line.
+#[test]
+fn cpu_activations_q8_runs_and_unknown_ones_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    let s = TinySpec {
+        context: 128,
+        seed: 3,
+        ..TinySpec::default()
+    };
+    write_gguf(&model, &s, &TinyWeights::random(&s), DType::Q8_0);
+    let m = p(&model);
+    let args = [
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+        "--cpu-activations",
+        "q8",
+    ];
+    let out = turbo(&generate_args(m, &args), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["token_ids"].as_array().map(Vec::len), Some(6));
+    expect_error(
+        &generate_args(m, &["--device", "cpu", "--cpu-activations", "q4"]),
+        "unknown CPU activations \"q4\"",
+    );
+}

@@ -4,7 +4,7 @@
 use crate::{Device, EngineError};
 use std::path::PathBuf;
 use turbo_core::comm::CpuGroup;
-use turbo_core::cpu::CpuBackend;
+use turbo_core::cpu::{CpuActivations, CpuBackend};
 use turbo_core::{Backend, KvDtype};
 use turbo_kernels::CudaBackend;
 use turbo_llama::{Llama, LoadedModel};
@@ -36,6 +36,9 @@ pub struct ModelOptions {
     pub tensor_parallel: usize,
     /// How the KV cache stores keys and values (INT8 or FP8 halve its bytes against bf16).
     pub kv_dtype: KvDtype,
+    /// On the CPU, whether decode products round activations to 8 bits (llama.cpp's recipe,
+    /// faster) or keep them exact (the default).
+    pub cpu_activations: CpuActivations,
 }
 
 impl Default for ModelOptions {
@@ -51,6 +54,7 @@ impl Default for ModelOptions {
             progress: true,
             tensor_parallel: 1,
             kv_dtype: KvDtype::Full,
+            cpu_activations: CpuActivations::F32,
         }
     }
 }
@@ -193,10 +197,11 @@ impl ModelOptions {
             _ => {
                 let model = match world {
                     1 => {
-                        let backend = match self.threads {
+                        let mut backend = match self.threads {
                             Some(n) => CpuBackend::with_threads(n)?,
                             None => CpuBackend::new(),
                         };
+                        backend.set_activations(self.cpu_activations);
                         Llama::new(backend, &loaded.config, &loaded.weights)?
                     }
                     _ => {
@@ -205,8 +210,12 @@ impl ModelOptions {
                         let per_rank = (threads / world).max(1);
                         let backends = CpuGroup::members(world)
                             .into_iter()
-                            .map(|member| CpuBackend::with_group(per_rank, member))
-                            .collect::<Result<Vec<_>, _>>()?;
+                            .map(|member| {
+                                let mut b = CpuBackend::with_group(per_rank, member)?;
+                                b.set_activations(self.cpu_activations);
+                                Ok(b)
+                            })
+                            .collect::<Result<Vec<_>, turbo_core::BackendError>>()?;
                         Llama::new_parallel(backends, &loaded.config, &loaded.weights)?
                     }
                 };

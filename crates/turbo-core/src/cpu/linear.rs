@@ -20,6 +20,27 @@ const PREFETCH_ROWS_AHEAD: usize = 4;
 /// Rows decoded per GEMM panel: bounds the f32 scratch for large matrices.
 const GEMM_PANEL_ROWS: usize = 2048;
 
+/// [`linear`], with the decode products' activations rounded to 8 bits where `activations` asks
+/// for it and the weights' type has such a kernel ([`super::q8dot`]).
+pub fn linear_with(
+    x: &[f32],
+    n_tokens: usize,
+    w: &WeightMatrix,
+    out: &mut [f32],
+    activations: super::CpuActivations,
+) {
+    if activations == super::CpuActivations::Q8
+        && (1..=GEMV_MAX_TOKENS).contains(&n_tokens)
+        && super::q8dot::serves(w.dtype)
+        && x.len() == n_tokens * w.cols
+        && out.len() == n_tokens * w.rows
+    {
+        super::q8dot::gemv_q8(x, n_tokens, w, out);
+    } else {
+        linear(x, n_tokens, w, out);
+    }
+}
+
 /// `out[t, r] = Σ_c x[t, c] · w[r, c]` for `n_tokens` rows of `x`.
 pub fn linear(x: &[f32], n_tokens: usize, w: &WeightMatrix, out: &mut [f32]) {
     assert_eq!(
@@ -45,12 +66,12 @@ pub fn linear(x: &[f32], n_tokens: usize, w: &WeightMatrix, out: &mut [f32]) {
 }
 
 /// The output pointer shared by GEMV tasks that write disjoint rows.
-struct SyncPtr(*mut f32);
+pub(crate) struct SyncPtr(pub(crate) *mut f32);
 unsafe impl Sync for SyncPtr {}
 unsafe impl Send for SyncPtr {}
 
 impl SyncPtr {
-    fn get(&self) -> *mut f32 {
+    pub(crate) fn get(&self) -> *mut f32 {
         self.0
     }
 }

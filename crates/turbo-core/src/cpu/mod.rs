@@ -4,9 +4,11 @@ mod kv;
 pub mod linear;
 mod meminfo;
 pub mod ops;
+pub mod q8dot;
 mod scores;
 
 pub use kv::{CpuKvCache, KvCacheSpec};
+pub use q8dot::CpuActivations;
 
 use crate::backend::{
     Backend, BackendError, BatchLayout, BatchRows, KvCompaction, KvScoring, OwnedSpans, Result,
@@ -68,6 +70,8 @@ pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
     /// The tensor-parallel group this backend is a rank of, if any.
     group: Option<Arc<CpuGroupMember>>,
+    /// How decode products treat activations (exact f32 unless asked otherwise).
+    activations: CpuActivations,
 }
 
 impl CpuBackend {
@@ -86,6 +90,7 @@ impl CpuBackend {
         Ok(CpuBackend {
             pool: Arc::new(pool),
             group: None,
+            activations: CpuActivations::F32,
         })
     }
 
@@ -98,6 +103,12 @@ impl CpuBackend {
 
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
+    }
+
+    /// Rounds the activations of decode products to 8 bits ([`CpuActivations::Q8`]) or keeps
+    /// them exact.
+    pub fn set_activations(&mut self, activations: CpuActivations) {
+        self.activations = activations;
     }
 }
 
@@ -253,7 +264,7 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &HostTensor, w: &WeightMatrix, out: &mut HostTensor) -> Result<()> {
-        linear::linear(&x.data, x.rows, w, &mut out.data);
+        linear::linear_with(&x.data, x.rows, w, &mut out.data, self.activations);
         Ok(())
     }
 
@@ -305,7 +316,7 @@ impl Backend for CpuBackend {
     fn logits(&self, x: &HostTensor, head: &WeightMatrix, batch: &CpuBatch) -> Result<()> {
         let mut logits = batch.logits.lock().map_err(poisoned)?;
         logits.resize(x.rows * head.rows, 0.0);
-        linear::linear(&x.data, x.rows, head, &mut logits);
+        linear::linear_with(&x.data, x.rows, head, &mut logits, self.activations);
         Ok(())
     }
 
