@@ -11,7 +11,6 @@
 //! [`cascade_groups`] finds the groups from the block tables alone; [`paged_attention_cascade`]
 //! runs a batch with them. Backends call the first once per batch and the second per layer.
 
-use crate::kv_quant::dequantize_row;
 use crate::paged::{check_batch, dot, head_kernel, row_positions, Tiled};
 use crate::{merge_into, AttentionError, PagedKv, QuerySpan};
 use rayon::prelude::*;
@@ -446,10 +445,7 @@ fn shared_states(ctx: &SharedCtx, task: SharedTask) {
     let mut at = [0usize; KEY_TILE];
     let mut p = [0f32; KEY_TILE];
     // A quantized tile's rows, decoded once for all the group's queries.
-    let (mut kt, mut vt) = match kv.quant {
-        Some(_) => (vec![0f32; KEY_TILE * d], vec![0f32; KEY_TILE * d]),
-        None => (Vec::new(), Vec::new()),
-    };
+    let (mut kt, mut vt) = (Vec::new(), Vec::new());
     let mut k0 = keys.start;
     while k0 < keys.end {
         let n = KEY_TILE.min(keys.end - k0);
@@ -458,23 +454,7 @@ fn shared_states(ctx: &SharedCtx, task: SharedTask) {
             let block = ctx.table[pos / kv.block_size] as usize;
             *a = (block * kv.block_size + pos % kv.block_size) * slot_stride + kv_head * d;
         }
-        let (tile_keys, tile_values) = match &kv.quant {
-            None => (kv.keys, kv.values),
-            Some(q) => {
-                for (t, a) in at[..n].iter_mut().enumerate() {
-                    let (row, scale, out) = (*a..*a + d, *a / d, t * d..(t + 1) * d);
-                    dequantize_row(
-                        q.dtype,
-                        &q.keys[row.clone()],
-                        q.key_scales[scale],
-                        &mut kt[out.clone()],
-                    );
-                    dequantize_row(q.dtype, &q.values[row], q.value_scales[scale], &mut vt[out]);
-                    *a = t * d;
-                }
-                (&kt[..], &vt[..])
-            }
-        };
+        let (tile_keys, tile_values) = kv.chunk_rows(&mut at[..n], &mut kt, &mut vt);
         for (i, query) in queries.clone().enumerate() {
             let (row, j) = (ctx.rows[query / ctx.per_kv], query % ctx.per_kv);
             let head = kv_head * ctx.per_kv + j;

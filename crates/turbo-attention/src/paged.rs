@@ -81,6 +81,36 @@ impl<'a> PagedKv<'a> {
         self.row(self.values, rows, at, buf)
     }
 
+    /// The key and value rows at element offsets `at`, for kernels that read a chunk of rows at
+    /// a time: the f32 storage as it is, or the quantized rows decoded into `keys` and `values`
+    /// (`at.len()` rows each), with `at` rewritten to the rows' offsets there.
+    pub fn chunk_rows<'b>(
+        &'b self,
+        at: &mut [usize],
+        keys: &'b mut Vec<f32>,
+        values: &'b mut Vec<f32>,
+    ) -> (&'b [f32], &'b [f32]) {
+        let Some(q) = &self.quant else {
+            return (self.keys, self.values);
+        };
+        let d = self.head_dim;
+        keys.resize(at.len() * d, 0.0);
+        values.resize(at.len() * d, 0.0);
+        for (j, a) in at.iter_mut().enumerate() {
+            let (row, scale, out) = (*a..*a + d, *a / d, j * d..(j + 1) * d);
+            let (k_out, v_out) = (&mut keys[out.clone()], &mut values[out]);
+            crate::kv_quant::dequantize_row(
+                q.dtype,
+                &q.keys[row.clone()],
+                q.key_scales[scale],
+                k_out,
+            );
+            crate::kv_quant::dequantize_row(q.dtype, &q.values[row], q.value_scales[scale], v_out);
+            *a = j * d;
+        }
+        (keys, values)
+    }
+
     /// An f32 row of `plain`, or a row of codes with its scale decoded into `buf`.
     #[inline]
     fn row<'b>(
@@ -538,9 +568,17 @@ fn head_attention(
     };
     scores.resize(end - first, 0.0);
     let mut max = f32::NEG_INFINITY;
-    let mut row = [0f32; MAX_QUANT_HEAD_DIM];
+    // Room to decode a quantized row into; f32 rows are read in place and need none.
+    let mut decoded;
+    let row: &mut [f32] = match kv.quant {
+        Some(_) => {
+            decoded = [0f32; MAX_QUANT_HEAD_DIM];
+            &mut decoded
+        }
+        None => &mut [],
+    };
     for_each_row(&mut |i, at| {
-        let s = dot(q, kv.key_row(at, &mut row)) * scale;
+        let s = dot(q, kv.key_row(at, row)) * scale;
         scores[i] = s;
         max = max.max(s);
     });
@@ -554,7 +592,7 @@ fn head_attention(
     }
     for_each_row(&mut |i, at| {
         let w = scores[i];
-        for (x, v) in o.iter_mut().zip(kv.value_row(at, &mut row)) {
+        for (x, v) in o.iter_mut().zip(kv.value_row(at, row)) {
             *x += w * v;
         }
     });

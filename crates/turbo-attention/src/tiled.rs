@@ -29,7 +29,6 @@
 //! SIMD lane; chunks start at fixed key positions), so results do not depend on tile sizes,
 //! thread counts or how rows are blocked.
 
-use crate::kv_quant::dequantize_row;
 use crate::PagedKv;
 
 /// Keys scored together before one softmax update. Fixed, so that results do not depend on the
@@ -428,31 +427,7 @@ fn tile<K: Kernels>(
             let block = job.table[pos / kv.block_size] as usize;
             *a = (block * kv.block_size + pos % kv.block_size) * slot_stride + job.kv_head * d;
         }
-        let (keys, values) = match &kv.quant {
-            None => (kv.keys, kv.values),
-            Some(q) => {
-                s.kq.resize(KEY_CHUNK * d, 0.0);
-                s.vq.resize(KEY_CHUNK * d, 0.0);
-                for (j, a) in s.at[..n].iter_mut().enumerate() {
-                    let (row, scale) = (*a..*a + d, *a / d);
-                    let out = j * d..(j + 1) * d;
-                    dequantize_row(
-                        q.dtype,
-                        &q.keys[row.clone()],
-                        q.key_scales[scale],
-                        &mut s.kq[out.clone()],
-                    );
-                    dequantize_row(
-                        q.dtype,
-                        &q.values[row],
-                        q.value_scales[scale],
-                        &mut s.vq[out],
-                    );
-                    *a = j * d;
-                }
-                (&s.kq[..], &s.vq[..])
-            }
-        };
+        let (keys, values) = kv.chunk_rows(&mut s.at[..n], &mut s.kq, &mut s.vq);
         let at = &s.at[..n];
         let rb = K::BIG_ROWS;
         let mut r0 = 0;

@@ -76,18 +76,22 @@ impl SyncPtr {
     }
 }
 
+/// Runs `task` in parallel over the ranges a GEMV cuts `rows` output rows into: a few tasks per
+/// thread balance the load without paying rayon's per-task cost per row.
+pub(crate) fn for_row_tasks(rows: usize, task: impl Fn(Range<usize>) + Sync + Send) {
+    let per_task = rows
+        .div_ceil(rayon::current_num_threads() * 4)
+        .max(GEMV_MIN_ROWS_PER_TASK);
+    (0..rows.div_ceil(per_task))
+        .into_par_iter()
+        .for_each(|t| task(t * per_task..((t + 1) * per_task).min(rows)));
+}
+
 fn gemv(x: &[f32], n: usize, w: &WeightMatrix, out: &mut [f32]) {
     let kernel = gemv_kernel();
     let rows = w.rows;
     let out_ptr = SyncPtr(out.as_mut_ptr());
-    // A few tasks per thread balance the load without paying rayon's per-task cost per row.
-    let per_task = rows
-        .div_ceil(rayon::current_num_threads() * 4)
-        .max(GEMV_MIN_ROWS_PER_TASK);
-    let tasks = rows.div_ceil(per_task);
-    (0..tasks).into_par_iter().for_each(|task| {
-        let r0 = task * per_task;
-        let r1 = (r0 + per_task).min(rows);
+    for_row_tasks(rows, |task_rows| {
         for chunk in (0..n).step_by(GEMV_MAX_TOKENS) {
             let m = (n - chunk).min(GEMV_MAX_TOKENS);
             // SAFETY: the dispatcher only returns kernels whose CPU features were detected; each
@@ -95,7 +99,7 @@ fn gemv(x: &[f32], n: usize, w: &WeightMatrix, out: &mut [f32]) {
             unsafe {
                 kernel(
                     w,
-                    r0..r1,
+                    task_rows.clone(),
                     &x[chunk * w.cols..],
                     m,
                     out_ptr.get().add(chunk * rows),
@@ -223,7 +227,7 @@ pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
 }
 
 #[inline(always)]
-fn f16_at(b: &[u8], at: usize) -> f32 {
+pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
     f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
 }
 

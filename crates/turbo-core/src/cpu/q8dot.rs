@@ -11,8 +11,8 @@
 //! the activations' own: the results differ from the f32 path by that, and `docs/perf/cpu.md`
 //! reports what it costs in perplexity.
 
+use super::linear::f16_at;
 use crate::{DType, WeightMatrix};
-use rayon::prelude::*;
 use std::ops::Range;
 
 /// How the CPU backend's decode products (up to a few tokens) treat activations.
@@ -91,17 +91,12 @@ pub(crate) fn gemv_q8(x: &[f32], n: usize, w: &WeightMatrix, out: &mut [f32]) {
     debug_assert!(serves(w.dtype) && n <= 4);
     let acts = Q8Activations::new(x, n, w.cols);
     let kernel = kernel();
-    let rows = w.rows;
-    let per_task = rows.div_ceil(rayon::current_num_threads() * 4).max(16);
     let out_ptr = super::linear::SyncPtr(out.as_mut_ptr());
-    (0..rows.div_ceil(per_task))
-        .into_par_iter()
-        .for_each(|task| {
-            let r = task * per_task..((task + 1) * per_task).min(rows);
-            // SAFETY: the dispatcher returns only kernels whose CPU features were detected; each task
-            // writes only its own rows of `out` (row stride `rows`), all below n * rows.
-            unsafe { kernel(w, r, &acts, n, out_ptr.get()) };
-        });
+    super::linear::for_row_tasks(w.rows, |rows| {
+        // SAFETY: the dispatcher returns only kernels whose CPU features were detected; each task
+        // writes only its own rows of `out` (row stride `w.rows`), all below n * w.rows.
+        unsafe { kernel(w, rows, &acts, n, out_ptr.get()) };
+    });
 }
 
 type Q8Kernel = unsafe fn(&WeightMatrix, Range<usize>, &Q8Activations, usize, *mut f32);
@@ -117,19 +112,12 @@ fn kernel() -> Q8Kernel {
     })
 }
 
-/// Bytes of a block of 32 weights, and where its codes start.
-fn layout(dtype: DType) -> (usize, usize) {
+/// Where a served block's codes start, after its f16 scale (and, for Q4_1, its f16 minimum).
+fn codes_at(dtype: DType) -> usize {
     match dtype {
-        DType::Q4_0 => (18, 2),
-        DType::Q4_1 => (20, 4),
-        DType::Q8_0 => (34, 2),
-        _ => unreachable!("Q8 activations serve Q4_0, Q4_1 and Q8_0"),
+        DType::Q4_1 => 4,
+        _ => 2,
     }
-}
-
-#[inline(always)]
-fn f16(b: &[u8], at: usize) -> f32 {
-    super::linear::f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
 }
 
 /// The scalar kernel: the reference for the vector one, and the path of CPUs without AVX2.
@@ -140,7 +128,7 @@ unsafe fn rows_portable(
     n: usize,
     out: *mut f32,
 ) {
-    let (bytes, at) = layout(w.dtype);
+    let (bytes, at) = (w.dtype.block_bytes(), codes_at(w.dtype));
     let data = w.data.as_slice();
     let row_bytes = w.row_bytes();
     let blocks = w.cols / 32;
@@ -152,7 +140,7 @@ unsafe fn rows_portable(
                 let blk = &row[g * bytes..(g + 1) * bytes];
                 let xs = &a.codes[t * w.cols + g * 32..][..32];
                 let (dx, sx) = (a.d[t * blocks + g], a.sum[t * blocks + g]);
-                let dw = f16(blk, 0);
+                let dw = f16_at(blk, 0);
                 let dot: i32 = match w.dtype {
                     DType::Q8_0 => (0..32)
                         .map(|j| blk[at + j] as i8 as i32 * xs[j] as i32)
@@ -167,7 +155,7 @@ unsafe fn rows_portable(
                 total += dw * dx * dot as f32;
                 match w.dtype {
                     DType::Q4_0 => total -= 8.0 * dw * sx,
-                    DType::Q4_1 => total += f16(blk, 2) * sx,
+                    DType::Q4_1 => total += f16_at(blk, 2) * sx,
                     _ => {}
                 }
             }
@@ -178,7 +166,7 @@ unsafe fn rows_portable(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{f16, layout, Q8Activations};
+    use super::{codes_at, f16_at, Q8Activations};
     use crate::{DType, WeightMatrix};
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -222,7 +210,7 @@ mod avx2 {
         out: *mut f32,
     ) {
         let dtype = w.dtype;
-        let (bytes, at) = layout(dtype);
+        let (bytes, at) = (dtype.block_bytes(), codes_at(dtype));
         let data = w.data.as_slice();
         let row_bytes = w.row_bytes();
         let blocks = w.cols / 32;
@@ -240,9 +228,10 @@ mod avx2 {
             let mut extra = [0f32; 4];
             for g in 0..blocks {
                 let blk = row.add(g * bytes);
-                let dw = f16(std::slice::from_raw_parts(blk, 4), 0);
+                let head = std::slice::from_raw_parts(blk, 4);
+                let dw = f16_at(head, 0);
                 let min = match dtype {
-                    DType::Q4_1 => f16(std::slice::from_raw_parts(blk, 4), 2),
+                    DType::Q4_1 => f16_at(head, 2),
                     DType::Q4_0 => -8.0 * dw,
                     _ => 0.0,
                 };

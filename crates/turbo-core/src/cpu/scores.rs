@@ -67,13 +67,14 @@ fn span_increments(c: &ScoreLayer, span: &QuerySpan, scoring: &KvScoring, g: usi
     let group = c.n_heads / kv_heads;
     let mut acc = vec![0.0f32; span.kv_len];
     let mut logits = vec![0.0f32; span.kv_len];
+    // Room to decode a quantized key into (f32 keys are read in place).
+    let mut row_buf = vec![0f32; if c.kv.quant.is_some() { hd } else { 0 }];
     for r in 0..span.n_q {
         let row = span.q_start + r;
         // Causal: the chunk's row r sees the cached keys and its chunk up to itself.
         let visible = span.kv_len - span.n_q + r + 1;
         for h in g * group..(g + 1) * group {
             let q = &c.q[(row * c.n_heads + h) * hd..][..hd];
-            let mut row_buf = [0f32; turbo_attention::kv_quant::MAX_QUANT_HEAD_DIM];
             for (j, logit) in logits[..visible].iter_mut().enumerate() {
                 let slot = span.block_table[j / bs] as usize * bs + j % bs;
                 let k = c.kv.key_row((slot * kv_heads + g) * hd, &mut row_buf);
