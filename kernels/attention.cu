@@ -100,6 +100,48 @@ __device__ __forceinline__ void attn_load(const __nv_bfloat16* __restrict__ p, f
     }
 }
 
+// E consecutive 8-bit codes of a quantized cache at p, decoded to kvq_decode4's exact values (the
+// caller applies the row's scale times kvq_unit). Loaded 16, 8 or 4 bytes at a time as E allows
+// (p aligned to that width).
+template <int KIND, int E>
+__device__ __forceinline__ void kvq_load(const uint8_t* __restrict__ p, float (&f)[E]) {
+    static_assert(E % 4 == 0, "codes come four to a word");
+    uint32_t w[E / 4];
+    if constexpr (E % 16 == 0) {
+#pragma unroll
+        for (int i = 0; i < E / 16; i++) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+            w[4 * i] = v.x;
+            w[4 * i + 1] = v.y;
+            w[4 * i + 2] = v.z;
+            w[4 * i + 3] = v.w;
+        }
+    } else if constexpr (E % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < E / 8; i++) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(p) + i);
+            w[2 * i] = v.x;
+            w[2 * i + 1] = v.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < E / 4; i++) w[i] = __ldg(reinterpret_cast<const uint32_t*>(p) + i);
+    }
+#pragma unroll
+    for (int i = 0; i < E / 4; i++) {
+        float d[4];
+        kvq_decode4<KIND>(w[i], d);
+#pragma unroll
+        for (int j = 0; j < 4; j++) f[4 * i + j] = d[j];
+    }
+}
+
+// Copies 4 bytes to shared memory asynchronously (zeros when !valid).
+__device__ __forceinline__ void kvq_cp_async4(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(pf_smem(dst)), "l"(src), "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
 // Two f32 as a bf16 pair (lo in the low half, as mma fragments and memory order want).
 __device__ __forceinline__ uint32_t pf_pack(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -247,7 +289,7 @@ __device__ __forceinline__ bool attn_last_range(uint32_t* __restrict__ counters,
 // softmax (m, l, acc), in the log2 domain (q is pre-scaled by scale * log2(e), so exp2 of a score
 // difference is exp of the scaled one). The ATTN_WARPS * KPW group states are then merged through
 // shared memory.
-template <int HD, int G>
+template <int HD, int G, int KIND>
 __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
                                            const __nv_bfloat16* __restrict__ k_cache,
                                            const __nv_bfloat16* __restrict__ v_cache,
@@ -296,18 +338,35 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
     for (uint32_t base = k0 + (uint32_t)warp * STEP; base < k1; base += ATTN_WARPS * STEP) {
         float s[U];
         float vv[U][E];
+        float ksc[U], vsc[U];  // quantized: the keys' and values' scales (1 for bf16)
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const uint32_t key = base + (uint32_t)(u * KPW + sub);
             s[u] = 0.f;
+            ksc[u] = vsc[u] = 0.f;
             if (key < k1) {
                 const uint32_t b = block_shift >= 0 ? key >> block_shift : key / (uint32_t)block_size;
                 const uint32_t slot = key - b * (uint32_t)block_size;
-                const size_t row =
-                    ((size_t)table[b] * (size_t)block_size + slot) * slot_stride + head_off;
                 float kk[E];
-                attn_load<E>(k_cache + row, kk);
-                attn_load<E>(v_cache + row, vv[u]);
+                if constexpr (KIND == KV_BF16) {
+                    const size_t row =
+                        ((size_t)table[b] * (size_t)block_size + slot) * slot_stride + head_off;
+                    attn_load<E>(k_cache + row, kk);
+                    attn_load<E>(v_cache + row, vv[u]);
+                } else {
+                    const uint8_t* kq = reinterpret_cast<const uint8_t*>(k_cache);
+                    const uint8_t* vq = reinterpret_cast<const uint8_t*>(v_cache);
+                    const int kvh = head / group;
+                    const size_t code = kvq_code_at(table[b], slot, kvh, block_size, n_kv_heads, HD) + (size_t)part * E;
+                    const size_t sc = kvq_scale_at(table[b], slot, kvh, block_size, n_kv_heads, HD);
+                    // The scales multiply the key's dot product and the value's softmax weight
+                    // instead of each element.
+                    constexpr float unit = kvq_unit<KIND>();
+                    ksc[u] = __ldg(reinterpret_cast<const float*>(kq + sc)) * unit;
+                    vsc[u] = __ldg(reinterpret_cast<const float*>(vq + sc)) * unit;
+                    kvq_load<KIND, E>(kq + code, kk);
+                    kvq_load<KIND, E>(vq + code, vv[u]);
+                }
 #pragma unroll
                 for (int i = 0; i < E; i++) s[u] = fmaf(qv[i], kk[i], s[u]);
             } else {
@@ -321,6 +380,7 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
         for (int u = 0; u < U; u++) {
 #pragma unroll
             for (int o = G / 2; o > 0; o >>= 1) s[u] += __shfl_xor_sync(0xffffffffu, s[u], o);
+            if constexpr (KIND != KV_BF16) s[u] *= ksc[u];
         }
         float m_new = m;
 #pragma unroll
@@ -339,8 +399,9 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
             for (int u = 0; u < U; u++) {
                 const float p = exp2f(s[u] - m_new);  // 0 for keys past the chunk
                 l += p;
+                const float pv = KIND == KV_BF16 ? p : p * vsc[u];
 #pragma unroll
-                for (int i = 0; i < E; i++) acc[i] = fmaf(p, vv[u][i], acc[i]);
+                for (int i = 0; i < E; i++) acc[i] = fmaf(pv, vv[u][i], acc[i]);
             }
             m = m_new;
         }
@@ -395,14 +456,18 @@ __device__ __forceinline__ void attn_chunk(const __nv_bfloat16* __restrict__ q,
                                                         out, lse_out, &sm_o[0][0]);
 }
 
-#define ATTN_CHUNK_KERNEL(HD, G)                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) attn_chunk_d##HD(                         \
+#define ATTN_CHUNK_KERNEL(HD, G) ATTN_CHUNK_KERNEL_OF(HD, G, KV_BF16, d) ATTN_CHUNK_KERNEL_OF(HD, G, KV_INT8, q8_d) \
+    ATTN_CHUNK_KERNEL_OF(HD, G, KV_FP8, f8_d)
+// attn_chunk_d*: bf16 cache; attn_chunk_q8_d*, attn_chunk_f8_d*: INT8 and FP8 caches (same arguments,
+// the cache ranges holding codes and scales as common.cuh lays them out).
+#define ATTN_CHUNK_KERNEL_OF(HD, G, KIND, NAME)                                                           \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS) attn_chunk_##NAME##HD(                    \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
         const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
         const uint32_t* __restrict__ items, int n_heads, int group, int n_kv_heads, int block_size,      \
         int block_shift, float scale, float* __restrict__ part_o, float* __restrict__ part_lse,          \
         uint32_t* __restrict__ counters, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) { \
-        attn_chunk<HD, G>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size,    \
+        attn_chunk<HD, G, KIND>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size, \
                           block_shift, scale, part_o, part_lse, counters, out, lse_out);                \
     }
 
@@ -455,18 +520,24 @@ ATTN_CHUNK_KERNEL(256, 16)
 extern __shared__ __align__(16) unsigned char pf_dyn_smem[];
 
 // -- PREFILL KERNEL BODY BEGIN --
-// Shared memory of attn_prefill<HD, WARPS, MT, BN>, in bytes.
+// Bytes of attn_prefill<HD, WARPS, MT, BN>'s Q, K and V tiles.
 template <int HD, int WARPS, int MT, int BN>
-__host__ __device__ constexpr int pf_smem_bytes() {
+__host__ __device__ constexpr int pf_tile_bytes() {
     // MT == 1: K, and Q then V in one buffer; else Q, K, V.
     return MT == 1 ? (BN + (16 * WARPS > BN ? 16 * WARPS : BN)) * HD * 2 : (16 * MT * WARPS + 2 * BN) * HD * 2;
+}
+// Shared memory of attn_prefill<HD, WARPS, MT, BN> over a cache of KIND, in bytes: the tiles, and
+// with a quantized cache the K tile's scales.
+template <int HD, int WARPS, int MT, int BN, int KIND>
+__host__ __device__ constexpr int pf_smem_bytes() {
+    return pf_tile_bytes<HD, WARPS, MT, BN>() + (KIND == KV_BF16 ? 0 : BN * 4);
 }
 
 // WARPS warps, each owning MT 16-row m-tiles (rows 16·MT·w .. 16·MT·(w+1)), keys in tiles of BN.
 // With MT == 1 the Q fragments stay in registers; with MT > 1 they are re-read from shared memory
 // at each k-step, and each K and V fragment serves MT m-tiles (half the shared-memory traffic per
 // FLOP at MT = 2). Shared memory: the dynamic buffer pf_dyn_smem, pf_smem_bytes<...>() bytes.
-template <int HD, int WARPS, int MT, int BN, bool SHARED>
+template <int HD, int WARPS, int MT, int BN, bool SHARED, int KIND>
 __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q,
                                              const __nv_bfloat16* __restrict__ k_cache,
                                              const __nv_bfloat16* __restrict__ v_cache,
@@ -578,10 +649,72 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
         }
         pf_cp_async_commit();
     };
+    // A quantized cache: a tile's codes (8 per thread and row) and scales are loaded into registers
+    // when it is issued and decoded into the shared bf16 tile when it is due, so that the loads are
+    // in flight during the work between (as the bf16 tiles' cp.async copies are). K tiles hold
+    // the codes' exact values, their scales beside them in k_scales, applied to the scores (a
+    // rounding of each decoded key to bf16 would be amplified by sharp softmaxes); V tiles hold
+    // the decoded values rounded to bf16, as a bf16 cache would.
+    constexpr bool QUANT = KIND != KV_BF16;
+    uint2 tile_codes[QUANT ? PASSES : 1];
+    float tile_scales[QUANT ? PASSES : 1];
+    // After the tiles in the dynamic buffer (pf_smem_bytes counts them).
+    float* const k_scales = reinterpret_cast<float*>(pf_dyn_smem + pf_tile_bytes<HD, WARPS, MT, BN>());
+    auto load_tile = [&](const __nv_bfloat16* __restrict__ cache) {
+        const uint8_t* base = reinterpret_cast<const uint8_t*>(cache);
+        const int kvh = head / group;
+#pragma unroll
+        for (int p = 0; p < PASSES; p++) {
+            tile_codes[p] = make_uint2(0u, 0u);
+            tile_scales[p] = 0.f;
+            if (kv_rows[p] != ~0u) {
+                const uint32_t blk = block_shift >= 0 ? kv_rows[p] >> block_shift : kv_rows[p] / (uint32_t)block_size;
+                const uint32_t slot = kv_rows[p] - blk * (uint32_t)block_size;
+                tile_codes[p] = __ldg(reinterpret_cast<const uint2*>(
+                    base + kvq_code_at(blk, slot, kvh, block_size, n_kv_heads, HD) + cc * 8));
+                tile_scales[p] = __ldg(reinterpret_cast<const float*>(
+                    base + kvq_scale_at(blk, slot, kvh, block_size, n_kv_heads, HD)));
+            }
+        }
+    };
+    auto store_tile = [&](__nv_bfloat16* dst) {
+        const bool keys = dst == sK;
+#pragma unroll
+        for (int p = 0; p < PASSES; p++) {
+            const int r = tid / CPR + RPP * p;
+            float sc = tile_scales[p] * kvq_unit<KIND>();
+            if (keys) {
+                if (cc == 0) k_scales[r] = sc;
+                sc = 1.f;
+            }
+            float lo[4], hi[4], f[8];
+            kvq_decode4<KIND>(tile_codes[p].x, lo);
+            kvq_decode4<KIND>(tile_codes[p].y, hi);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                f[e] = lo[e] * sc;
+                f[4 + e] = hi[e] * sc;
+            }
+            *reinterpret_cast<uint4*>(&dst[pf_swz<HD>(r, cc)]) = bf16x8_pack(f);
+        }
+    };
+    // Starts tile copies into dst; land(dst) waits for them (bf16: cp.async into dst at once;
+    // quantized: into registers, written to dst by land).
+    auto issue = [&](const __nv_bfloat16* __restrict__ cache, __nv_bfloat16* dst) {
+        if constexpr (QUANT) {
+            load_tile(cache);
+        } else {
+            copy_tile(cache, dst);
+        }
+    };
+    auto land = [&](__nv_bfloat16* dst) {
+        pf_cp_async_wait_all();
+        if constexpr (QUANT) store_tile(dst);
+    };
 
     find_rows(0);
-    copy_tile(k_cache, sK);
-    pf_cp_async_wait_all();
+    issue(k_cache, sK);
+    land(sK);
     __syncthreads();
 
     // A fragments of Q for m-tile i, k-step ks: lanes 0-15 address rows 0-15 at dims 16ks..,
@@ -613,9 +746,9 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
     }
 
     for (int j = 0; j < n_tiles; j++) {
-        if (j > 0) pf_cp_async_wait_all();  // K(j)
+        if (j > 0) land(sK);                  // K(j)
         __syncthreads();                      // K(j) visible; every warp done with sV (or sQ)
-        copy_tile(v_cache, sV);               // V(j), same keys as K(j)
+        issue(v_cache, sV);                   // V(j), same keys as K(j)
         if (j + 1 < n_tiles) find_rows(j + 1);  // table look-ups in flight during S(j)
 
         float s[MT][NTILES][4];
@@ -659,7 +792,7 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
             for (int n = 0; n < NTILES; n++) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    s[i][n][e] *= scale_log2;
+                    s[i][n][e] *= QUANT ? scale_log2 * k_scales[n * 8 + 2 * t + (e & 1)] : scale_log2;
                     const uint32_t key = key0 + (uint32_t)(n * 8 + 2 * t + (e & 1));
                     if (masked && (SHARED ? key >= k1 : key > row_pos(i, e >> 1))) s[i][n][e] = attn_neg_inf();
                 }
@@ -707,9 +840,9 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
             }
         }
 
-        pf_cp_async_wait_all();  // V(j)
+        land(sV);                // V(j)
         __syncthreads();         // V(j) visible; every warp done with sK
-        if (j + 1 < n_tiles) copy_tile(k_cache, sK);
+        if (j + 1 < n_tiles) issue(k_cache, sK);
 
         // O += P·V. ldmatrix.trans: lanes 0-7 address keys 0-7 at dims 16dp.., 8-15 keys 8-15 at
         // 16dp.., 16-23 keys 0-7 at 16dp+8.., 24-31 keys 8-15 at 16dp+8..: b0, b1 of d-tile 2dp,
@@ -770,28 +903,33 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
 // -- PREFILL KERNEL BODY END --
 
 // attn_prefill_d<HD> (and attn_shared_d<HD>, the cascade prefix): WARPS warps of MT m-tiles, key tiles of BN, registers budgeted for MIN_CTAS
-// CTAs per SM; the host launches it with pf_smem_bytes<HD, WARPS, MT, BN>() of dynamic shared memory.
+// CTAs per SM; the host launches it with pf_smem_bytes<HD, WARPS, MT, BN, KIND>() of dynamic shared memory.
 // The host's table of these shapes (prefill_kernel in crates/turbo-kernels/src/ops/attention.rs)
 // must agree with the instantiations below.
 #define ATTN_PREFILL_KERNEL(HD, WARPS, MT, BN, MIN_CTAS)                                                  \
-    extern "C" __global__ void __launch_bounds__(WARPS * TURBO_WARP, MIN_CTAS) attn_prefill_d##HD(        \
+    ATTN_PREFILL_KERNEL_OF(HD, WARPS, MT, BN, MIN_CTAS, KV_BF16, d)                                       \
+    ATTN_PREFILL_KERNEL_OF(HD, WARPS, MT, BN, MIN_CTAS, KV_INT8, q8_d)                                    \
+    ATTN_PREFILL_KERNEL_OF(HD, WARPS, MT, BN, MIN_CTAS, KV_FP8, f8_d)
+// The q8 and f8 kernels read INT8 and FP8 caches (same arguments).
+#define ATTN_PREFILL_KERNEL_OF(HD, WARPS, MT, BN, MIN_CTAS, KIND, NAME)                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * TURBO_WARP, MIN_CTAS) attn_prefill_##NAME##HD(   \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
         const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
         const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads,   \
         int group, int n_kv_heads, int block_size, int block_shift, float scale,                         \
         __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {                                  \
-        attn_prefill<HD, WARPS, MT, BN, false>(q, k_cache, v_cache, tables, seq_table_start, items,      \
+        attn_prefill<HD, WARPS, MT, BN, false, KIND>(q, k_cache, v_cache, tables, seq_table_start, items,      \
                                                n_heads, group, n_kv_heads, block_size, block_shift, scale,  \
                                                out, lse_out, nullptr, nullptr, nullptr, nullptr);        \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(WARPS * TURBO_WARP, MIN_CTAS) attn_shared_d##HD(         \
+    extern "C" __global__ void __launch_bounds__(WARPS * TURBO_WARP, MIN_CTAS) attn_shared_##NAME##HD(    \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
         const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
         const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads,   \
         int group, int n_kv_heads, int block_size, int block_shift, float scale,                         \
         const uint32_t* __restrict__ shared_tokens, const uint32_t* __restrict__ token_state,            \
         float* __restrict__ part_o, float* __restrict__ part_lse) {                                      \
-        attn_prefill<HD, WARPS, MT, BN, true>(q, k_cache, v_cache, tables, seq_table_start, items,       \
+        attn_prefill<HD, WARPS, MT, BN, true, KIND>(q, k_cache, v_cache, tables, seq_table_start, items,       \
                                               n_heads, group, n_kv_heads, block_size, block_shift, scale,   \
                                               nullptr, nullptr, shared_tokens, token_state, part_o,      \
                                               part_lse);                                                 \
@@ -824,7 +962,8 @@ ATTN_PREFILL_KERNEL(128, 4, 2, 32, 2)
 //   S = Q·Kᵀ  (16 heads × 16 keys), scaled, masked past k1, online softmax
 //   O += P·V  P repacked from S's accumulators as the A operand
 // Shared memory: DEC_WARPS · DEC_STAGES · 2 · 16 · head_dim bf16 (96 KiB at d 128: two CTAs per
-// SM), reused at the end for the warps' states and the fused merge.
+// SM), with a quantized cache DEC_WARPS · DEC_STAGES_Q stages of 16 keys' codes and 32 scales
+// (66 KiB at d 128), reused at the end for the warps' states and the fused merge.
 //
 // Items carry the row's block-table start: two dependent loads fewer before the first copy than
 // finding it through the row's sequence. Split rows are merged by their last range (see the top
@@ -834,6 +973,9 @@ ATTN_PREFILL_KERNEL(128, 4, 2, 32, 2)
 #define DEC_ROWS 16
 #define DEC_KEYS 16
 #define DEC_STAGES 3
+// Ring stages with a quantized cache (K and V codes and scales of 16 keys: 4.2 KB at d 128). Six
+// measured 4-10% slower than four on an H100 (docs/kv-quant.md).
+#define DEC_STAGES_Q 4
 // States the fused merge loads before using any: at d 128 the 4 heads of GQA 4 fill the CTA's
 // columns, so each thread walks all of a row's states (32 at batch 1); at d 64 two groups share
 // them.
@@ -845,7 +987,7 @@ __device__ __forceinline__ void dec_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-template <int HD, bool LOGITS>
+template <int HD, bool LOGITS, int KIND>
 __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
                                             const __nv_bfloat16* __restrict__ k_cache,
                                             const __nv_bfloat16* __restrict__ v_cache,
@@ -867,10 +1009,17 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     constexpr int ROWS_PER_PASS = TURBO_WARP / CPR;  // key rows a warp copies per pass
     constexpr int PASSES = DEC_KEYS / ROWS_PER_PASS;
     constexpr int OSTRIDE = HD + 1;            // merge rows padded: a store's lanes hit distinct banks
+    // A quantized cache (kernels/common.cuh's layout): 8-bit K and V rows and their scales in the
+    // ring, one stage deeper than bf16's (a stage is about half the bytes).
+    constexpr bool QUANT = KIND != KV_BF16;
+    constexpr int STAGES = QUANT ? DEC_STAGES_Q : DEC_STAGES;
+    constexpr int CPRQ = HD / 16;              // 16-byte chunks per code row
+    constexpr int STAGE_Q = 2 * DEC_KEYS * HD + 2 * DEC_KEYS * 4;  // bytes: K codes, V codes, scales
 
     const int tid = threadIdx.x, lane = tid % TURBO_WARP, warp = tid / TURBO_WARP;
     const int g = lane >> 2, t = lane & 3;
     __nv_bfloat16* const ring = reinterpret_cast<__nv_bfloat16*>(pf_dyn_smem) + warp * DEC_STAGES * STAGE;
+    unsigned char* const ring_q = pf_dyn_smem + warp * STAGES * STAGE_Q;
 
     const uint4 it = reinterpret_cast<const uint4*>(items)[2 * blockIdx.x];
     const uint4 it2 = reinterpret_cast<const uint4*>(items)[2 * blockIdx.x + 1];
@@ -913,6 +1062,41 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     const int cc = lane % CPR;
     auto issue = [&](int i) {
         const uint32_t base = first + (uint32_t)(DEC_KEYS * DEC_WARPS * i);
+        if constexpr (QUANT) {
+            // Code rows: 16-byte chunk c of key row r at chunk c ^ (r mod CPRQ) (the fragment
+            // loads below then hit distinct banks); the step's 16 K scales, then its 16 V scales.
+            unsigned char* st = ring_q + (i % STAGES) * STAGE_Q;
+            const uint8_t* kq = reinterpret_cast<const uint8_t*>(k_cache);
+            const uint8_t* vq = reinterpret_cast<const uint8_t*>(v_cache);
+            constexpr int RPPQ = TURBO_WARP / CPRQ;
+            const int cq = lane % CPRQ;
+#pragma unroll
+            for (int p = 0; p < DEC_KEYS / RPPQ; p++) {
+                const int r = lane / CPRQ + RPPQ * p;
+                const uint32_t key = base + (uint32_t)r;
+                const bool valid = key < k1;
+                size_t off = 0;
+                if (valid) {
+                    const uint32_t b = block_shift >= 0 ? key >> block_shift : key / (uint32_t)block_size;
+                    off = kvq_code_at(table[b], key - b * (uint32_t)block_size, kvh, block_size, n_kv_heads, HD) + cq * 16;
+                }
+                const int at = r * HD + ((cq ^ (r % CPRQ)) << 4);
+                pf_cp_async16(st + at, kq + off, valid);
+                pf_cp_async16(st + DEC_KEYS * HD + at, vq + off, valid);
+            }
+            {
+                const uint32_t key = base + (uint32_t)(lane % DEC_KEYS);
+                const bool valid = key < k1;
+                size_t off = 0;
+                if (valid) {
+                    const uint32_t b = block_shift >= 0 ? key >> block_shift : key / (uint32_t)block_size;
+                    off = kvq_scale_at(table[b], key - b * (uint32_t)block_size, kvh, block_size, n_kv_heads, HD);
+                }
+                kvq_cp_async4(st + 2 * DEC_KEYS * HD + 4 * lane, (lane < DEC_KEYS ? kq : vq) + off, valid);
+            }
+            pf_cp_async_commit();
+            return;
+        }
         __nv_bfloat16* st = ring + (i % DEC_STAGES) * STAGE;
 #pragma unroll
         for (int p = 0; p < PASSES; p++) {
@@ -932,7 +1116,7 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     // Two steps in flight before the first is used (an empty group where there is no step, so
     // that the group count stays uniform for the waits below).
 #pragma unroll
-    for (int i = 0; i < DEC_STAGES - 1; i++) {
+    for (int i = 0; i < STAGES - 1; i++) {
         if (i < n_steps) {
             issue(i);
         } else {
@@ -946,11 +1130,16 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
         const uint32_t* qrow = reinterpret_cast<const uint32_t*>(q + ((size_t)token * (size_t)n_heads + (size_t)h0) * HD);
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ks++) {
-            const int c = (16 * ks + 2 * t) / 2;  // u32 index of dims 16ks + 2t, + 1
+            // bf16: k-step ks covers dims 16ks..16ks+15 in order. Quantized: the dot product's
+            // dims are permuted so that each lane's K codes are one run of its key row: lane t's
+            // pairs (2t, 2t+1) and (2t+8, 2t+9) of k-step ks are dims HD/4·t + 4ks + (0, 1) and
+            // (2, 3).
+            const int c = QUANT ? (HD / 4 * t + 4 * ks) / 2 : (16 * ks + 2 * t) / 2;  // u32 index
+            const int c2 = QUANT ? c + 1 : c + 4;
             qa[ks][0] = g < nh ? __ldg(qrow + g * (HD / 2) + c) : 0u;
             qa[ks][1] = g + 8 < nh ? __ldg(qrow + (g + 8) * (HD / 2) + c) : 0u;
-            qa[ks][2] = g < nh ? __ldg(qrow + g * (HD / 2) + c + 4) : 0u;
-            qa[ks][3] = g + 8 < nh ? __ldg(qrow + (g + 8) * (HD / 2) + c + 4) : 0u;
+            qa[ks][2] = g < nh ? __ldg(qrow + g * (HD / 2) + c2) : 0u;
+            qa[ks][3] = g + 8 < nh ? __ldg(qrow + (g + 8) * (HD / 2) + c2) : 0u;
         }
     }
 
@@ -966,26 +1155,66 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     const int vr = (lane & 7) + (((lane >> 3) & 1) << 3), vc = lane >> 4;
 
     for (int i = 0; i < n_steps; i++) {
-        if (i + DEC_STAGES - 1 < n_steps) {
-            issue(i + DEC_STAGES - 1);  // into the stage step i - 1 used, read before the last __syncwarp
+        if (i + STAGES - 1 < n_steps) {
+            issue(i + STAGES - 1);  // into the stage step i - 1 used, read before the last __syncwarp
         } else {
             pf_cp_async_commit();
         }
-        dec_cp_async_wait<DEC_STAGES - 1>();  // step i's group has landed
-        __syncwarp();                        // and every lane's copies are visible
+        dec_cp_async_wait<STAGES - 1>();  // step i's group has landed
+        __syncwarp();                     // and every lane's copies are visible
         const __nv_bfloat16* sK = ring + (i % DEC_STAGES) * STAGE;
         const __nv_bfloat16* sV = sK + TILE;
+        const unsigned char* qK = ring_q + (i % STAGES) * STAGE_Q;
+        const unsigned char* qV = qK + DEC_KEYS * HD;
+        const float* qS = reinterpret_cast<const float*>(qK + 2 * DEC_KEYS * HD);  // K scales, V scales
         const uint32_t base = first + (uint32_t)(DEC_KEYS * DEC_WARPS * i);
 
         float s[2][4];
 #pragma unroll
         for (int n = 0; n < 2; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        if constexpr (QUANT) {
+            // Keys g and g + 8 (n-tiles 0 and 1): lane t's HD/4 codes of each, one word per
+            // k-step; the codes' values are exact in bf16, the keys' scales applied to S.
+            constexpr int KW = HD / 16;
+            uint32_t kw[2][KW];
 #pragma unroll
-        for (int ks = 0; ks < KSTEPS; ks++) {
-            uint32_t b[4];
-            pf_ldmatrix_x4(b, &sK[pf_swz<HD>(kr, 2 * ks + kc)]);
-            pf_mma(s[0], qa[ks], b[0], b[1]);
-            pf_mma(s[1], qa[ks], b[2], b[3]);
+            for (int n = 0; n < 2; n++) {
+                const int r = g + 8 * n;
+#pragma unroll
+                for (int j = 0; j < KW / 4; j++) {
+                    const int chunk = (KW / 4) * t + j;
+                    const uint4 w = *reinterpret_cast<const uint4*>(qK + r * HD + ((chunk ^ (r % CPRQ)) << 4));
+                    kw[n][4 * j] = w.x;
+                    kw[n][4 * j + 1] = w.y;
+                    kw[n][4 * j + 2] = w.z;
+                    kw[n][4 * j + 3] = w.w;
+                }
+            }
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ks++) {
+#pragma unroll
+                for (int n = 0; n < 2; n++) {
+                    float f[4];
+                    kvq_decode4<KIND>(kw[n][ks], f);
+                    pf_mma(s[n], qa[ks], pf_pack(f[0], f[1]), pf_pack(f[2], f[3]));
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+                const float2 ksc = *reinterpret_cast<const float2*>(qS + 8 * n + 2 * t);
+                s[n][0] *= ksc.x * kvq_unit<KIND>();
+                s[n][1] *= ksc.y * kvq_unit<KIND>();
+                s[n][2] *= ksc.x * kvq_unit<KIND>();
+                s[n][3] *= ksc.y * kvq_unit<KIND>();
+            }
+        } else {
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ks++) {
+                uint32_t b[4];
+                pf_ldmatrix_x4(b, &sK[pf_swz<HD>(kr, 2 * ks + kc)]);
+                pf_mma(s[0], qa[ks], b[0], b[1]);
+                pf_mma(s[1], qa[ks], b[2], b[3]);
+            }
         }
         if constexpr (LOGITS) {
             // f(x) of this row's scored keys, x = scale q.k, for the eviction scores.
@@ -1089,16 +1318,59 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
         }
         // O += P·V over the step's 16 keys.
         uint32_t pa[4];
-        pa[0] = pf_pack(s[0][0], s[0][1]);
-        pa[1] = pf_pack(s[0][2], s[0][3]);
-        pa[2] = pf_pack(s[1][0], s[1][1]);
-        pa[3] = pf_pack(s[1][2], s[1][3]);
+        if constexpr (QUANT) {
+            // The values' scales go into P (each key's weight times its row's scale), the codes
+            // into B exactly. Output n-tile n, column g is dim g·NT + n (so that lane g's V codes
+            // are one run of NT bytes of each of its keys 2t, 2t + 1, 2t + 8, 2t + 9); the states
+            // are written back in dim order below.
+            const float2 v0 = *reinterpret_cast<const float2*>(qS + DEC_KEYS + 2 * t);
+            const float2 v1 = *reinterpret_cast<const float2*>(qS + DEC_KEYS + 8 + 2 * t);
+            constexpr float unit = kvq_unit<KIND>();
+            pa[0] = pf_pack(s[0][0] * v0.x * unit, s[0][1] * v0.y * unit);
+            pa[1] = pf_pack(s[0][2] * v0.x * unit, s[0][3] * v0.y * unit);
+            pa[2] = pf_pack(s[1][0] * v1.x * unit, s[1][1] * v1.y * unit);
+            pa[3] = pf_pack(s[1][2] * v1.x * unit, s[1][3] * v1.y * unit);
+            constexpr int VW = NT / 4;  // words of codes per key and lane
+            uint32_t vw[4][VW];
 #pragma unroll
-        for (int dp = 0; dp < NT / 2; dp++) {
-            uint32_t b[4];
-            pf_ldmatrix_x4_trans(b, &sV[pf_swz<HD>(vr, 2 * dp + vc)]);
-            pf_mma(o[2 * dp], pa, b[0], b[1]);
-            pf_mma(o[2 * dp + 1], pa, b[2], b[3]);
+            for (int k = 0; k < 4; k++) {
+                const int r = 2 * t + (k & 1) + 8 * (k >> 1);
+                const int at = g * NT;  // byte of the row
+                const unsigned char* src = qV + r * HD + (((at >> 4) ^ (r % CPRQ)) << 4) + (at & 15);
+                if constexpr (VW == 4) {
+                    const uint4 w = *reinterpret_cast<const uint4*>(src);
+                    vw[k][0] = w.x;
+                    vw[k][1] = w.y;
+                    vw[k][2] = w.z;
+                    vw[k][3] = w.w;
+                } else {
+                    const uint2 w = *reinterpret_cast<const uint2*>(src);
+                    vw[k][0] = w.x;
+                    vw[k][1] = w.y;
+                }
+            }
+#pragma unroll
+            for (int w = 0; w < VW; w++) {
+                float f[4][4];
+#pragma unroll
+                for (int k = 0; k < 4; k++) kvq_decode4<KIND>(vw[k][w], f[k]);
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    pf_mma(o[4 * w + j], pa, pf_pack(f[0][j], f[1][j]), pf_pack(f[2][j], f[3][j]));
+                }
+            }
+        } else {
+            pa[0] = pf_pack(s[0][0], s[0][1]);
+            pa[1] = pf_pack(s[0][2], s[0][3]);
+            pa[2] = pf_pack(s[1][0], s[1][1]);
+            pa[3] = pf_pack(s[1][2], s[1][3]);
+#pragma unroll
+            for (int dp = 0; dp < NT / 2; dp++) {
+                uint32_t b[4];
+                pf_ldmatrix_x4_trans(b, &sV[pf_swz<HD>(vr, 2 * dp + vc)]);
+                pf_mma(o[2 * dp], pa, b[0], b[1]);
+                pf_mma(o[2 * dp + 1], pa, b[2], b[3]);
+            }
         }
         __syncwarp();  // every lane is done with this stage before it is refilled
     }
@@ -1119,11 +1391,12 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             sm_m[warp * DEC_ROWS + r] = m[h];
             sm_l[warp * DEC_ROWS + r] = sum;
         }
-        float* dst = sm_o + (warp * DEC_ROWS + r) * OSTRIDE + 2 * t;
+        float* dst = sm_o + (warp * DEC_ROWS + r) * OSTRIDE;
 #pragma unroll
         for (int n = 0; n < NT; n++) {
-            dst[8 * n] = o[n][2 * h];
-            dst[8 * n + 1] = o[n][2 * h + 1];
+            // Column 2t (+1) of n-tile n: dim 8n + 2t (+1), or with a quantized cache 2t·NT + n.
+            dst[QUANT ? 2 * t * NT + n : 8 * n + 2 * t] = o[n][2 * h];
+            dst[QUANT ? (2 * t + 1) * NT + n : 8 * n + 2 * t + 1] = o[n][2 * h + 1];
         }
     }
     // The normaliser's (max, sum) of each row over this CTA's keys: a quad holds a row's keys,
@@ -1221,17 +1494,19 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
 }
 
 #define ATTN_DECODE_KERNEL(HD)                                                                            \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) attn_decode_d##HD(                       \
+    ATTN_DECODE_KERNEL_OF(HD, KV_BF16, d) ATTN_DECODE_KERNEL_OF(HD, KV_INT8, q8_d) ATTN_DECODE_KERNEL_OF(HD, KV_FP8, f8_d)
+#define ATTN_DECODE_KERNEL_OF(HD, KIND, NAME)                                                             \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) attn_decode_##NAME##HD(                  \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
         const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
         const uint32_t* __restrict__ items, int n_heads, int group, int n_kv_heads, int block_size,      \
         int block_shift, float scale, float* __restrict__ part_o, float* __restrict__ part_lse,          \
         uint32_t* __restrict__ counters, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) { \
-        attn_decode<HD, false>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size, \
+        attn_decode<HD, false, KIND>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size, \
                                block_shift, scale, part_o, part_lse, counters, out, lse_out, nullptr,      \
                                nullptr, 0, nullptr, nullptr);                                              \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) attn_decode_logits_d##HD(                \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) attn_decode_logits_##NAME##HD(           \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
         const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
         const uint32_t* __restrict__ items, int n_heads, int group, int n_kv_heads, int block_size,      \
@@ -1239,7 +1514,7 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
         uint32_t* __restrict__ counters, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out,   \
         const uint32_t* __restrict__ logit_at, float* __restrict__ logits, int layer,                     \
         float* __restrict__ score_lse, float2* __restrict__ part_score) {                                 \
-        attn_decode<HD, true>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size, \
+        attn_decode<HD, true, KIND>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size, \
                               block_shift, scale, part_o, part_lse, counters, out, lse_out, logit_at,     \
                               logits, layer, score_lse, part_score);                                      \
     }

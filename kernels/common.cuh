@@ -1,5 +1,6 @@
 // Shared helpers for Turbo's kernels. Included by every kernels/*.cu (and spliced in for NVRTC).
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -158,4 +159,106 @@ __device__ __forceinline__ float score_gumbel_at(unsigned long long base, unsign
         e = -__logf(__uint2float_rn(2u * m + 1u) * 0x1p-24f);
     }
     return -__logf(e);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Quantized KV cache (turbo_attention::kv_quant): 8-bit codes with one f32 scale per (token, KV
+// head) row. INT8: scale = max|x| / 127, code = round-to-nearest-even(x / scale) in -127..127.
+// FP8: E4M3 with scale = max|x| / 448, code nearest to x / scale (ties to even, saturating).
+// A row of zeros has scale 0 and codes 0. Every step is one IEEE f32 operation, as on the CPU,
+// so both write the same codes for the same row.
+//
+// A quantized layer range (keys or values) is a sequence of blocks of kvq_block_bytes each: the
+// block's codes [slot][kv head][head_dim] u8, then its scales [slot][kv head] f32. One range per
+// layer and kind, as for bf16, so block tables, mapping on demand and CUDA graphs are unchanged;
+// a quantized cache needs block_size · n_kv_heads to be a multiple of 4 (16-byte aligned rows).
+#define KV_BF16 0
+#define KV_INT8 1
+#define KV_FP8 2
+
+__device__ __forceinline__ size_t kvq_block_bytes(int block_size, int n_kv_heads, int head_dim) {
+    return (size_t)block_size * (size_t)n_kv_heads * (size_t)(head_dim + 4);
+}
+// Byte offset of the codes of (block, slot, KV head) in a layer range.
+__device__ __forceinline__ size_t kvq_code_at(uint32_t block, uint32_t slot, int kvh, int block_size, int n_kv_heads,
+                                              int head_dim) {
+    return (size_t)block * kvq_block_bytes(block_size, n_kv_heads, head_dim) +
+           ((size_t)slot * (size_t)n_kv_heads + (size_t)kvh) * (size_t)head_dim;
+}
+// Byte offset of the scale of (block, slot, KV head) in a layer range.
+__device__ __forceinline__ size_t kvq_scale_at(uint32_t block, uint32_t slot, int kvh, int block_size, int n_kv_heads,
+                                               int head_dim) {
+    return (size_t)block * kvq_block_bytes(block_size, n_kv_heads, head_dim) +
+           (size_t)block_size * (size_t)n_kv_heads * (size_t)head_dim +
+           4 * ((size_t)slot * (size_t)n_kv_heads + (size_t)kvh);
+}
+
+// The code magnitude max|x| maps to.
+template <int KIND>
+__device__ __forceinline__ constexpr float kvq_code_max() {
+    return KIND == KV_INT8 ? 127.f : 448.f;
+}
+// What kvq_decode4's values are multiplied by, with the scale, to give the stored value: the FP8
+// decoder yields E4M3 values times 2^-8 (exactly), the INT8 one the codes themselves.
+template <int KIND>
+__device__ __forceinline__ constexpr float kvq_unit() {
+    return KIND == KV_INT8 ? 1.f : 256.f;
+}
+
+// INT8 code of y = x / scale: round to nearest, ties to even, clamped to -127..127.
+__device__ __forceinline__ uint32_t kvq_int8_code(float y) {
+    return (uint32_t)(uint8_t)(signed char)max(-127, min(127, __float2int_rn(y)));
+}
+
+// E4M3 code nearest to y (ties to the even code), finite values past 448 saturating to ±448 and
+// NaN to NaN: kv_quant::e4m3_code, step for step.
+__device__ __forceinline__ uint32_t kvq_e4m3_code(float y) {
+    if (isnan(y)) return 0x7Fu;
+    const uint32_t sign = (__float_as_uint(y) >> 24) & 0x80u;
+    const float a = fabsf(y);
+    if (a >= 448.f) return sign | 0x7Eu;
+    const uint32_t bits = __float_as_uint(a);
+    const int e = (int)(bits >> 23) - 127;
+    uint32_t code;
+    if (e < -6) {
+        code = (uint32_t)__float2int_rn(a * 512.f);  // subnormal: multiples of 2^-9
+    } else {
+        const uint32_t mant = bits & 0x7FFFFFu, keep = mant >> 20, rest = mant & 0xFFFFFu;
+        const uint32_t up = (rest > 0x80000u || (rest == 0x80000u && (keep & 1u))) ? 1u : 0u;
+        code = ((uint32_t)(e + 7) << 3) + keep + up;
+    }
+    return sign | min(code, 0x7Eu);
+}
+
+template <int KIND>
+__device__ __forceinline__ uint32_t kvq_code(float y) {
+    if constexpr (KIND == KV_INT8) {
+        return kvq_int8_code(y);
+    } else {
+        return kvq_e4m3_code(y);
+    }
+}
+
+// Four codes (bytes of w, lowest first) to exact f32 values: INT8 codes as integers, FP8 codes as
+// their E4M3 values times 2^-8 (through f16 bit patterns, exact for subnormals too).
+template <int KIND>
+__device__ __forceinline__ void kvq_decode4(uint32_t w, float (&f)[4]) {
+    if constexpr (KIND == KV_INT8) {
+        // 2^23 + (code + 128) as an f32, minus 2^23 + 128.
+        const uint32_t x = w ^ 0x80808080u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) f[i] = __uint_as_float(__byte_perm(x, 0x4B00u, 0x5440u + i)) - 8388736.f;
+    } else {
+        // Byte b at bits 15..8 of a half: sign in place, exponent and mantissa shifted down one
+        // give the f16 of E4M3 value · 2^-8 (f16 has 5 exponent bits, bias 15; E4M3 4, bias 7).
+        const uint32_t lo = __byte_perm(w, 0u, 0x1404u), hi = __byte_perm(w, 0u, 0x3424u);
+        const uint32_t hlo = (lo & 0x80008000u) | ((lo >> 1) & 0x3F803F80u);
+        const uint32_t hhi = (hi & 0x80008000u) | ((hi >> 1) & 0x3F803F80u);
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&hlo));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hhi));
+        f[0] = a.x;
+        f[1] = a.y;
+        f[2] = b.x;
+        f[3] = b.y;
+    }
 }

@@ -61,6 +61,136 @@ extern "C" __global__ void qkv_rope_kv_bf16(const __nv_bfloat16* qkv, __nv_bfloa
     }
 }
 
+// Four consecutive bf16 (8-byte aligned) as f32.
+__device__ __forceinline__ void ew_load4(const __nv_bfloat16* p, float (&x)[4]) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+    x[0] = a.x;
+    x[1] = a.y;
+    x[2] = b.x;
+    x[3] = b.y;
+}
+
+// Quantizes one (token, KV head) row of head_dim <= 256 values held by a warp and stores its codes
+// (codes: the row's first byte, 4-byte aligned) and scale: lane l holds elements 4q..4q+3 in x[i]
+// for q = l + 32i < head_dim / 4. The operations are kv_quant::quantize_row's, each one IEEE f32
+// operation (the max is exact in any order), so the codes and scale equal the CPU's bit for bit.
+// Warp-wide: every lane calls it.
+template <int KIND>
+__device__ __forceinline__ void ew_kvq_store_row(const float (&x)[2][4], int head_dim, unsigned char* codes,
+                                                 float* scale) {
+    const int lane = threadIdx.x % TURBO_WARP, quads = head_dim / 4;
+    float m = 0.f;
+    bool nan = false;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (lane + TURBO_WARP * i < quads) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                m = fmaxf(m, fabsf(x[i][j]));
+                nan |= isnan(x[i][j]);
+            }
+        }
+    }
+    // A NaN anywhere in the row: scale NaN and codes 0, as on the CPU (fmaxf skips NaNs).
+    const bool row_nan = __any_sync(0xffffffffu, nan);
+    const float amax = row_nan ? 0.f : warp_max(m);
+    const float s = row_nan ? __int_as_float(0x7fc00000) : amax / kvq_code_max<KIND>();  // +0 for a row of zeros
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int q = lane + TURBO_WARP * i;
+        if (q >= quads) continue;
+        uint32_t w = 0;
+        if (amax != 0.f) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) w |= kvq_code<KIND>(x[i][j] / s) << (8 * j);
+        }
+        reinterpret_cast<uint32_t*>(codes)[q] = w;
+    }
+    if (lane == 0) *scale = s;
+}
+
+// The codes (returned) and the scale (*scale) of (slot, KV head) in a quantized layer range.
+__device__ __forceinline__ unsigned char* ew_kvq_row(unsigned char* range, unsigned slot, int head, int block_size,
+                                                     int n_kv_heads, int head_dim, float** scale) {
+    const unsigned block = slot / (unsigned)block_size, off = slot % (unsigned)block_size;
+    *scale = reinterpret_cast<float*>(range + kvq_scale_at(block, off, head, block_size, n_kv_heads, head_dim));
+    return range + kvq_code_at(block, off, head, block_size, n_kv_heads, head_dim);
+}
+
+// qkv_rope_kv_bf16 into a quantized cache (common.cuh's layout; k_cache and v_cache are one
+// layer's ranges): q receives the same rotated queries; each rotated key pair is rounded to bf16
+// as qkv_rope_kv_bf16 stores it, then every (token, KV head) row of keys and of values is
+// quantized (ew_kvq_store_row) into slot slots[t] (a slot >= cache_slots is skipped). A warp per
+// task: 32 query pairs, or one KV row (its quantization needs the whole row's max). Grid
+// (tokens, blocks per token), as the bf16 kernel's, so a one-token step still fills several SMs.
+// head_dim a multiple of 4, at most 256.
+template <int KIND>
+__device__ __forceinline__ void ew_qkv_rope_kv_quant(const __nv_bfloat16* qkv, __nv_bfloat16* q,
+                                                     unsigned char* k_cache, unsigned char* v_cache,
+                                                     const unsigned* positions, const unsigned* slots,
+                                                     const float* inv_freq, int q_cols, int n_kv_heads, int head_dim,
+                                                     int block_size, long long cache_slots) {
+    const int t = blockIdx.x, lane = threadIdx.x % TURBO_WARP, warps = blockDim.x / TURBO_WARP;
+    const int half = head_dim / 2, kv_cols = n_kv_heads * head_dim, qp = q_cols / 2;
+    const float pos = (float)positions[t];
+    const unsigned slot = slots[t];
+    const bool store = (long long)slot < cache_slots;
+    const __nv_bfloat16* src = qkv + (size_t)t * (size_t)(q_cols + 2 * kv_cols);
+    const __nv_bfloat162* qs = reinterpret_cast<const __nv_bfloat162*>(src);
+    __nv_bfloat162* qd = reinterpret_cast<__nv_bfloat162*>(q + (size_t)t * (size_t)q_cols);
+    const int q_tasks = (qp + TURBO_WARP - 1) / TURBO_WARP;
+    const int tasks = q_tasks + (store ? 2 * n_kv_heads : 0);
+    // task is the same for the whole warp, so every branch below is warp-uniform.
+    for (int task = blockIdx.y * warps + (int)threadIdx.x / TURBO_WARP; task < tasks; task += gridDim.y * warps) {
+        if (task < q_tasks) {
+            const int p = task * TURBO_WARP + lane;
+            if (p < qp) {
+                const float2 r = rope_rotate(__bfloat1622float2(qs[p]), pos, inv_freq[p % half]);
+                qd[p] = __floats2bfloat162_rn(r.x, r.y);
+            }
+            continue;
+        }
+        const int r = task - q_tasks;
+        const bool values = r >= n_kv_heads;
+        const int head = values ? r - n_kv_heads : r;
+        const __nv_bfloat16* row = src + q_cols + (values ? kv_cols : 0) + head * head_dim;
+        float x[2][4] = {};
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int quad = lane + TURBO_WARP * i;
+            if (quad >= head_dim / 4) continue;
+            ew_load4(row + 4 * quad, x[i]);
+            if (!values) {
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const float2 k = rope_rotate(make_float2(x[i][2 * j], x[i][2 * j + 1]), pos,
+                                                 inv_freq[2 * quad + j]);
+                    const float2 b = __bfloat1622float2(__floats2bfloat162_rn(k.x, k.y));
+                    x[i][2 * j] = b.x;
+                    x[i][2 * j + 1] = b.y;
+                }
+            }
+        }
+        float* scale;
+        unsigned char* codes =
+            ew_kvq_row(values ? v_cache : k_cache, slot, head, block_size, n_kv_heads, head_dim, &scale);
+        ew_kvq_store_row<KIND>(x, head_dim, codes, scale);
+    }
+}
+
+#define EW_QKV_ROPE_KV_QUANT(NAME, KIND)                                                                        \
+    extern "C" __global__ void NAME(const __nv_bfloat16* qkv, __nv_bfloat16* q, unsigned char* k_cache,         \
+                                    unsigned char* v_cache, const unsigned* positions, const unsigned* slots,   \
+                                    const float* inv_freq, int q_cols, int n_kv_heads, int head_dim,           \
+                                    int block_size, long long cache_slots) {                                   \
+        ew_qkv_rope_kv_quant<KIND>(qkv, q, k_cache, v_cache, positions, slots, inv_freq, q_cols, n_kv_heads,   \
+                                   head_dim, block_size, cache_slots);                                          \
+    }
+EW_QKV_ROPE_KV_QUANT(qkv_rope_kv_q8, KV_INT8)
+EW_QKV_ROPE_KV_QUANT(qkv_rope_kv_f8, KV_FP8)
+
 // gate = silu(gate) * up = gate / (1 + exp(-gate)) * up, over n elements, f32 math.
 __device__ __forceinline__ float ew_silu_mul(float g, float u) {
     return g / (1.f + expf(-g)) * u;
@@ -145,35 +275,86 @@ extern "C" __global__ void write_kv_bf16(__nv_bfloat16* k_cache, __nv_bfloat16* 
     ew_copy_row(dst, src, slot_len);
 }
 
+// write_kv_bf16 into a quantized cache: k and v are [tokens][n_kv_heads * head_dim]; every
+// (token, KV head) row of keys and of values is quantized (ew_kvq_store_row) into slot slots[t]
+// of one layer's ranges (a slot >= cache_slots is skipped). A warp per row, grid-stride.
+template <int KIND>
+__device__ __forceinline__ void ew_write_kv_quant(unsigned char* k_cache, unsigned char* v_cache,
+                                                  const __nv_bfloat16* k, const __nv_bfloat16* v,
+                                                  const unsigned* slots, int tokens, int n_kv_heads, int head_dim,
+                                                  int block_size, long long cache_slots) {
+    const int lane = threadIdx.x % TURBO_WARP, warps = blockDim.x / TURBO_WARP;
+    const long long rows = (long long)tokens * 2 * n_kv_heads;
+    // r is the same for the whole warp, so every branch below is warp-uniform.
+    for (long long r = (long long)blockIdx.x * warps + threadIdx.x / TURBO_WARP; r < rows;
+         r += (long long)gridDim.x * warps) {
+        const long long t = r / (2 * n_kv_heads);
+        const int rem = (int)(r - t * 2 * n_kv_heads);
+        const bool values = rem >= n_kv_heads;
+        const int head = values ? rem - n_kv_heads : rem;
+        const unsigned slot = slots[t];
+        if ((long long)slot >= cache_slots) continue;
+        const __nv_bfloat16* row =
+            (values ? v : k) + ((size_t)t * (size_t)n_kv_heads + (size_t)head) * (size_t)head_dim;
+        float x[2][4] = {};
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int quad = lane + TURBO_WARP * i;
+            if (quad < head_dim / 4) ew_load4(row + 4 * quad, x[i]);
+        }
+        float* scale;
+        unsigned char* codes =
+            ew_kvq_row(values ? v_cache : k_cache, slot, head, block_size, n_kv_heads, head_dim, &scale);
+        ew_kvq_store_row<KIND>(x, head_dim, codes, scale);
+    }
+}
+
+#define EW_WRITE_KV_QUANT(NAME, KIND)                                                                           \
+    extern "C" __global__ void NAME(unsigned char* k_cache, unsigned char* v_cache, const __nv_bfloat16* k,     \
+                                    const __nv_bfloat16* v, const unsigned* slots, int tokens, int n_kv_heads, \
+                                    int head_dim, int block_size, long long cache_slots) {                     \
+        ew_write_kv_quant<KIND>(k_cache, v_cache, k, v, slots, tokens, n_kv_heads, head_dim, block_size,       \
+                                cache_slots);                                                                  \
+    }
+EW_WRITE_KV_QUANT(write_kv_q8, KV_INT8)
+EW_WRITE_KV_QUANT(write_kv_f8, KV_FP8)
+
 // Moves, in place, chunks of `k` rows of one (layer, KV head): row kept[j] to row j, each row
-// `units` elements of type T at (slot * n_kv_heads + head) * units. A chunk is blockDim.x / units
-// rows, all read before any is written; since kept[j] >= j and rows are strictly increasing,
-// earlier chunks wrote only below this chunk's sources and later chunks read only above its
-// destinations.
-template <typename T>
-__device__ __forceinline__ void ew_compact_rows(T* cache, const unsigned* row, const unsigned* block_table, int k,
-                                                int block_size, int n_kv_heads, int head, int units) {
+// `units` elements of type T starting at at(block, offset) for the key's cache block and offset
+// in it. A chunk is blockDim.x / units rows, all read before any is written; since kept[j] >= j
+// and rows are strictly increasing, earlier chunks wrote only below this chunk's sources and
+// later chunks read only above its destinations.
+template <typename T, typename At>
+__device__ __forceinline__ void ew_compact_rows(const unsigned* row, const unsigned* block_table, int k,
+                                                int block_size, int units, At at) {
     const int per_chunk = blockDim.x / units;
     const int t = threadIdx.x % units;
     for (int j0 = 0; j0 < k; j0 += per_chunk) {
         const int j = j0 + (int)threadIdx.x / units;
         bool moves = false;
-        size_t dst = 0;
+        T* dst = nullptr;
         T x{};
         if ((int)threadIdx.x < per_chunk * units && j < k) {
             const unsigned from = row[j], to = (unsigned)j;
             if (from != to) {
-                const size_t src_slot = (size_t)block_table[from / block_size] * block_size + from % block_size;
-                const size_t dst_slot = (size_t)block_table[to / block_size] * block_size + to % block_size;
-                x = cache[(src_slot * n_kv_heads + head) * units + t];
-                dst = (dst_slot * n_kv_heads + head) * units + t;
+                x = at(block_table[from / block_size], from % block_size)[t];
+                dst = at(block_table[to / block_size], to % block_size) + t;
                 moves = true;
             }
         }
         __syncthreads();
-        if (moves) cache[dst] = x;
+        if (moves) *dst = x;
         __syncthreads();
     }
+}
+
+// ew_compact_rows over a [block][slot][kv head][units] layout (bf16 keys and values, scores).
+template <typename T>
+__device__ __forceinline__ void ew_compact_plain(T* cache, const unsigned* row, const unsigned* block_table, int k,
+                                                 int block_size, int n_kv_heads, int head, int units) {
+    ew_compact_rows<T>(row, block_table, k, block_size, units, [=](unsigned block, unsigned off) {
+        return cache + (((size_t)block * block_size + off) * n_kv_heads + head) * units;
+    });
 }
 
 // Compacts a sequence's KV in every layer at once (KV eviction): in every (layer, KV head), the
@@ -192,14 +373,38 @@ extern "C" __global__ void compact_kv_bf16(const unsigned long long* layers, con
     if (base == 0) return;
     const unsigned* row = kept + ((size_t)layer * n_kv_heads + head) * (size_t)k;
     if (what == 2) {
-        ew_compact_rows(reinterpret_cast<float*>(base), row, block_table, k, block_size, n_kv_heads, head, 1);
+        ew_compact_plain(reinterpret_cast<float*>(base), row, block_table, k, block_size, n_kv_heads, head, 1);
     } else if (head_dim % 8 == 0) {
-        ew_compact_rows(reinterpret_cast<uint4*>(base), row, block_table, k, block_size, n_kv_heads, head,
-                        head_dim / 8);
+        ew_compact_plain(reinterpret_cast<uint4*>(base), row, block_table, k, block_size, n_kv_heads, head,
+                         head_dim / 8);
     } else {
-        ew_compact_rows(reinterpret_cast<__nv_bfloat16*>(base), row, block_table, k, block_size, n_kv_heads,
-                        head, head_dim);
+        ew_compact_plain(reinterpret_cast<__nv_bfloat16*>(base), row, block_table, k, block_size, n_kv_heads,
+                         head, head_dim);
     }
+}
+
+// compact_kv_bf16 for a quantized cache (INT8 and FP8 alike: bytes move as they are): a kept key's
+// codes row (16 bytes per thread; head_dim a multiple of 16, block_size · n_kv_heads of 4) and
+// then its scale move, per (layer, KV head); the scores as for bf16. Codes and scales are disjoint,
+// so each pass is ew_compact_rows' in-place move on its own.
+extern "C" __global__ void compact_kv_quant(const unsigned long long* layers, const unsigned* block_table,
+                                            const unsigned* kept, int k, int block_size, int n_layers,
+                                            int n_kv_heads, int head_dim) {
+    const int head = blockIdx.x, what = blockIdx.y, layer = blockIdx.z;
+    const unsigned long long base = layers[what * n_layers + layer];
+    if (base == 0) return;
+    const unsigned* row = kept + ((size_t)layer * n_kv_heads + head) * (size_t)k;
+    if (what == 2) {
+        ew_compact_plain(reinterpret_cast<float*>(base), row, block_table, k, block_size, n_kv_heads, head, 1);
+        return;
+    }
+    unsigned char* range = reinterpret_cast<unsigned char*>(base);
+    ew_compact_rows<uint4>(row, block_table, k, block_size, head_dim / 16, [=](unsigned block, unsigned off) {
+        return reinterpret_cast<uint4*>(range + kvq_code_at(block, off, head, block_size, n_kv_heads, head_dim));
+    });
+    ew_compact_rows<float>(row, block_table, k, block_size, 1, [=](unsigned block, unsigned off) {
+        return reinterpret_cast<float*>(range + kvq_scale_at(block, off, head, block_size, n_kv_heads, head_dim));
+    });
 }
 
 // SwiGLU of a fused gate/up product: gu is [rows, 2 * cols] with each row [gate | up];

@@ -280,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_TILE)
 //            key's score is updated once (no atomics: deterministic).
 #define SCORE_MMA_WARPS 4
 
-template <int HD, bool ADD>
+template <int HD, bool ADD, int KIND>
 __device__ __forceinline__ void score_mma(const __nv_bfloat16* __restrict__ q,
                                           const __nv_bfloat16* __restrict__ k_cache,
                                           const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,
@@ -297,6 +297,7 @@ __device__ __forceinline__ void score_mma(const __nv_bfloat16* __restrict__ q,
     static_assert(SCORE_TILE % RPP == 0 && SCORE_TILE % 16 == 0, "copy shape");
     __shared__ __align__(16) __nv_bfloat16 sK[SCORE_TILE * HD];
     __shared__ float colsum[ADD ? SCORE_MMA_WARPS : 1][SCORE_TILE];
+    __shared__ float sScale[KIND == KV_BF16 ? 1 : SCORE_TILE];  // quantized: each key's scale
 
     const int tid = threadIdx.x, lane = tid % TURBO_WARP, warp = tid / TURBO_WARP;
     const int gid = lane >> 2, t = lane & 3;  // mma fragment row group and column pair
@@ -316,9 +317,41 @@ __device__ __forceinline__ void score_mma(const __nv_bfloat16* __restrict__ q,
         const int r = tid / CPR + RPP * pass;
         const unsigned key = first + (unsigned)r;
         const bool valid = key < p.kv_len;
-        const __nv_bfloat16* src =
-            valid ? k_cache + (score_slot(tables, p, key, block_size) * n_kv_heads + g) * HD + cc * 8 : k_cache;
-        pf_cp_async16(&sK[pf_swz<HD>(r, cc)], src, valid);
+        if constexpr (KIND == KV_BF16) {
+            const __nv_bfloat16* src =
+                valid ? k_cache + (score_slot(tables, p, key, block_size) * n_kv_heads + g) * HD + cc * 8 : k_cache;
+            pf_cp_async16(&sK[pf_swz<HD>(r, cc)], src, valid);
+        } else {
+            // A quantized cache: the row's 8 codes of this chunk as their exact values (bf16 holds
+            // them), the row's scale beside the tile, applied to the scores.
+            float f[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++) f[e] = 0.f;
+            if (valid) {
+                const size_t slot = score_slot(tables, p, key, block_size);
+                const uint32_t blk = (uint32_t)(slot / (size_t)block_size);
+                const uint32_t off = (uint32_t)(slot - (size_t)blk * (size_t)block_size);
+                const uint8_t* base = reinterpret_cast<const uint8_t*>(k_cache);
+                const uint2 w = __ldg(reinterpret_cast<const uint2*>(
+                    base + kvq_code_at(blk, off, g, block_size, n_kv_heads, HD) + cc * 8));
+                if (cc == 0) {
+                    sScale[r] = __ldg(reinterpret_cast<const float*>(
+                                    base + kvq_scale_at(blk, off, g, block_size, n_kv_heads, HD))) *
+                                kvq_unit<KIND>();
+                }
+                float lo[4], hi[4];
+                kvq_decode4<KIND>(w.x, lo);
+                kvq_decode4<KIND>(w.y, hi);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    f[e] = lo[e];
+                    f[4 + e] = hi[e];
+                }
+            } else if (cc == 0) {
+                sScale[r] = 0.f;
+            }
+            *reinterpret_cast<uint4*>(&sK[pf_swz<HD>(r, cc)]) = bf16x8_pack(f);
+        }
     }
     pf_cp_async_commit();
     pf_cp_async_wait_all();
@@ -385,7 +418,7 @@ __device__ __forceinline__ void score_mma(const __nv_bfloat16* __restrict__ q,
                 const int i = e >> 1;
                 const unsigned j = first + (unsigned)(n * 8 + 2 * t + (e & 1));
                 const bool sees = live[i] && j < p.kv_len && j <= cached + r[i];
-                float y = scale * s[n][e];
+                float y = scale * (KIND == KV_BF16 ? s[n][e] : s[n][e] * sScale[n * 8 + 2 * t + (e & 1)]);
                 if (p.function == 2) y = (y + (sees ? score_gumbel_at(base[i], h[i], j) : 0.f)) * inv_tau;
                 s[n][e] = sees ? y : -INFINITY;
             }
@@ -460,21 +493,24 @@ __device__ __forceinline__ void score_mma(const __nv_bfloat16* __restrict__ q,
 }
 
 #define SCORE_MMA_KERNELS(HD)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(SCORE_MMA_WARPS * TURBO_WARP) kv_score_partial_mma_d##HD(      \
+    SCORE_MMA_KERNELS_OF(HD, KV_BF16, d) SCORE_MMA_KERNELS_OF(HD, KV_INT8, q8_d) SCORE_MMA_KERNELS_OF(HD, KV_FP8, f8_d)
+// The q8 and f8 kernels read INT8 and FP8 caches (same arguments).
+#define SCORE_MMA_KERNELS_OF(HD, KIND, NAME)                                                                   \
+    extern "C" __global__ void __launch_bounds__(SCORE_MMA_WARPS * TURBO_WARP) kv_score_partial_mma_##NAME##HD( \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                         \
         const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,                                \
         const unsigned* __restrict__ tiles, const unsigned* __restrict__ positions, float2* __restrict__ partials, \
         int n_heads, int n_kv_heads, int head_dim, int block_size, int layer, float scale) {                    \
-        score_mma<HD, false>(q, k_cache, tables, spans, tiles, positions, partials, nullptr, nullptr, n_heads,  \
+        score_mma<HD, false, KIND>(q, k_cache, tables, spans, tiles, positions, partials, nullptr, nullptr, n_heads,  \
                              n_kv_heads, block_size, layer, scale);                                             \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(SCORE_MMA_WARPS * TURBO_WARP) kv_score_add_mma_d##HD(          \
+    extern "C" __global__ void __launch_bounds__(SCORE_MMA_WARPS * TURBO_WARP) kv_score_add_mma_##NAME##HD(     \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                         \
         float* __restrict__ scores, const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,    \
         const unsigned* __restrict__ tiles, const unsigned* __restrict__ positions,                             \
         const float* __restrict__ lse, int n_heads, int n_kv_heads, int head_dim, int block_size, int layer,    \
         float scale) {                                                                                          \
-        score_mma<HD, true>(q, k_cache, tables, spans, tiles, positions, nullptr, lse, scores, n_heads,         \
+        score_mma<HD, true, KIND>(q, k_cache, tables, spans, tiles, positions, nullptr, lse, scores, n_heads,         \
                             n_kv_heads, block_size, layer, scale);                                              \
     }
 

@@ -13,8 +13,10 @@
 //! Every step is one IEEE f32 operation (the division, the rounding, the product), so a GPU kernel
 //! doing the same operations writes the same codes and reads the same values bit for bit. A row
 //! of zeros has scale 0 and codes 0. A row holding a non-finite value gets a non-finite scale
-//! and decodes to non-finite values: attention over it is as undefined as over the unquantized
-//! row, nothing panics.
+//! (NaN with codes 0 when any element is NaN) and decodes to non-finite values: attention over it
+//! is as undefined as over the unquantized row, nothing panics. (The GPU's readers apply the
+//! scale to a dot product or a softmax weight rather than to each code, so they read the same
+//! values up to that rounding.)
 
 use std::fmt;
 
@@ -161,6 +163,12 @@ pub fn e4m3_code(x: f32) -> u8 {
 pub fn quantize_row(dtype: KvDtype, x: &[f32], codes: &mut [u8]) -> f32 {
     assert!(dtype.is_quantized(), "quantize_row of an unquantized dtype");
     assert_eq!(x.len(), codes.len());
+    // A NaN anywhere makes the scale NaN (max would skip it), so the whole row decodes to NaN
+    // as the unquantized row would poison attention; its codes are 0.
+    if x.iter().any(|v| v.is_nan()) {
+        codes.fill(0);
+        return f32::NAN;
+    }
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 {
         codes.fill(0);
@@ -330,6 +338,21 @@ mod tests {
             let mut out = [1f32; 4];
             dequantize_row(dtype, &codes, 0.0, &mut out);
             assert_eq!(out, [0.0; 4]);
+        }
+    }
+
+    /// A NaN anywhere poisons the whole row (scale NaN, codes 0), where a max that skips NaNs would
+    /// give the row a finite scale and an FP8 NaN code that a reader might decode as a number.
+    #[test]
+    fn rows_with_nan_decode_to_nan() {
+        for dtype in [KvDtype::Int8, KvDtype::Fp8] {
+            let mut codes = [9u8; 4];
+            let scale = quantize_row(dtype, &[1.0, f32::NAN, -2.0, 0.5], &mut codes);
+            assert!(scale.is_nan(), "{dtype}");
+            assert_eq!(codes, [0; 4]);
+            let mut out = [1f32; 4];
+            dequantize_row(dtype, &codes, scale, &mut out);
+            assert!(out.iter().all(|v| v.is_nan()), "{dtype}: {out:?}");
         }
     }
 

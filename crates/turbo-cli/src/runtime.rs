@@ -52,7 +52,7 @@ pub struct ModelArgs {
     /// How the KV cache stores keys and values: bf16 (unquantized; f32 on the CPU), int8
     /// (symmetric, a scale per token and KV head) or fp8 (E4M3, a scale per token and KV head).
     /// INT8 and FP8 take half the bytes of bf16, so the same --kv-cache-gb holds twice the
-    /// tokens. CPU only for now.
+    /// tokens; on a GPU they also halve what decode attention reads.
     #[arg(long, default_value = "bf16", value_parser = parse_kv_dtype)]
     pub kv_dtype: KvDtype,
     /// On the CPU: f32 keeps decode products exact; q8 rounds their activations to 8 bits per

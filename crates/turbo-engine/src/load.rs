@@ -173,13 +173,6 @@ impl ModelOptions {
             device,
         };
         let world = self.tensor_parallel;
-        if matches!(device, Device::Cuda(_)) && self.kv_dtype.is_quantized() {
-            return Err(EngineError::Config(format!(
-                "the {} KV cache runs on the CPU only for now (use --kv-dtype bf16 on a GPU, or \
-                 --device cpu)",
-                self.kv_dtype
-            )));
-        }
         match device {
             Device::Cuda(ordinal) => {
                 let backends = match world {

@@ -7,6 +7,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use std::sync::Arc;
 use std::time::Duration;
+use turbo_attention::KvDtype;
 use turbo_attention::QuerySpan;
 use turbo_kernels::ops::{attention, elementwise, linear, norm};
 use turbo_kernels::CudaDevice;
@@ -25,6 +26,36 @@ fn random_bf16(stream: &Arc<CudaStream>, n: usize, seed: u64) -> CudaSlice<bf16>
             x ^= x << 17;
             bf16::from_f32((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
         })
+        .collect();
+    stream.clone_htod(&host).expect("upload")
+}
+
+/// A quantized cache of `blocks` blocks in `layout`'s device layout: random even codes (finite in
+/// INT8 and FP8 alike: FP8's NaNs are odd) and every scale 1/128, as bf16 pairs.
+fn random_quantized(
+    stream: &Arc<CudaStream>,
+    layout: attention::KvLayout,
+    blocks: usize,
+    seed: u64,
+) -> CudaSlice<bf16> {
+    let rows = layout.block_size * layout.n_kv_heads;
+    let codes = rows * layout.head_dim;
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut bytes = vec![0u8; blocks * layout.block_bytes()];
+    for block in bytes.chunks_mut(layout.block_bytes()) {
+        for c in &mut block[..codes] {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *c = (x >> 56) as u8 & 0xFE;
+        }
+        for sc in block[codes..].chunks_mut(4) {
+            sc.copy_from_slice(&(1.0f32 / 128.0).to_le_bytes());
+        }
+    }
+    let host: Vec<bf16> = bytes
+        .chunks(2)
+        .map(|p| bf16::from_bits(u16::from_le_bytes([p[0], p[1]])))
         .collect();
     stream.clone_htod(&host).expect("upload")
 }
@@ -62,22 +93,29 @@ fn bench(c: &mut Criterion) {
                       ctx: usize,
                       row_kernel: attention::RowKernel,
                       split: attention::KvSplit,
-                      graph: bool| {
+                      graph: bool,
+                      dtype: KvDtype| {
         let (heads, kv_heads, d, bs) = (32usize, 8usize, 128usize, 16usize);
         let blocks_per_seq = ctx / bs;
-        let cache_len = batch * blocks_per_seq * bs * kv_heads * d;
+        let layout = attention::KvLayout {
+            block_size: bs,
+            n_kv_heads: kv_heads,
+            head_dim: d,
+            dtype,
+        };
+        // bf16 elements of each cache (a quantized one: its bytes, two to an element).
+        let cache_len = batch * blocks_per_seq * layout.block_len();
         // A model reads each layer's KV once per step, long after the other layers' traffic has
         // evicted it from the 50 MB L2: runs cycle through enough caches to read at least
         // L2_FLUSH_BYTES between two reads of the same one, so that small caches are not served
         // from L2.
         let copies = L2_FLUSH_BYTES.div_ceil(2 * cache_len * 2).max(1);
+        let cache = |seed| match dtype {
+            KvDtype::Full => random_bf16(&s, cache_len, seed),
+            _ => random_quantized(&s, layout, batch * blocks_per_seq, seed),
+        };
         let caches: Vec<_> = (0..copies as u64)
-            .map(|i| {
-                (
-                    random_bf16(&s, cache_len, 1 + 2 * i),
-                    random_bf16(&s, cache_len, 2 + 2 * i),
-                )
-            })
+            .map(|i| (cache(1 + 2 * i), cache(2 + 2 * i)))
             .collect();
         let q = random_bf16(&s, batch * heads * d, 3);
         let mut out = s.alloc_zeros::<bf16>(batch * heads * d).unwrap();
@@ -98,11 +136,6 @@ fn bench(c: &mut Criterion) {
                 block_table: t,
             })
             .collect();
-        let layout = attention::KvLayout {
-            block_size: bs,
-            n_kv_heads: kv_heads,
-            head_dim: d,
-        };
         let options = attention::PlanOptions {
             row_kernel,
             split,
@@ -128,7 +161,13 @@ fn bench(c: &mut Criterion) {
             attention::KvSplit::Chunk(c) => format!("_chunk{c}"),
             _ => String::new(),
         };
-        let name = format!("decode_attention_b{batch}_ctx{ctx}_gqa32x8_d128{kernel}{split}");
+        let cache_dtype = match dtype {
+            KvDtype::Full => "",
+            KvDtype::Int8 => "_int8",
+            KvDtype::Fp8 => "_fp8",
+        };
+        let name =
+            format!("decode_attention_b{batch}_ctx{ctx}_gqa32x8_d128{kernel}{split}{cache_dtype}");
         if !graph {
             g.bench_function(name, |b| {
                 b.iter_custom(|iters| {
@@ -165,24 +204,32 @@ fn bench(c: &mut Criterion) {
         attention::RowKernel::PerHead,
         attention::KvSplit::Auto,
     );
-    decode(64, 4096, grouped, auto, false);
-    decode(64, 4096, per_head, auto, false);
+    decode(64, 4096, grouped, auto, false, KvDtype::Full);
+    decode(64, 4096, per_head, auto, false, KvDtype::Full);
     // Short contexts, as in batched chat decode.
     for ctx in [256usize, 1024] {
-        decode(64, ctx, grouped, auto, false);
-        decode(64, ctx, per_head, auto, false);
+        decode(64, ctx, grouped, auto, false, KvDtype::Full);
+        decode(64, ctx, per_head, auto, false, KvDtype::Full);
+    }
+    // INT8 and FP8 caches: batch 64 at 4k keys, and batch 1 at 16k and 32k (split, replayed).
+    for dtype in [KvDtype::Int8, KvDtype::Fp8] {
+        decode(64, 4096, grouped, auto, false, dtype);
+        decode(64, 4096, per_head, auto, false, dtype);
+        for ctx in [16384usize, 32768] {
+            decode(1, ctx, grouped, auto, true, dtype);
+        }
     }
     // Split-KV: launched one by one, and replayed from a graph as the model runs them.
     for graph in [false, true] {
         for batch in [1usize, 4] {
             for ctx in [8192usize, 16384, 32768, 65536, 131072] {
-                decode(batch, ctx, grouped, auto, graph);
+                decode(batch, ctx, grouped, auto, graph, KvDtype::Full);
             }
         }
         // The per-head kernel (head dimensions without a grouped one) splits and merges the same
         // way, reading each K and V row once per query head.
         for ctx in [8192usize, 32768] {
-            decode(1, ctx, per_head, auto, graph);
+            decode(1, ctx, per_head, auto, graph, KvDtype::Full);
         }
     }
     // The split planner's choice against longer ranges (fewer CTAs and states), and the fixed
@@ -204,7 +251,14 @@ fn bench(c: &mut Criterion) {
         (4, 8192, 2048),
         (4, 16384, 4096),
     ] {
-        decode(batch, ctx, grouped, attention::KvSplit::Chunk(chunk), true);
+        decode(
+            batch,
+            ctx,
+            grouped,
+            attention::KvSplit::Chunk(chunk),
+            true,
+            KvDtype::Full,
+        );
     }
 
     // Prefill attention: one causal sequence of 2048 or 8192 tokens, 32 heads, d 128.
@@ -225,6 +279,7 @@ fn bench(c: &mut Criterion) {
             block_size: bs,
             n_kv_heads: heads,
             head_dim: d,
+            dtype: KvDtype::Full,
         };
         // Causal: half of full attention's 4·n²·d·heads FLOP ("elements" below are FLOP).
         g.throughput(Throughput::Elements((2 * n * n * d * heads) as u64));
@@ -551,6 +606,7 @@ fn bench_cascade(c: &mut Criterion) {
                 block_size: bs,
                 n_kv_heads: kv_heads,
                 head_dim: d,
+                dtype: KvDtype::Full,
             };
             // Keys attended, over all sequences (what plain attention reads).
             g.throughput(Throughput::Elements((batch * (prefix + suffix)) as u64));

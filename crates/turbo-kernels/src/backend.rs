@@ -5,7 +5,7 @@ use crate::error::CudaError;
 use crate::nccl::NcclRank;
 use crate::ops;
 use crate::ops::attention::{AttentionPlan, KvLayout, KvSplit, LogitScoring, PlanOptions};
-use crate::ops::elementwise::CompactShape;
+use crate::ops::elementwise::{CompactShape, QuantGeometry};
 use crate::ops::gemv::{gemv_fits, GemvNorm, GemvOut, QkvRopeOut};
 use crate::ops::scores::{self, FixedScoring, ScoreGeometry, ScorePlan};
 use cudarc::driver::sys::CUstreamCaptureMode;
@@ -421,12 +421,6 @@ impl Backend for CudaBackend {
     }
 
     fn kv_cache(&self, spec: KvCacheSpec) -> Result<CudaKvCache> {
-        if spec.dtype.is_quantized() {
-            return Err(turbo_core::BackendError::Unsupported(format!(
-                "the CUDA backend has no {} KV cache yet (use --kv-dtype bf16, or --device cpu)",
-                spec.dtype
-            )));
-        }
         if !ops::attention::SUPPORTED_HEAD_DIMS.contains(&spec.head_dim) {
             return Err(turbo_core::BackendError::Unsupported(format!(
                 "the CUDA backend has no attention kernel for head dimension {} (supported: {:?})",
@@ -575,6 +569,7 @@ impl Backend for CudaBackend {
             block_size: spec.block_size,
             n_kv_heads: spec.n_kv_heads,
             head_dim: spec.head_dim,
+            dtype: spec.dtype,
         };
         let options = if graph.is_some() {
             PlanOptions {
@@ -1001,6 +996,7 @@ impl Backend for CudaBackend {
                 n_layers: spec.n_layers,
                 n_kv_heads: spec.n_kv_heads,
                 head_dim: spec.head_dim,
+                dtype: spec.dtype,
             },
         )?)
     }
@@ -1070,12 +1066,13 @@ impl Backend for CudaBackend {
                 n_layers: spec.n_layers,
                 n_kv_heads: spec.n_kv_heads,
                 head_dim: spec.head_dim,
+                dtype: spec.dtype,
             },
         )?)
     }
 
     fn supports_kv_scores(&self, spec: &KvCacheSpec) -> bool {
-        ops::scores::supports_head_dim(spec.head_dim)
+        ops::scores::supports(spec.head_dim, spec.dtype)
     }
 
     fn accumulate_kv_scores(
@@ -1161,8 +1158,22 @@ impl Backend for CudaBackend {
         batch: &CudaBatch,
     ) -> Result<()> {
         batch.check_cache(cache)?;
-        let slot_len = cache.spec().n_kv_heads * cache.spec().head_dim;
+        let spec = *cache.spec();
+        let slot_len = spec.n_kv_heads * spec.head_dim;
         let (keys, values) = cache.layer_mut(layer);
+        if spec.dtype.is_quantized() {
+            return Ok(ops::elementwise::write_kv_quant(
+                &self.dev,
+                spec.dtype,
+                keys,
+                values,
+                &k.data,
+                &v.data,
+                &batch.view(&batch.sections.slots),
+                batch.tokens,
+                QuantGeometry::of(&spec),
+            )?);
+        }
         Ok(ops::elementwise::write_kv(
             &self.dev,
             keys,
@@ -1188,7 +1199,24 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         batch.check_cache(cache)?;
         let (q_cols, kv_cols) = (q.cols, k.cols);
+        let spec = *cache.spec();
         let (keys, values) = cache.layer_mut(layer);
+        if spec.dtype.is_quantized() {
+            return Ok(ops::elementwise::qkv_rope_kv_quant(
+                &self.dev,
+                spec.dtype,
+                &qkv.data,
+                &mut q.data,
+                keys,
+                values,
+                batch.tokens,
+                QuantGeometry::of(&spec),
+                q_cols,
+                &batch.view(&batch.sections.positions),
+                &batch.view(&batch.sections.slots),
+                &batch.inv_freq_dev,
+            )?);
+        }
         Ok(ops::elementwise::qkv_rope_kv(
             &self.dev,
             &qkv.data,
@@ -1219,7 +1247,12 @@ impl Backend for CudaBackend {
         layer: usize,
         batch: &CudaBatch,
     ) -> Result<()> {
-        if !gemv_fits(x.rows, wqkv.cols) || wqkv.rows != q.cols + 2 * k.cols {
+        // A quantized row's scale needs the whole row, which no warp of the fused product holds:
+        // quantized caches take the product, then the quantizing RoPE and KV write.
+        if !gemv_fits(x.rows, wqkv.cols)
+            || wqkv.rows != q.cols + 2 * k.cols
+            || cache.spec().dtype.is_quantized()
+        {
             self.norm_linear(x, weight, eps, normed, wqkv, qkv)?;
             return self.qkv_rope_write(qkv, q, k, v, head_dim, cache, layer, batch);
         }

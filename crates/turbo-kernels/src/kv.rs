@@ -1,7 +1,8 @@
 //! The CUDA backend's paged KV cache.
 //!
-//! Each layer's keys and each layer's values are one `[block][slot][kv head][head_dim]` bf16
-//! range. By default every range is allocated in full when the cache is made. With a chunk size
+//! Each layer's keys and each layer's values are one range of blocks: `[block][slot][kv
+//! head][head_dim]` bf16, or with an INT8/FP8 dtype each block's 8-bit codes in that order and
+//! then its f32 scales `[slot][kv head]` (`kernels/common.cuh`). By default every range is allocated in full when the cache is made. With a chunk size
 //! ([`crate::CudaBackend::set_kv_chunk_blocks`]), a range is only *reserved* as virtual addresses
 //! for all of the cache's blocks (`cuMemAddressReserve`), and device memory is mapped into it a
 //! chunk at a time (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`) as the highest block that a step
@@ -28,8 +29,8 @@ use turbo_core::backend::{BatchLayout, Result};
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::BackendError;
 
-/// Paged KV for all layers: per layer, keys and values of `spec.max_blocks` blocks, each
-/// `[block][slot][kv head][head_dim]` bf16, at addresses that never change.
+/// Paged KV for all layers: per layer, keys and values of `spec.max_blocks` blocks (bf16, or
+/// codes and scales: see the module's doc), at addresses that never change.
 pub struct CudaKvCache {
     spec: KvCacheSpec,
     /// Unique per cache made by this process: a recorded step names the cache it ran on (a new
@@ -66,11 +67,27 @@ impl CudaKvCache {
     ) -> Result<Self> {
         let too_large =
             || BackendError::Unsupported(format!("a KV cache of {spec:?} is too large to address"));
+        // A quantized block is its codes and then its f32 scales (`kernels/common.cuh`), whose
+        // rows start 16-byte aligned only when block_size · n_kv_heads is a multiple of 4.
+        let quantized = spec.dtype.is_quantized();
+        if quantized && !(spec.block_size * spec.n_kv_heads).is_multiple_of(4) {
+            return Err(BackendError::Unsupported(format!(
+                "{} KV caches need block_size x KV heads to be a multiple of 4 (block size {}, \
+                 {} KV heads)",
+                spec.dtype, spec.block_size, spec.n_kv_heads
+            )));
+        }
+        let row_bytes = match quantized {
+            true => spec.head_dim.checked_add(4),
+            false => spec.head_dim.checked_mul(2),
+        };
+        // bf16 elements of one block (a quantized range is addressed as bf16 too, 2 bytes each).
         let block_len = spec
             .block_size
             .checked_mul(spec.n_kv_heads)
-            .and_then(|n| n.checked_mul(spec.head_dim))
-            .ok_or_else(too_large)?;
+            .and_then(|n| n.checked_mul(row_bytes?))
+            .ok_or_else(too_large)?
+            / 2;
         let len = block_len
             .checked_mul(spec.max_blocks)
             .filter(|n| n.checked_mul(2).is_some())
@@ -159,7 +176,8 @@ impl CudaKvCache {
     }
 
     /// `layer`'s keys and its scores, the scores of every layer allocated zeroed on first use
-    /// (about 1/(2 · head_dim) of the KV's bytes, as f32 against bf16 keys and values).
+    /// (about 1/(2 · head_dim) of the KV's bytes with bf16 keys and values, 1/(head_dim + 4)
+    /// with 8-bit ones).
     pub(crate) fn scored_layer(
         &mut self,
         layer: usize,

@@ -31,7 +31,8 @@ use half::bf16;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use turbo_attention::{PagedKv, QuerySpan};
+use turbo_attention::kv_quant::{dequantize_row, quantize_row};
+use turbo_attention::{KvDtype, PagedKv, QuerySpan};
 use turbo_kernels::ops::attention::{
     paged_attention, paged_attention_with, AttentionPlan, KvLayout, KvSplit, LogitScoring,
     PlanOptions, PrefillKernel, RowKernel, PREFILL_MIN_ROWS,
@@ -71,6 +72,44 @@ struct Problem {
     v: Vec<bf16>,
     q_starts: Vec<usize>,
     tables: Vec<Vec<u32>>,
+    /// With a quantized dtype: the caches as the device holds them (each block's codes, then its
+    /// scales; bytes two to a bf16) and their values decoded, which the reference reads.
+    quantized: Option<Quantized>,
+}
+
+struct Quantized {
+    dtype: KvDtype,
+    k: Vec<bf16>,
+    v: Vec<bf16>,
+    k_values: Vec<f32>,
+    v_values: Vec<f32>,
+}
+
+/// `cache` (bf16 `[block][slot][kv head][head_dim]`) quantized row by row with the CPU's
+/// quantizer into the device layout of `kernels/common.cuh`, and the decoded values.
+fn quantize_cache(dtype: KvDtype, case: &Case, cache: &[bf16]) -> (Vec<bf16>, Vec<f32>) {
+    let (bs, kvh, hd) = (case.block_size, case.n_kv_heads, case.head_dim);
+    let rows_per_block = bs * kvh;
+    let block_bytes = rows_per_block * (hd + 4);
+    let n_blocks = cache.len() / (rows_per_block * hd);
+    let mut bytes = vec![0u8; n_blocks * block_bytes];
+    let mut values = vec![0f32; cache.len()];
+    let mut codes = vec![0u8; hd];
+    for (r, row) in cache.chunks(hd).enumerate() {
+        let (b, i) = (r / rows_per_block, r % rows_per_block);
+        let x = to_f32(row);
+        let scale = quantize_row(dtype, &x, &mut codes);
+        dequantize_row(dtype, &codes, scale, &mut values[r * hd..(r + 1) * hd]);
+        let at = b * block_bytes + i * hd;
+        bytes[at..at + hd].copy_from_slice(&codes);
+        let sat = b * block_bytes + rows_per_block * hd + 4 * i;
+        bytes[sat..sat + 4].copy_from_slice(&scale.to_le_bytes());
+    }
+    let pairs = bytes
+        .chunks(2)
+        .map(|p| bf16::from_bits(u16::from_le_bytes([p[0], p[1]])))
+        .collect();
+    (pairs, values)
 }
 
 fn uniform_bf16(rng: &mut ChaCha8Rng, n: usize) -> Vec<bf16> {
@@ -126,6 +165,36 @@ impl Problem {
             v,
             q_starts,
             tables,
+            quantized: None,
+        }
+    }
+
+    /// The same problem over a cache quantized to `dtype` (the reference then reads the decoded
+    /// values).
+    fn quantize(mut self, dtype: KvDtype) -> Problem {
+        if dtype.is_quantized() {
+            let (k, k_values) = quantize_cache(dtype, &self.case, &self.k);
+            let (v, v_values) = quantize_cache(dtype, &self.case, &self.v);
+            self.quantized = Some(Quantized {
+                dtype,
+                k,
+                v,
+                k_values,
+                v_values,
+            });
+        }
+        self
+    }
+
+    fn dtype(&self) -> KvDtype {
+        self.quantized.as_ref().map_or(KvDtype::Full, |q| q.dtype)
+    }
+
+    /// The caches as uploaded.
+    fn caches(&self) -> (&[bf16], &[bf16]) {
+        match &self.quantized {
+            Some(q) => (&q.k, &q.v),
+            None => (&self.k, &self.v),
         }
     }
 
@@ -157,13 +226,17 @@ impl Problem {
             block_size: self.case.block_size,
             n_kv_heads: self.case.n_kv_heads,
             head_dim: self.case.head_dim,
+            dtype: self.dtype(),
         }
     }
 
-    /// The CPU reference on the bf16 values: (out, lse).
+    /// The CPU reference on the bf16 values (or the quantized cache's decoded values): (out, lse).
     fn reference(&self, scale: f32) -> (Vec<f32>, Vec<f32>) {
         let c = &self.case;
-        let (keys, values) = (to_f32(&self.k), to_f32(&self.v));
+        let (keys, values) = match &self.quantized {
+            Some(q) => (q.k_values.clone(), q.v_values.clone()),
+            None => (to_f32(&self.k), to_f32(&self.v)),
+        };
         let kv = PagedKv {
             keys: &keys,
             values: &values,
@@ -199,10 +272,11 @@ struct Device {
 impl Device {
     fn upload(dev: &CudaDevice, p: &Problem) -> Device {
         let s = &dev.stream;
+        let (k, v) = p.caches();
         Device {
             q: s.clone_htod(&p.q).unwrap(),
-            k: s.clone_htod(&p.k).unwrap(),
-            v: s.clone_htod(&p.v).unwrap(),
+            k: s.clone_htod(k).unwrap(),
+            v: s.clone_htod(v).unwrap(),
             out: s.clone_htod(&vec![bf16::NAN; p.q.len()]).unwrap(),
             lse: s
                 .clone_htod(&vec![f32::NAN; p.n_tokens * p.case.n_heads])
@@ -316,6 +390,11 @@ fn compare(
 /// one (peaked softmax, so the running maximum matters), comparing out and lse with the reference
 /// each time.
 fn check_case(dev: &CudaDevice, case: &Case, splits: &[KvSplit]) {
+    check_case_with(dev, case, splits, KvDtype::Full);
+}
+
+/// [`check_case`] over a cache of `dtype`.
+fn check_case_with(dev: &CudaDevice, case: &Case, splits: &[KvSplit], dtype: KvDtype) {
     let mut options = Vec::new();
     for &split in splits {
         for row_kernel in [RowKernel::Auto, RowKernel::PerHead] {
@@ -334,7 +413,7 @@ fn check_case(dev: &CudaDevice, case: &Case, splits: &[KvSplit]) {
             }
         }
     }
-    check_problem(dev, &Problem::new(case), &options);
+    check_problem(dev, &Problem::new(case).quantize(dtype), &options);
 }
 
 /// Runs `p` with each of `options` at the usual scale and a sharper one, comparing out and lse
@@ -346,8 +425,12 @@ fn check_problem(dev: &CudaDevice, p: &Problem, options: &[PlanOptions]) {
         let (ref_out, ref_lse) = p.reference(scale);
         for &o in options {
             let what = format!(
-                "{}/{} heads, d {}, blocks of {}, scale {scale}, {o:?}",
-                case.n_heads, case.n_kv_heads, case.head_dim, case.block_size
+                "{}/{} heads, d {}, blocks of {}, {} cache, scale {scale}, {o:?}",
+                case.n_heads,
+                case.n_kv_heads,
+                case.head_dim,
+                case.block_size,
+                p.dtype()
             );
             let (out, lse) = gpu.run(dev, p, scale, o, true);
             compare(&what, p, (&out, lse.as_deref()), (&ref_out, &ref_lse));
@@ -1190,4 +1273,138 @@ fn decode_rows_write_their_logits() {
             }
         }
     }
+}
+
+/// INT8 and FP8 caches through every kernel (grouped decode, per-head decode, split and merged
+/// rows, mma.sync prefill, the cascade pass), against the reference on the decoded values: the
+/// kernels decode the codes as they read them. Same tolerances as bf16: the decode kernels use
+/// the codes exactly and apply the scales in f32 (keys' to the scores, values' to the softmax
+/// weights before their bf16 rounding, which bf16 caches round too); the prefill kernels round
+/// each decoded value to bf16 (relative 2^-9, like the bf16 inputs they otherwise read).
+#[test]
+fn quantized_caches_on_every_path() {
+    require_gpu!();
+    let dev = device();
+    for (seed, dtype) in (300..).zip([KvDtype::Int8, KvDtype::Fp8]) {
+        let ragged = Case {
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+            block_size: 16,
+            seqs: vec![
+                (1, 1),
+                (1, 17),
+                (1, 1000),
+                (1, 5000),
+                (7, 16),
+                (64, 64),
+                (200, 450),
+            ],
+            seed,
+        };
+        check_case_with(
+            &dev,
+            &ragged,
+            &[
+                KvSplit::Auto,
+                KvSplit::Off,
+                KvSplit::Chunk(37),
+                KvSplit::Fixed(4),
+            ],
+            dtype,
+        );
+        let boundaries = Case {
+            n_heads: 9,
+            n_kv_heads: 3,
+            head_dim: 64,
+            block_size: 4,
+            seqs: vec![
+                (1, 3),
+                (1, 4),
+                (1, 5),
+                (1, 63),
+                (1, 65),
+                (3, 12),
+                (40, 90),
+                (1, 1),
+            ],
+            seed: seed + 10,
+        };
+        check_case_with(
+            &dev,
+            &boundaries,
+            &[KvSplit::Auto, KvSplit::Chunk(5), KvSplit::Fixed(8)],
+            dtype,
+        );
+        for (i, (head_dim, block_size)) in [(32, 8), (96, 8), (192, 8), (256, 16)]
+            .into_iter()
+            .enumerate()
+        {
+            let case = Case {
+                n_heads: 4,
+                n_kv_heads: 2,
+                head_dim,
+                block_size,
+                seqs: vec![(1, 100), (5, 20), (1, 700)],
+                seed: seed + 20 + i as u64,
+            };
+            check_case_with(&dev, &case, &[KvSplit::Auto, KvSplit::Chunk(16)], dtype);
+        }
+        // Cascade over shared quantized blocks.
+        let mut seqs = vec![(1, 700), (1, 641), (2, 1000), (1, 2000), (20, 700)];
+        seqs.extend(std::iter::repeat_n((1, 310), 12));
+        let mut p = Problem::new(&Case {
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+            block_size: 16,
+            seqs,
+            seed: seed + 30,
+        });
+        p.share_prefix(&[0, 1, 2, 3, 4], 40);
+        p.share_prefix(&(5..17).collect::<Vec<_>>(), 18);
+        let p = p.quantize(dtype);
+        let mut options = Vec::new();
+        for split in [KvSplit::Auto, KvSplit::Chunk(100)] {
+            for row_kernel in [RowKernel::Auto, RowKernel::PerHead] {
+                options.push(PlanOptions {
+                    split,
+                    row_kernel,
+                    cascade_min_shared: Some(1),
+                    prefill_kernel: PrefillKernel::Auto,
+                });
+            }
+        }
+        check_problem(&dev, &p, &options);
+    }
+}
+
+/// A quantized cache whose rows would not start 16-byte aligned (block_size x KV heads not a
+/// multiple of 4) is refused with an error, not read misaligned.
+#[test]
+fn quantized_cache_needs_aligned_rows() {
+    require_gpu!();
+    let dev = device();
+    let case = Case {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        block_size: 3,
+        seqs: vec![(1, 10)],
+        seed: 5,
+    };
+    let p = Problem::new(&case).quantize(KvDtype::Int8);
+    let spans = p.spans();
+    let err = AttentionPlan::new(
+        &dev,
+        p.layout(),
+        case.n_heads,
+        p.n_tokens,
+        &spans,
+        4,
+        PlanOptions::default(),
+    )
+    .err()
+    .expect("refused");
+    assert!(err.to_string().contains("multiple of 4"), "{err}");
 }

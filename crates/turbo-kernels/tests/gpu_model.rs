@@ -239,7 +239,7 @@ struct ScoreStep {
 fn scored_run<B: turbo_core::Backend>(
     backend: &B,
     function: turbo_keyformer::ScoreFunction,
-    (head_dim, n_kv_heads): (usize, usize),
+    (head_dim, n_kv_heads, dtype): (usize, usize, turbo_core::KvDtype),
     choose: &mut Choose,
 ) -> Vec<Vec<f32>> {
     use rand::SeedableRng;
@@ -254,7 +254,7 @@ fn scored_run<B: turbo_core::Backend>(
         head_dim,
         block_size: 16,
         max_blocks: 40,
-        dtype: turbo_core::KvDtype::Full,
+        dtype,
     };
     let kv_cols = spec.n_kv_heads * head_dim;
     let scale = 1.0 / (head_dim as f32).sqrt();
@@ -416,8 +416,18 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
     // 64 and 128: tensor-core prompt scoring and decode scoring from the attention's logits;
     // 96: the CUDA-core kernels reading the keys for both. 8 query heads over 2 KV heads (4 a
     // group: the decode kernel's lanes share the noise), 1 (8 a group) and 4 (a key's scores
-    // updated four at a time).
-    for (head_dim, kv_heads) in [(64, 2), (128, 2), (96, 2), (128, 1), (128, 4)] {
+    // updated four at a time). INT8 and FP8 caches too (the keys are bf16 values, which both
+    // backends quantize to the same codes): the quantized decode and prompt-scoring kernels.
+    use turbo_core::KvDtype::{Fp8, Full, Int8};
+    for (head_dim, kv_heads, dtype) in [
+        (64, 2, Full),
+        (128, 2, Full),
+        (96, 2, Full),
+        (128, 1, Full),
+        (128, 4, Full),
+        (64, 2, Int8),
+        (128, 2, Fp8),
+    ] {
         for (kind, function) in [
             (PolicyKind::H2O, ScoreFunction::Softmax),
             (
@@ -434,7 +444,8 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
                 cpu_kept.push(kept.clone());
                 (kept, k)
             };
-            let cpu_scores = scored_run(&cpu, function, (head_dim, kv_heads), &mut choose_cpu);
+            let cpu_scores =
+                scored_run(&cpu, function, (head_dim, kv_heads, dtype), &mut choose_cpu);
             let mut i = 0;
             let mut tie_breaks = 0;
             let mut choose_gpu = |_s: usize, scores: &[f32], keys: usize| {
@@ -456,7 +467,7 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
                             let s = row_scores[j as usize];
                             assert!(
                                 (s - min_kept).abs() <= 1e-4 * (1.0 + min_kept.abs()),
-                                "{kind:?} d={head_dim} kv={kv_heads}: GPU keeps key {j} (score {s}) that the \
+                                "{kind:?} {dtype} d={head_dim} kv={kv_heads}: GPU keeps key {j} (score {s}) that the \
                                  CPU drops; the CPU's smallest kept score is {min_kept}"
                             );
                         }
@@ -464,7 +475,8 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
                 }
                 (want.clone(), k)
             };
-            let gpu_scores = scored_run(&gpu, function, (head_dim, kv_heads), &mut choose_gpu);
+            let gpu_scores =
+                scored_run(&gpu, function, (head_dim, kv_heads, dtype), &mut choose_gpu);
             assert_eq!(cpu_scores.len(), gpu_scores.len());
             let mut worst = 0f32;
             for (c, g) in cpu_scores.iter().zip(&gpu_scores) {
@@ -474,12 +486,84 @@ fn gpu_kv_scores_and_kept_sets_match_cpu() {
                 }
             }
             eprintln!(
-                "{kind:?} d={head_dim} kv={kv_heads}: max relative score difference {worst:.2e}, \
+                "{kind:?} {dtype} d={head_dim} kv={kv_heads}: max relative score difference {worst:.2e}, \
                  {tie_breaks} kept keys differing by a tie"
             );
             assert!(
                 worst <= 2e-3,
-                "{kind:?} d={head_dim} kv={kv_heads}: scores differ by {worst}"
+                "{kind:?} {dtype} d={head_dim} kv={kv_heads}: scores differ by {worst}"
+            );
+        }
+    }
+}
+
+/// INT8 and FP8 KV caches on the GPU against the CPU backend with the same dtype: a prefill
+/// (tensor-core prefill kernel at head_dim 64 and 128), and a compaction followed by a chunk and
+/// decode steps (the grouped decode kernel reading quantized blocks, the codes and scales moved
+/// together). Both backends quantize each (token, KV head) row with the same rule, but from
+/// slightly different inputs (the GPU's keys and values are bf16, the CPU's f32), so a code may
+/// differ by one step where a value sits near a rounding boundary. The bound is the bf16
+/// tolerance plus the quantization's own effect on the CPU's logits (quantized against f32
+/// cache): a broken decode (wrong scale, code or row) moves logits by far more than either.
+#[test]
+fn quantized_kv_matches_cpu() {
+    use turbo_core::KvDtype;
+    use turbo_tests::engine::Compaction;
+    let Some(gpu) = gpu() else { return };
+    const TOL: f32 = 4e-2;
+    // (query heads, KV heads, hidden): head_dim 64 (GQA 2) and 128 (MQA).
+    for (heads, kv_heads, hidden) in [(4, 2, 256), (4, 1, 512)] {
+        let spec = TinySpec {
+            heads,
+            kv_heads,
+            hidden,
+            ffn: 256,
+            layers: 2,
+            seed: 7,
+            ..Default::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let loaded = load(&spec, DType::BF16, &dir);
+        let mut cpu_full = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
+        let mut cpu_model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
+        let mut gpu_model = Llama::new(gpu.clone(), &loaded.config, &loaded.weights).unwrap();
+        cpu_full.set_kv_dtype(KvDtype::Full);
+        for dtype in [KvDtype::Int8, KvDtype::Fp8] {
+            cpu_model.set_kv_dtype(dtype);
+            gpu_model.set_kv_dtype(dtype);
+            let tokens = random_tokens(&spec, 90, spec.seed + 1);
+            let full = engine_logits(&cpu_full, &tokens);
+            let cpu = engine_logits(&cpu_model, &tokens);
+            let gpu_logits = engine_logits(&gpu_model, &tokens);
+            let (own, d) = (rel_diff(&cpu, &full), rel_diff(&gpu_logits, &cpu));
+            eprintln!(
+                "{dtype} d {}: prefill, GPU vs CPU {d:.2e} (CPU {dtype} vs f32 cache {own:.2e})",
+                hidden / heads
+            );
+            assert!(d <= TOL + own, "{dtype}: prefill logits differ by {d}");
+
+            let (prefill, k, total, block_size) = (60, 30, 110, 16);
+            let tokens = random_tokens(&spec, total, spec.seed + 2);
+            let blocks = prefill.max(k + total - prefill).div_ceil(block_size);
+            let scenario = Compaction {
+                prefill,
+                kept: Compaction::random(spec.layers, spec.kv_heads, prefill, k, 3),
+                k,
+                block_size,
+                block_table: (0..blocks as u32).map(|b| (b * 5 + 2) % 23).collect(),
+                chunk: 5,
+            };
+            let full = scenario.run(&cpu_full, &tokens);
+            let cpu = scenario.run(&cpu_model, &tokens);
+            let gpu_logits = scenario.run(&gpu_model, &tokens);
+            let (own, d) = (rel_diff(&cpu, &full), rel_diff(&gpu_logits, &cpu));
+            eprintln!(
+                "{dtype} d {}: compacted + decode, GPU vs CPU {d:.2e} (CPU {dtype} vs f32 cache {own:.2e})",
+                hidden / heads
+            );
+            assert!(
+                d <= TOL + own,
+                "{dtype}: decode logits after compaction differ by {d}"
             );
         }
     }

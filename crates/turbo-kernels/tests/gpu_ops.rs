@@ -1020,6 +1020,7 @@ fn kept_keys_chosen_on_the_device_equal_the_host_rule() {
                 n_kv_heads,
                 head_dim: 64,
                 block_size,
+                dtype: turbo_attention::KvDtype::Full,
             },
             ops::scores::KeepSplit {
                 keys,

@@ -432,7 +432,7 @@ impl<B: Backend> PersistentBatch<B> {
         {
             sink.send(Event::Failed(RequestError::Eviction(format!(
                 "the {} policy needs attention scores, which {} does not compute for this \
-                 model's attention shape; window and sink run here",
+                 model's attention shape or KV cache dtype; window and sink run here",
                 request
                     .kv_eviction
                     .map(|e| e.policy.name())

@@ -36,14 +36,50 @@ use crate::error::Result;
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use half::bf16;
 use std::ops::Range;
-use turbo_attention::QuerySpan;
+use turbo_attention::{KvDtype, QuerySpan};
 
-/// Shape of one layer's paged KV: `[block][slot in block][kv head][head_dim]`.
+/// Shape of one layer's paged KV: `[block][slot in block][kv head][head_dim]` bf16, or with a
+/// quantized `dtype` blocks of 8-bit codes in that order followed by the block's f32 scales
+/// `[slot][kv head]` (`kernels/common.cuh`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvLayout {
     pub block_size: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    pub dtype: KvDtype,
+}
+
+impl KvLayout {
+    /// Bytes of one block of keys (or values).
+    pub fn block_bytes(&self) -> usize {
+        let rows = self.block_size * self.n_kv_heads;
+        match self.dtype {
+            KvDtype::Full => rows * self.head_dim * 2,
+            KvDtype::Int8 | KvDtype::Fp8 => rows * (self.head_dim + 4),
+        }
+    }
+
+    /// Elements of a bf16 range one block takes (a quantized range is passed as bf16 elements
+    /// too: two bytes each).
+    pub fn block_len(&self) -> usize {
+        self.block_bytes() / 2
+    }
+}
+
+/// A function naming a kernel instantiated per head dimension and cache dtype:
+/// `base_d64` (bf16), `base_q8_d64` (INT8), `base_f8_d64` (FP8); `None` for other head dimensions.
+macro_rules! kernel_names {
+    ($(#[$doc:meta])* $name:ident, $base:literal, [$($hd:literal),+]) => {
+        $(#[$doc])*
+        fn $name(head_dim: usize, dtype: KvDtype) -> Option<&'static str> {
+            Some(match (dtype, head_dim) {
+                $((KvDtype::Full, $hd) => concat!($base, "_d", $hd),
+                  (KvDtype::Int8, $hd) => concat!($base, "_q8_d", $hd),
+                  (KvDtype::Fp8, $hd) => concat!($base, "_f8_d", $hd),)+
+                _ => return None,
+            })
+        }
+    };
 }
 
 /// How each query row's keys are divided among CTAs.
@@ -109,9 +145,13 @@ const ROW_THREADS: u32 = 128;
 const GROUPED_ROWS: usize = 16;
 
 /// Dynamic shared memory of the grouped decode kernel: per warp (`DEC_WARPS`), a ring of
-/// `DEC_STAGES` stages of 16 keys' K and V rows.
-fn grouped_smem(head_dim: usize) -> usize {
-    4 * 3 * 2 * 16 * head_dim * 2
+/// `DEC_STAGES` stages of 16 keys' K and V rows (bf16), or `DEC_STAGES_Q` stages of their codes
+/// and scales.
+fn grouped_smem(head_dim: usize, dtype: KvDtype) -> usize {
+    match dtype {
+        KvDtype::Full => 4 * 3 * 2 * 16 * head_dim * 2,
+        KvDtype::Int8 | KvDtype::Fp8 => 4 * 4 * (2 * 16 * head_dim + 2 * 16 * 4),
+    }
 }
 /// Words of a row kernel's work item (see `kernels/attention.cu`).
 const ROW_ITEM: usize = 8;
@@ -216,22 +256,41 @@ struct PrefillShape {
     ctas_per_sm: usize,
 }
 
-/// Dynamic shared memory of `attn_prefill<HD, WARPS, MT, BN>` (`pf_smem_bytes`): K and V tiles
-/// and the Q tile, Q sharing V's space when it is only read once (one m-tile per warp).
-fn mma_sync_smem(head_dim: usize, warps: usize, m_tiles: usize, key_tile: usize) -> usize {
+/// Dynamic shared memory of `attn_prefill<HD, WARPS, MT, BN, KIND>` (`pf_smem_bytes`): K and V
+/// tiles and the Q tile, Q sharing V's space when it is only read once (one m-tile per warp), and
+/// with a quantized cache the K tile's scales.
+fn mma_sync_smem(
+    head_dim: usize,
+    (warps, m_tiles, key_tile): (usize, usize, usize),
+    dtype: KvDtype,
+) -> usize {
     let q = 16 * warps * m_tiles;
     let tiles = if m_tiles == 1 {
         key_tile + q.max(key_tile)
     } else {
         q + 2 * key_tile
     };
-    tiles * head_dim * 2
+    let scales = match dtype {
+        KvDtype::Full => 0,
+        KvDtype::Int8 | KvDtype::Fp8 => key_tile * 4,
+    };
+    tiles * head_dim * 2 + scales
 }
 
 /// The prefill kernel for a head dimension on this device, if there is one (the `mma.sync`
 /// shapes are those measured fastest on an H100; see `kernels/attention.cu`).
-fn prefill_shape(dev: &CudaDevice, head_dim: usize, choice: PrefillKernel) -> Option<PrefillShape> {
-    if head_dim == 128 && choice == PrefillKernel::Auto && dev.supports_module("attention_sm90a") {
+fn prefill_shape(
+    dev: &CudaDevice,
+    head_dim: usize,
+    choice: PrefillKernel,
+    dtype: KvDtype,
+) -> Option<PrefillShape> {
+    // The warpgroup kernel reads bf16 caches only: quantized ones take the mma.sync kernels.
+    if head_dim == 128
+        && choice == PrefillKernel::Auto
+        && dtype == KvDtype::Full
+        && dev.supports_module("attention_sm90a")
+    {
         // Two warpgroups of 64 rows; Q and two stages of K and V, 128 x 128 bf16 each.
         return Some(PrefillShape {
             module: "attention_sm90a",
@@ -244,9 +303,13 @@ fn prefill_shape(dev: &CudaDevice, head_dim: usize, choice: PrefillKernel) -> Op
         });
     }
     // (warps, 16-row m-tiles per warp, keys per tile)
-    let (prefill, shared, warps, m_tiles, key_tile) = match head_dim {
-        64 => ("attn_prefill_d64", "attn_shared_d64", 4, 2, 64),
-        128 => ("attn_prefill_d128", "attn_shared_d128", 4, 2, 32),
+    let (prefill, shared, warps, m_tiles, key_tile) = match (dtype, head_dim) {
+        (KvDtype::Full, 64) => ("attn_prefill_d64", "attn_shared_d64", 4, 2, 64),
+        (KvDtype::Full, 128) => ("attn_prefill_d128", "attn_shared_d128", 4, 2, 32),
+        (KvDtype::Int8, 64) => ("attn_prefill_q8_d64", "attn_shared_q8_d64", 4, 2, 64),
+        (KvDtype::Int8, 128) => ("attn_prefill_q8_d128", "attn_shared_q8_d128", 4, 2, 32),
+        (KvDtype::Fp8, 64) => ("attn_prefill_f8_d64", "attn_shared_f8_d64", 4, 2, 64),
+        (KvDtype::Fp8, 128) => ("attn_prefill_f8_d128", "attn_shared_f8_d128", 4, 2, 32),
         _ => return None,
     };
     Some(PrefillShape {
@@ -255,7 +318,7 @@ fn prefill_shape(dev: &CudaDevice, head_dim: usize, choice: PrefillKernel) -> Op
         shared,
         threads: 32 * warps as u32,
         rows: 16 * warps * m_tiles,
-        smem: mma_sync_smem(head_dim, warps, m_tiles, key_tile),
+        smem: mma_sync_smem(head_dim, (warps, m_tiles, key_tile), dtype),
         // `__launch_bounds__(.., 2)`.
         ctas_per_sm: 2,
     })
@@ -277,36 +340,18 @@ fn cascade_chunks(tiles: usize, len: usize, slots: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// The per-head (CUDA-core) row kernel for a head dimension.
-fn per_head_kernel(head_dim: usize) -> Option<&'static str> {
-    Some(match head_dim {
-        32 => "attn_chunk_d32",
-        64 => "attn_chunk_d64",
-        96 => "attn_chunk_d96",
-        128 => "attn_chunk_d128",
-        192 => "attn_chunk_d192",
-        256 => "attn_chunk_d256",
-        _ => return None,
-    })
-}
-
-/// The grouped (tensor-core) decode kernel for a head dimension, if there is one.
-fn grouped_kernel(head_dim: usize) -> Option<&'static str> {
-    match head_dim {
-        64 => Some("attn_decode_d64"),
-        128 => Some("attn_decode_d128"),
-        _ => None,
-    }
-}
-
-/// The grouped decode kernel that also writes the scaled logits of chosen rows.
-fn grouped_logits_kernel(head_dim: usize) -> Option<&'static str> {
-    match head_dim {
-        64 => Some("attn_decode_logits_d64"),
-        128 => Some("attn_decode_logits_d128"),
-        _ => None,
-    }
-}
+kernel_names!(
+    /// The per-head (CUDA-core) row kernel for a head dimension.
+    per_head_kernel, "attn_chunk", [32, 64, 96, 128, 192, 256]
+);
+kernel_names!(
+    /// The grouped (tensor-core) decode kernel for a head dimension, if there is one.
+    grouped_kernel, "attn_decode", [64, 128]
+);
+kernel_names!(
+    /// The grouped decode kernel that also writes the scaled logits of chosen rows.
+    grouped_logits_kernel, "attn_decode_logits", [64, 128]
+);
 
 /// The most logits a plan writes for KV eviction scores (256 MiB of f32): a step of longer or
 /// more scored decode rows scores the rest from the cached keys, so that the scratch stays small
@@ -471,12 +516,23 @@ impl AttentionPlan {
             block_size,
             n_kv_heads,
             head_dim,
+            dtype,
         } = layout;
-        check(per_head_kernel(head_dim).is_some(), || {
+        check(per_head_kernel(head_dim, dtype).is_some(), || {
             format!(
                 "paged_attention: head_dim {head_dim} unsupported (32, 64, 96, 128, 192 or 256)"
             )
         })?;
+        // Quantized rows start 16-byte aligned (see `kernels/common.cuh`).
+        check(
+            dtype == KvDtype::Full || (block_size * n_kv_heads).is_multiple_of(4),
+            || {
+                format!(
+                    "paged_attention: a {dtype} cache needs block_size x n_kv_heads to be a \
+                     multiple of 4 (block_size {block_size}, {n_kv_heads} KV heads)"
+                )
+            },
+        )?;
         check(
             block_size > 0
                 && n_kv_heads > 0
@@ -571,7 +627,7 @@ impl AttentionPlan {
         // wins, as in the CPU reference), cut into items of up to the kernel's rows per CTA:
         // [first row, rows, position of the first row, sequence].
         // (The kernel addresses cache rows, block · block_size + slot, as u32, with !0 for none.)
-        let prefill_kernel = prefill_shape(dev, head_dim, options.prefill_kernel)
+        let prefill_kernel = prefill_shape(dev, head_dim, options.prefill_kernel, dtype)
             .filter(|_| n_blocks.saturating_mul(block_size) < u32::MAX as usize);
         let prefill_choice = prefill_kernel.filter(|_| options.split == KvSplit::Auto);
         let mut in_prefill = vec![false; n_tokens];
@@ -618,12 +674,15 @@ impl AttentionPlan {
             .collect();
         let group = n_heads / n_kv_heads;
         let grouped = match options.row_kernel {
-            RowKernel::Auto => grouped_kernel(head_dim),
+            RowKernel::Auto => grouped_kernel(head_dim, dtype),
             RowKernel::PerHead => None,
         };
         let (kernel, grid_y) = match grouped {
             Some(k) => (k, n_kv_heads * group.div_ceil(GROUPED_ROWS)),
-            None => (per_head_kernel(head_dim).expect("checked above"), n_heads),
+            None => (
+                per_head_kernel(head_dim, dtype).expect("checked above"),
+                n_heads,
+            ),
         };
         let keys = |t: u32| token_pos[t as usize] as usize + 1;
         let sms = dev.sm_count();
@@ -771,13 +830,13 @@ impl AttentionPlan {
             || format!("paged_attention: {n_items} work items"),
         )?;
         let kernel = match has_logits {
-            true => grouped_logits_kernel(head_dim).expect("grouped above"),
+            true => grouped_logits_kernel(head_dim, dtype).expect("grouped above"),
             false => kernel,
         };
         let rows = (n_items > 0).then(|| RowLaunch {
             kernel,
             smem: if grouped.is_some() {
-                grouped_smem(head_dim)
+                grouped_smem(head_dim, dtype)
             } else {
                 0
             },
@@ -985,6 +1044,7 @@ impl AttentionPlan {
             block_size,
             n_kv_heads,
             head_dim,
+            ..
         } = self.layout;
         let n_heads = self.n_heads;
         let row_len = n_heads * head_dim;
@@ -1007,7 +1067,7 @@ impl AttentionPlan {
                 )
             })?;
         }
-        let block_len = block_size * n_kv_heads * head_dim;
+        let block_len = self.layout.block_len();
         check(
             k_cache.len().min(v_cache.len()) / block_len >= self.n_blocks,
             || {
@@ -1214,8 +1274,7 @@ pub fn paged_attention_with(
         || format!("paged_attention: layout {layout:?}, {n_heads} heads"),
     )?;
     let n_tokens = q.len() / (n_heads * layout.head_dim);
-    let block_len = layout.block_size * layout.n_kv_heads * layout.head_dim;
-    let n_blocks = k_cache.len().min(v_cache.len()) / block_len;
+    let n_blocks = k_cache.len().min(v_cache.len()) / layout.block_len();
     let mut plan = AttentionPlan::new(dev, layout, n_heads, n_tokens, spans, n_blocks, options)?;
     plan.run(dev, q, k_cache, v_cache, scale, out, lse, 0)
 }

@@ -1,11 +1,13 @@
 //! Elementwise and data-movement kernels: RoPE, SwiGLU's `silu(gate) · up`, residual add, embedding
-//! and row gathers, and the paged KV write.
+//! and row gathers, and the paged KV write (bf16 or quantized).
 
 use super::check;
 use crate::device::CudaDevice;
 use crate::error::Result;
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use half::bf16;
+use turbo_attention::KvDtype;
+use turbo_core::cpu::KvCacheSpec;
 
 /// Threads per block of every kernel here.
 const THREADS: u32 = 256;
@@ -140,6 +142,169 @@ pub fn qkv_rope_kv(
         .min(65_535);
     // SAFETY: the arguments match the kernel's signature, the buffer sizes were checked and the
     // kernel bounds every slot by cache_slots.
+    unsafe { b.launch(config((tokens as u32, per_token, 1))) }?;
+    Ok(())
+}
+
+/// The geometry of one layer's quantized keys (or values) on the GPU (`kernels/common.cuh`,
+/// "Quantized KV cache"): `max_blocks` blocks of [`QuantGeometry::block_bytes`] bytes, each the
+/// block's codes `[slot][kv head][head_dim]` (u8) then its scales `[slot][kv head]` (f32). The
+/// range is held as a `CudaSlice<bf16>` of [`QuantGeometry::range_len`] elements, so that block
+/// tables, mapping on demand and the layer addresses work as for a bf16 cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantGeometry {
+    pub block_size: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub max_blocks: usize,
+}
+
+impl QuantGeometry {
+    pub fn of(spec: &KvCacheSpec) -> Self {
+        QuantGeometry {
+            block_size: spec.block_size,
+            n_kv_heads: spec.n_kv_heads,
+            head_dim: spec.head_dim,
+            max_blocks: spec.max_blocks,
+        }
+    }
+
+    /// Bytes of one block: a code byte per element and an f32 scale per (slot, KV head).
+    pub fn block_bytes(&self) -> usize {
+        self.block_size * self.n_kv_heads * (self.head_dim + 4)
+    }
+
+    /// Bytes of one layer's keys (or values).
+    pub fn range_bytes(&self) -> usize {
+        self.max_blocks * self.block_bytes()
+    }
+
+    /// The bf16 elements of a slice holding one layer's keys (or values).
+    pub fn range_len(&self) -> usize {
+        self.range_bytes().div_ceil(2)
+    }
+
+    /// Whether the kernels serve this geometry: code rows of a multiple of 16 bytes (16-byte moves),
+    /// at most 256 per row (two groups of four per lane of a warp), and `block_size · n_kv_heads`
+    /// a multiple of 4 so that every block, code row and scale stays aligned.
+    pub fn is_supported(&self) -> bool {
+        self.block_size > 0
+            && self.n_kv_heads > 0
+            && self.head_dim > 0
+            && self.head_dim.is_multiple_of(16)
+            && self.head_dim <= 256
+            && (self.block_size * self.n_kv_heads).is_multiple_of(4)
+            && [self.block_size, self.n_kv_heads, self.head_dim]
+                .iter()
+                .all(|&v| fits_i32(v))
+    }
+
+    /// Whether `k_cache` and `v_cache` each hold a whole range.
+    fn fits(&self, k_cache: &CudaSlice<bf16>, v_cache: &CudaSlice<bf16>) -> bool {
+        2 * k_cache.len().min(v_cache.len()) >= self.range_bytes()
+    }
+
+    /// The kernels' `(n_kv_heads, head_dim, block_size, cache_slots)` arguments.
+    fn args(&self) -> (i32, i32, i32, i64) {
+        (
+            self.n_kv_heads as i32,
+            self.head_dim as i32,
+            self.block_size as i32,
+            (self.max_blocks * self.block_size) as i64,
+        )
+    }
+}
+
+/// The kernel of `dtype`: `q8` for INT8, `f8` for FP8; an error for an unquantized dtype.
+fn quant_kernel(
+    what: &str,
+    dtype: KvDtype,
+    q8: &'static str,
+    f8: &'static str,
+) -> Result<&'static str> {
+    check(dtype.is_quantized(), || {
+        format!("{what}: {dtype} is not a quantized KV dtype")
+    })?;
+    Ok(if dtype == KvDtype::Int8 { q8 } else { f8 })
+}
+
+/// [`qkv_rope_kv`] into a quantized cache: `q` receives the same rotated queries; the rotated keys
+/// (rounded to bf16 as [`qkv_rope_kv`] stores them) and the values of token `t` are quantized per
+/// (token, KV head) row as `turbo_attention::kv_quant::quantize_row` does, bit for bit, and stored
+/// at slot `slots[t]` of the layer ranges `k_cache` and `v_cache` ([`QuantGeometry`]; a slot
+/// beyond `max_blocks · block_size` is skipped). One launch, as for bf16: quantizing needs each
+/// row's maximum, so a warp takes a whole row.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_kv_quant(
+    dev: &CudaDevice,
+    dtype: KvDtype,
+    qkv: &CudaSlice<bf16>,
+    q: &mut CudaSlice<bf16>,
+    k_cache: &mut CudaSlice<bf16>,
+    v_cache: &mut CudaSlice<bf16>,
+    tokens: usize,
+    geometry: QuantGeometry,
+    q_cols: usize,
+    positions: &CudaView<'_, u32>,
+    slots: &CudaView<'_, u32>,
+    inv_freq: &CudaSlice<f32>,
+) -> Result<()> {
+    let kernel = quant_kernel(
+        "qkv_rope_kv_quant",
+        dtype,
+        "qkv_rope_kv_q8",
+        "qkv_rope_kv_f8",
+    )?;
+    let (head_dim, kv_cols) = (geometry.head_dim, geometry.n_kv_heads * geometry.head_dim);
+    check(
+        geometry.is_supported()
+            && geometry.fits(k_cache, v_cache)
+            && q_cols.is_multiple_of(head_dim)
+            && fits_i32(tokens)
+            && fits_i32(q_cols + 2 * kv_cols)
+            && qkv.len() >= tokens * (q_cols + 2 * kv_cols)
+            && q.len() >= tokens * q_cols
+            && positions.len() >= tokens
+            && slots.len() >= tokens
+            && inv_freq.len() >= head_dim / 2,
+        || {
+            format!(
+                "qkv_rope_kv_quant: caches {} / {} / qkv {} / q {} / positions {} / slots {} \
+                 / inv_freq {} elements for tokens={tokens} q_cols={q_cols} {geometry:?}",
+                k_cache.len(),
+                v_cache.len(),
+                qkv.len(),
+                q.len(),
+                positions.len(),
+                slots.len(),
+                inv_freq.len()
+            )
+        },
+    )?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let q_i = q_cols as i32;
+    let (heads_i, hd_i, bs_i, cache_slots) = geometry.args();
+    let f = dev.function("elementwise", kernel)?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(qkv);
+    b.arg(q);
+    b.arg(k_cache);
+    b.arg(v_cache);
+    b.arg(positions);
+    b.arg(slots);
+    b.arg(inv_freq);
+    b.arg(&q_i);
+    b.arg(&heads_i);
+    b.arg(&hd_i);
+    b.arg(&bs_i);
+    b.arg(&cache_slots);
+    // A warp per 32 query pairs and per KV row (the kernel strides over any remainder).
+    let warp_tasks = (q_cols / 2).div_ceil(32) + 2 * geometry.n_kv_heads;
+    let per_token = warp_tasks.div_ceil(THREADS as usize / 32).min(65_535) as u32;
+    // SAFETY: the arguments match the kernel's signature, the buffer sizes and the geometry were
+    // checked, and the kernel bounds every slot by cache_slots.
     unsafe { b.launch(config((tokens as u32, per_token, 1))) }?;
     Ok(())
 }
@@ -304,13 +469,78 @@ pub fn write_kv(
     Ok(())
 }
 
+/// [`write_kv`] into a quantized cache: `k` and `v` are `[tokens, n_kv_heads · head_dim]`; each
+/// (token, KV head) row is quantized as `turbo_attention::kv_quant::quantize_row` does, bit for
+/// bit, and stored at slot `slots[t]` of the layer ranges `k_cache` and `v_cache`
+/// ([`QuantGeometry`]; a slot beyond `max_blocks · block_size` is skipped).
+#[allow(clippy::too_many_arguments)]
+pub fn write_kv_quant(
+    dev: &CudaDevice,
+    dtype: KvDtype,
+    k_cache: &mut CudaSlice<bf16>,
+    v_cache: &mut CudaSlice<bf16>,
+    k: &CudaSlice<bf16>,
+    v: &CudaSlice<bf16>,
+    slots: &CudaView<'_, u32>,
+    tokens: usize,
+    geometry: QuantGeometry,
+) -> Result<()> {
+    let kernel = quant_kernel("write_kv_quant", dtype, "write_kv_q8", "write_kv_f8")?;
+    let slot_len = geometry.n_kv_heads * geometry.head_dim;
+    check(
+        geometry.is_supported()
+            && geometry.fits(k_cache, v_cache)
+            && fits_i32(tokens)
+            && k.len() >= tokens * slot_len
+            && v.len() >= tokens * slot_len
+            && slots.len() >= tokens,
+        || {
+            format!(
+                "write_kv_quant: caches {} / {} / k {} / v {} / slots {} elements for \
+                 tokens={tokens} {geometry:?}",
+                k_cache.len(),
+                v_cache.len(),
+                k.len(),
+                v.len(),
+                slots.len()
+            )
+        },
+    )?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let tokens_i = tokens as i32;
+    let (heads_i, hd_i, bs_i, cache_slots) = geometry.args();
+    let f = dev.function("elementwise", kernel)?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(k_cache);
+    b.arg(v_cache);
+    b.arg(k);
+    b.arg(v);
+    b.arg(slots);
+    b.arg(&tokens_i);
+    b.arg(&heads_i);
+    b.arg(&hd_i);
+    b.arg(&bs_i);
+    b.arg(&cache_slots);
+    // A warp per (token, k | v, KV head) row; the kernel strides over any remainder.
+    let warp_rows = tokens * 2 * geometry.n_kv_heads;
+    let grid = warp_rows.div_ceil(THREADS as usize / 32).clamp(1, 65_535) as u32;
+    // SAFETY: the arguments match the kernel's signature, the buffer sizes and the geometry were
+    // checked, and the kernel bounds every slot by cache_slots.
+    unsafe { b.launch(config((grid, 1, 1))) }?;
+    Ok(())
+}
+
 /// Moves a sequence's kept keys, values and scores to its leading key indices in every layer at
 /// once (KV eviction): in layer `l`, KV head `h`, key index `kept[(l * n_kv_heads + h) * k + j]`
 /// moves to key index `j`, key index `i` living at slot
 /// `block_table[i / block_size] * block_size + i % block_size`. `layers` holds the device
 /// addresses `[keys | values | scores][layer]` (a scores address of 0: none). Each row of `kept`
 /// must be strictly increasing and within the block table ([`turbo_core::KvCompaction::check`]),
-/// and the addresses those of a cache with the table's blocks: the kernel trusts both.
+/// and the addresses those of a cache with the table's blocks: the kernel trusts both. A
+/// quantized cache ([`CompactShape::dtype`], [`QuantGeometry`] layout) moves each kept key's codes
+/// and scale together.
 pub fn compact_kv(
     dev: &CudaDevice,
     layers: &CudaView<'_, u64>,
@@ -324,9 +554,14 @@ pub fn compact_kv(
         n_layers,
         n_kv_heads,
         head_dim,
+        dtype,
     } = shape;
+    // The quantized kernel moves code rows 16 bytes at a time (QuantGeometry::is_supported).
+    let quant_ok = !dtype.is_quantized()
+        || (head_dim.is_multiple_of(16) && (block_size * n_kv_heads).is_multiple_of(4));
     check(
         (1..=1024).contains(&head_dim)
+            && quant_ok
             && block_size > 0
             && [k, block_size, n_kv_heads, n_layers]
                 .iter()
@@ -347,7 +582,11 @@ pub fn compact_kv(
         return Ok(());
     }
     let args = [k, block_size, n_layers, n_kv_heads, head_dim].map(|v| v as i32);
-    let f = dev.function("elementwise", "compact_kv_bf16")?;
+    let kernel = match dtype {
+        KvDtype::Full => "compact_kv_bf16",
+        KvDtype::Int8 | KvDtype::Fp8 => "compact_kv_quant",
+    };
+    let f = dev.function("elementwise", kernel)?;
     let mut b = dev.stream.launch_builder(&f);
     b.arg(layers);
     b.arg(block_table);
@@ -356,7 +595,7 @@ pub fn compact_kv(
         b.arg(a);
     }
     // Rows of keys move in chunks of 512 threads (16 bytes each when head_dim allows), at least
-    // one row per chunk.
+    // one row per chunk; quantized scales 512 per chunk.
     let cfg = LaunchConfig {
         grid_dim: (n_kv_heads as u32, 3, n_layers as u32),
         block_dim: (head_dim.max(512) as u32, 1, 1),
@@ -369,7 +608,8 @@ pub fn compact_kv(
     Ok(())
 }
 
-/// The shape of one [`compact_kv`]: keys kept per (layer, KV head) and the cache's geometry.
+/// The shape of one [`compact_kv`]: keys kept per (layer, KV head) and the cache's geometry and
+/// storage.
 #[derive(Clone, Copy, Debug)]
 pub struct CompactShape {
     pub k: usize,
@@ -377,6 +617,7 @@ pub struct CompactShape {
     pub n_layers: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    pub dtype: KvDtype,
 }
 
 /// SwiGLU of a fused product: `gate_up` is `[rows, 2 · cols]`, each row `[gate | up]`;

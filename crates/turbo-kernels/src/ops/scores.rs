@@ -9,7 +9,7 @@ use crate::error::{CudaError, Result};
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use half::bf16;
 use std::ops::Range;
-use turbo_attention::QuerySpan;
+use turbo_attention::{KvDtype, QuerySpan};
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::KvScoring;
 use turbo_keyformer::ScoreFunction;
@@ -30,12 +30,22 @@ pub fn supports_head_dim(head_dim: usize) -> bool {
     head_dim > 0 && head_dim.is_multiple_of(8) && head_dim <= MAX_HEAD_DIM
 }
 
+/// Whether keys of `head_dim` in a cache of `dtype` can be scored: quantized caches have
+/// tensor-core tile kernels only (head_dim 64 and 128).
+pub fn supports(head_dim: usize, dtype: KvDtype) -> bool {
+    match dtype {
+        KvDtype::Full => supports_head_dim(head_dim),
+        KvDtype::Int8 | KvDtype::Fp8 => matches!(head_dim, 64 | 128),
+    }
+}
+
 /// The cache's geometry, as the kernels index it.
 #[derive(Clone, Copy, Debug)]
 pub struct ScoreGeometry {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub block_size: usize,
+    pub dtype: KvDtype,
 }
 
 impl ScoreGeometry {
@@ -44,20 +54,50 @@ impl ScoreGeometry {
             n_kv_heads: spec.n_kv_heads,
             head_dim: spec.head_dim,
             block_size: spec.block_size,
+            dtype: spec.dtype,
+        }
+    }
+
+    /// Bytes of one block of keys.
+    fn block_bytes(&self) -> usize {
+        let rows = self.block_size * self.n_kv_heads;
+        match self.dtype {
+            KvDtype::Full => rows * self.head_dim * 2,
+            KvDtype::Int8 | KvDtype::Fp8 => rows * (self.head_dim + 4),
         }
     }
 }
 
 /// The tile kernels (partial, add) for keys of `head_dim`, and their threads per CTA: on tensor
 /// cores where there is a variant for it, else on CUDA cores.
-fn tile_kernels(head_dim: usize) -> (&'static str, &'static str, u32) {
-    match head_dim {
-        64 => (
+fn tile_kernels(head_dim: usize, dtype: KvDtype) -> (&'static str, &'static str, u32) {
+    match (dtype, head_dim) {
+        (KvDtype::Int8, 64) => (
+            "kv_score_partial_mma_q8_d64",
+            "kv_score_add_mma_q8_d64",
+            MMA_THREADS,
+        ),
+        (KvDtype::Int8, 128) => (
+            "kv_score_partial_mma_q8_d128",
+            "kv_score_add_mma_q8_d128",
+            MMA_THREADS,
+        ),
+        (KvDtype::Fp8, 64) => (
+            "kv_score_partial_mma_f8_d64",
+            "kv_score_add_mma_f8_d64",
+            MMA_THREADS,
+        ),
+        (KvDtype::Fp8, 128) => (
+            "kv_score_partial_mma_f8_d128",
+            "kv_score_add_mma_f8_d128",
+            MMA_THREADS,
+        ),
+        (_, 64) => (
             "kv_score_partial_mma_d64",
             "kv_score_add_mma_d64",
             MMA_THREADS,
         ),
-        128 => (
+        (_, 128) => (
             "kv_score_partial_mma_d128",
             "kv_score_add_mma_d128",
             MMA_THREADS,
@@ -187,7 +227,7 @@ impl ScorePlan {
         let bs = geometry.block_size;
         check(
             scored.is_empty()
-                || (supports_head_dim(geometry.head_dim)
+                || (supports(geometry.head_dim, geometry.dtype)
                     && geometry.n_kv_heads > 0
                     && n_heads.is_multiple_of(geometry.n_kv_heads)
                     && bs > 0),
@@ -362,8 +402,9 @@ impl ScorePlan {
             n_kv_heads,
             head_dim,
             block_size,
+            ..
         } = geometry;
-        let max_blocks = keys.len() / (block_size * n_kv_heads * head_dim).max(1);
+        let max_blocks = keys.len() * 2 / geometry.block_bytes().max(1);
         check(
             q.len() >= self.tokens * self.n_heads * head_dim
                 && positions.len() >= self.tokens
@@ -392,7 +433,7 @@ impl ScorePlan {
         let (tables, spans) = (view(&self.tables), view(&self.spans));
         let (rows, tiles) = (view(&self.rows), view(&self.tiles));
 
-        let (partial_kernel, add_kernel, threads) = tile_kernels(head_dim);
+        let (partial_kernel, add_kernel, threads) = tile_kernels(head_dim, geometry.dtype);
         let f = dev.function("scores", partial_kernel)?;
         let mut b = dev.stream.launch_builder(&f);
         b.arg(q)
