@@ -1194,9 +1194,9 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             for (int ks = 0; ks < KSTEPS; ks++) {
 #pragma unroll
                 for (int n = 0; n < 2; n++) {
-                    float f[4];
-                    kvq_decode4<KIND>(kw[n][ks], f);
-                    pf_mma(s[n], qa[ks], pf_pack(f[0], f[1]), pf_pack(f[2], f[3]));
+                    uint32_t b0, b1;
+                    kvq_decode4_bf16x2<KIND>(kw[n][ks], b0, b1);
+                    pf_mma(s[n], qa[ks], b0, b1);
                 }
             }
 #pragma unroll
@@ -1351,13 +1351,15 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             }
 #pragma unroll
             for (int w = 0; w < VW; w++) {
-                float f[4][4];
+                // Keys 2t and 2t + 1 (b0), 2t + 8 and 2t + 9 (b1) of dims 4w..4w+3 of the lane's
+                // run: interleave their bytes, then decode pairs.
+                uint32_t b0[4], b1[4];
+                kvq_decode4_bf16x2<KIND>(__byte_perm(vw[0][w], vw[1][w], 0x5140u), b0[0], b0[1]);
+                kvq_decode4_bf16x2<KIND>(__byte_perm(vw[0][w], vw[1][w], 0x7362u), b0[2], b0[3]);
+                kvq_decode4_bf16x2<KIND>(__byte_perm(vw[2][w], vw[3][w], 0x5140u), b1[0], b1[1]);
+                kvq_decode4_bf16x2<KIND>(__byte_perm(vw[2][w], vw[3][w], 0x7362u), b1[2], b1[3]);
 #pragma unroll
-                for (int k = 0; k < 4; k++) kvq_decode4<KIND>(vw[k][w], f[k]);
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    pf_mma(o[4 * w + j], pa, pf_pack(f[0][j], f[1][j]), pf_pack(f[2][j], f[3][j]));
-                }
+                for (int j = 0; j < 4; j++) pf_mma(o[4 * w + j], pa, b0[j], b1[j]);
             }
         } else {
             pa[0] = pf_pack(s[0][0], s[0][1]);

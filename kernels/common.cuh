@@ -169,7 +169,8 @@ __device__ __forceinline__ float score_gumbel_at(unsigned long long base, unsign
 // so both write the same codes for the same row.
 //
 // A quantized layer range (keys or values) is a sequence of blocks of kvq_block_bytes each: the
-// block's codes [slot][kv head][head_dim] u8, then its scales [slot][kv head] f32. One range per
+// block's codes [slot][kv head][head_dim] u8, then its scales [kv head][slot] f32 (a KV head's
+// scales of consecutive keys side by side, as the attention kernels read them). One range per
 // layer and kind, as for bf16, so block tables, mapping on demand and CUDA graphs are unchanged;
 // a quantized cache needs block_size · n_kv_heads to be a multiple of 4 (16-byte aligned rows).
 #define KV_BF16 0
@@ -190,7 +191,7 @@ __device__ __forceinline__ size_t kvq_scale_at(uint32_t block, uint32_t slot, in
                                                int head_dim) {
     return (size_t)block * kvq_block_bytes(block_size, n_kv_heads, head_dim) +
            (size_t)block_size * (size_t)n_kv_heads * (size_t)head_dim +
-           4 * ((size_t)slot * (size_t)n_kv_heads + (size_t)kvh);
+           4 * ((size_t)kvh * (size_t)block_size + (size_t)slot);
 }
 
 // The code magnitude max|x| maps to.
@@ -260,5 +261,29 @@ __device__ __forceinline__ void kvq_decode4(uint32_t w, float (&f)[4]) {
         f[1] = a.y;
         f[2] = b.x;
         f[3] = b.y;
+    }
+}
+
+// Four codes (bytes of w) to their kvq_decode4 values as two bf16 pairs (bytes 0, 1 in lo; 2, 3
+// in hi; exact: bf16 holds every INT8 code and every E4M3 value times 2^-8). INT8 without f32:
+// bf16 128 + (b & 0x7f) minus 128 or 256 by the sign bit, one bf16x2 subtraction a pair.
+template <int KIND>
+__device__ __forceinline__ void kvq_decode4_bf16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    if constexpr (KIND == KV_INT8) {
+        const uint32_t mag = w & 0x7f7f7f7fu, sgn = w & 0x80808080u;
+        const uint32_t a_lo = __byte_perm(mag, 0x43u, 0x4140u), a_hi = __byte_perm(mag, 0x43u, 0x4342u);
+        const uint32_t b_lo = __byte_perm(sgn, 0x43u, 0x4140u), b_hi = __byte_perm(sgn, 0x43u, 0x4342u);
+        const __nv_bfloat162 l = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a_lo),
+                                         *reinterpret_cast<const __nv_bfloat162*>(&b_lo));
+        const __nv_bfloat162 h = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a_hi),
+                                         *reinterpret_cast<const __nv_bfloat162*>(&b_hi));
+        lo = *reinterpret_cast<const uint32_t*>(&l);
+        hi = *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+        float f[4];
+        kvq_decode4<KIND>(w, f);
+        const __nv_bfloat162 l = __floats2bfloat162_rn(f[0], f[1]), h = __floats2bfloat162_rn(f[2], f[3]);
+        lo = *reinterpret_cast<const uint32_t*>(&l);
+        hi = *reinterpret_cast<const uint32_t*>(&h);
     }
 }

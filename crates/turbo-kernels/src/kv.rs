@@ -2,7 +2,7 @@
 //!
 //! Each layer's keys and each layer's values are one range of blocks: `[block][slot][kv
 //! head][head_dim]` bf16, or with an INT8/FP8 dtype each block's 8-bit codes in that order and
-//! then its f32 scales `[slot][kv head]` (`kernels/common.cuh`). By default every range is allocated in full when the cache is made. With a chunk size
+//! then its f32 scales `[kv head][slot]` (`kernels/common.cuh`). By default every range is allocated in full when the cache is made. With a chunk size
 //! ([`crate::CudaBackend::set_kv_chunk_blocks`]), a range is only *reserved* as virtual addresses
 //! for all of the cache's blocks (`cuMemAddressReserve`), and device memory is mapped into it a
 //! chunk at a time (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`) as the highest block that a step

@@ -102,7 +102,9 @@ fn quantize_cache(dtype: KvDtype, case: &Case, cache: &[bf16]) -> (Vec<bf16>, Ve
         dequantize_row(dtype, &codes, scale, &mut values[r * hd..(r + 1) * hd]);
         let at = b * block_bytes + i * hd;
         bytes[at..at + hd].copy_from_slice(&codes);
-        let sat = b * block_bytes + rows_per_block * hd + 4 * i;
+        // Scales [kv head][slot].
+        let (slot, head) = (i / kvh, i % kvh);
+        let sat = b * block_bytes + rows_per_block * hd + 4 * (head * bs + slot);
         bytes[sat..sat + 4].copy_from_slice(&scale.to_le_bytes());
     }
     let pairs = bytes

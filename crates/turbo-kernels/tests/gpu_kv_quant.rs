@@ -93,7 +93,7 @@ fn row_at(g: &QuantGeometry, block: usize, off: usize, head: usize) -> (usize, u
     let row = off * g.n_kv_heads + head;
     (
         base + row * g.head_dim,
-        base + g.block_size * g.n_kv_heads * g.head_dim + 4 * row,
+        base + g.block_size * g.n_kv_heads * g.head_dim + 4 * (head * g.block_size + off),
     )
 }
 

@@ -40,7 +40,7 @@ use turbo_attention::{KvDtype, QuerySpan};
 
 /// Shape of one layer's paged KV: `[block][slot in block][kv head][head_dim]` bf16, or with a
 /// quantized `dtype` blocks of 8-bit codes in that order followed by the block's f32 scales
-/// `[slot][kv head]` (`kernels/common.cuh`).
+/// `[kv head][slot]` (`kernels/common.cuh`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvLayout {
     pub block_size: usize,
