@@ -1202,10 +1202,12 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
 #pragma unroll
             for (int n = 0; n < 2; n++) {
                 const float2 ksc = *reinterpret_cast<const float2*>(qS + 8 * n + 2 * t);
-                s[n][0] *= ksc.x * kvq_unit<KIND>();
-                s[n][1] *= ksc.y * kvq_unit<KIND>();
-                s[n][2] *= ksc.x * kvq_unit<KIND>();
-                s[n][3] *= ksc.y * kvq_unit<KIND>();
+                constexpr float u = kvq_bf16_half_unit<KIND>();
+                const float kx = ksc.x * u, ky = ksc.y * u;
+                s[n][0] *= kx * u;
+                s[n][1] *= ky * u;
+                s[n][2] *= kx * u;
+                s[n][3] *= ky * u;
             }
         } else {
 #pragma unroll
@@ -1322,10 +1324,10 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             // The values' scales go into P (each key's weight times its row's scale), the codes
             // into B exactly. Output n-tile n, column g is dim g·NT + n (so that lane g's V codes
             // are one run of NT bytes of each of its keys 2t, 2t + 1, 2t + 8, 2t + 9); the states
-            // are written back in dim order below.
+            // are written back in dim order below, times the second factor of kvq_bf16_half_unit.
             const float2 v0 = *reinterpret_cast<const float2*>(qS + DEC_KEYS + 2 * t);
             const float2 v1 = *reinterpret_cast<const float2*>(qS + DEC_KEYS + 8 + 2 * t);
-            constexpr float unit = kvq_unit<KIND>();
+            constexpr float unit = kvq_bf16_half_unit<KIND>();
             pa[0] = pf_pack(s[0][0] * v0.x * unit, s[0][1] * v0.y * unit);
             pa[1] = pf_pack(s[0][2] * v0.x * unit, s[0][3] * v0.y * unit);
             pa[2] = pf_pack(s[1][0] * v1.x * unit, s[1][1] * v1.y * unit);
@@ -1397,8 +1399,9 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
 #pragma unroll
         for (int n = 0; n < NT; n++) {
             // Column 2t (+1) of n-tile n: dim 8n + 2t (+1), or with a quantized cache 2t·NT + n.
-            dst[QUANT ? 2 * t * NT + n : 8 * n + 2 * t] = o[n][2 * h];
-            dst[QUANT ? (2 * t + 1) * NT + n : 8 * n + 2 * t + 1] = o[n][2 * h + 1];
+            constexpr float ou = QUANT ? kvq_bf16_half_unit<KIND>() : 1.f;
+            dst[QUANT ? 2 * t * NT + n : 8 * n + 2 * t] = o[n][2 * h] * ou;
+            dst[QUANT ? (2 * t + 1) * NT + n : 8 * n + 2 * t + 1] = o[n][2 * h + 1] * ou;
         }
     }
     // The normaliser's (max, sum) of each row over this CTA's keys: a quad holds a row's keys,

@@ -264,9 +264,22 @@ __device__ __forceinline__ void kvq_decode4(uint32_t w, float (&f)[4]) {
     }
 }
 
-// Four codes (bytes of w) to their kvq_decode4 values as two bf16 pairs (bytes 0, 1 in lo; 2, 3
-// in hi; exact: bf16 holds every INT8 code and every E4M3 value times 2^-8). INT8 without f32:
-// bf16 128 + (b & 0x7f) minus 128 or 256 by the sign bit, one bf16x2 subtraction a pair.
+// The factor u such that kvq_decode4_bf16x2's pairs are the codes' values times u^-2 (INT8: 1;
+// FP8: 2^60, the pairs being E4M3 values times 2^-120). A reader multiplies by u twice (e.g. once
+// into a scale, once into a result) so that no product of a scale with u^2 overflows f32.
+template <int KIND>
+__device__ __forceinline__ constexpr float kvq_bf16_half_unit() {
+    return KIND == KV_INT8 ? 1.f : 0x1p60f;
+}
+
+// Four codes (bytes of w) to two bf16 pairs (bytes 0, 1 in lo; 2, 3 in hi), exactly, without f32:
+// - INT8: the code itself: bf16 128 + (b & 0x7f) minus 128 or 256 by the sign bit, one bf16x2
+//   subtraction a pair;
+// - FP8: the E4M3 value times 2^-120: E4M3's exponent and mantissa bits placed under bf16's
+//   (bias 7 read as bias 127), sign on top; E4M3 subnormals land on bf16 subnormals of the same
+//   scaled value. (The NaN codes 0x7F/0xFF, which the writers never produce for a finite row,
+//   read as ±480.)
+// See kvq_bf16_half_unit for the factor.
 template <int KIND>
 __device__ __forceinline__ void kvq_decode4_bf16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
     if constexpr (KIND == KV_INT8) {
@@ -280,10 +293,9 @@ __device__ __forceinline__ void kvq_decode4_bf16x2(uint32_t w, uint32_t& lo, uin
         lo = *reinterpret_cast<const uint32_t*>(&l);
         hi = *reinterpret_cast<const uint32_t*>(&h);
     } else {
-        float f[4];
-        kvq_decode4<KIND>(w, f);
-        const __nv_bfloat162 l = __floats2bfloat162_rn(f[0], f[1]), h = __floats2bfloat162_rn(f[2], f[3]);
-        lo = *reinterpret_cast<const uint32_t*>(&l);
-        hi = *reinterpret_cast<const uint32_t*>(&h);
+        // Each byte as the low byte of a 16-bit half, then moved into place.
+        const uint32_t a = __byte_perm(w, 0u, 0x4140u), b = __byte_perm(w, 0u, 0x4342u);
+        lo = ((a & 0x007f007fu) << 4) | ((a & 0x00800080u) << 8);
+        hi = ((b & 0x007f007fu) << 4) | ((b & 0x00800080u) << 8);
     }
 }
