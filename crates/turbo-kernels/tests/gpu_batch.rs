@@ -398,79 +398,84 @@ fn gpu_kv_cache_mapped_on_demand_equals_allocated_up_front() {
         (tokens, mapped, replayed_growths)
     }
 
-    // On demand first: its chunk (4 blocks, rounded up to the driver's granularity) sets how
-    // long the requests decode. Eight sequences fill a block every BLOCK / 8 decode steps
-    // between them; decode long enough to cross four chunks in the first wave alone.
-    gpu.set_kv_chunk_blocks(Some(4));
-    let model = Llama::new(gpu.clone(), &loaded.config, &loaded.weights).unwrap();
-    let mut batch = PersistentBatch::new(model, loaded.tokenizer.clone(), config.clone()).unwrap();
-    assert!(batch.cache().grows());
-    assert_eq!(
-        batch.cache().mapped_blocks(),
-        0,
-        "nothing is mapped before a step"
-    );
-    let chunk = batch
-        .cache()
-        .chunk_blocks()
-        .expect("a growing cache has a chunk");
-    let longest = prompts.iter().map(Vec::len).max().unwrap();
-    let max_tokens = (4 * chunk * BLOCK / 8).min(spec.context - longest);
-    let (grown, mapped, replayed_growths) = run(&gpu, &mut batch, &prompts, max_tokens);
-    let stats = batch.stats();
-    let last = *mapped.last().unwrap();
-    let growths = mapped.len() - 1;
-    eprintln!(
-        "on demand: chunks of {chunk} blocks, {max_tokens} tokens per request; mapped blocks \
-         {mapped:?} of {} ({growths} growths, {replayed_growths} in steps replaying a recorded \
-         decode step)",
-        config.num_blocks
-    );
-    assert!(
-        mapped.windows(2).all(|w| w[0] < w[1]),
-        "the mapped blocks only grow: {mapped:?}"
-    );
-    assert!(growths >= 4, "the cache should grow many times: {mapped:?}");
-    assert!(
-        growths <= last.div_ceil(chunk),
-        "each growth maps at least a chunk: {mapped:?}"
-    );
-    assert!(
-        replayed_growths > 0,
-        "the cache should grow between replays of recorded decode steps"
-    );
-    assert!(
-        last <= config.num_blocks,
-        "mapped past the cache: {mapped:?}"
-    );
-    assert!(
-        last < config.num_blocks,
-        "the run should not need the whole cache: {mapped:?}"
-    );
-    let touched = stats.kv_blocks_total - stats.kv_blocks_free;
-    assert!(
-        last >= touched,
-        "{touched} blocks were handed out, {last} mapped"
-    );
-
-    // The same requests on a cache allocated up front.
-    let (model, tokenizer) = batch.into_parts();
-    gpu.set_kv_chunk_blocks(None);
-    let mut batch = PersistentBatch::new(model, tokenizer, config.clone()).unwrap();
-    assert!(!batch.cache().grows());
-    assert_eq!(batch.cache().mapped_blocks(), config.num_blocks);
-    let (allocated, mapped, _) = run(&gpu, &mut batch, &prompts, max_tokens);
-    assert_eq!(mapped, [config.num_blocks]);
-    for (i, (a, b)) in grown.iter().zip(&allocated).enumerate() {
+    // bf16, and an INT8 cache (blocks of codes and scales, sized in bytes, mapped the same way).
+    for dtype in [turbo_core::KvDtype::Full, turbo_core::KvDtype::Int8] {
+        // On demand first: its chunk (4 blocks, rounded up to the driver's granularity) sets how
+        // long the requests decode. Eight sequences fill a block every BLOCK / 8 decode steps
+        // between them; decode long enough to cross four chunks in the first wave alone.
+        gpu.set_kv_chunk_blocks(Some(4));
+        let mut model = Llama::new(gpu.clone(), &loaded.config, &loaded.weights).unwrap();
+        model.set_kv_dtype(dtype);
+        let mut batch =
+            PersistentBatch::new(model, loaded.tokenizer.clone(), config.clone()).unwrap();
+        assert!(batch.cache().grows());
         assert_eq!(
-            a, b,
-            "request {i}: mapped on demand and allocated up front generate differently"
+            batch.cache().mapped_blocks(),
+            0,
+            "nothing is mapped before a step"
+        );
+        let chunk = batch
+            .cache()
+            .chunk_blocks()
+            .expect("a growing cache has a chunk");
+        let longest = prompts.iter().map(Vec::len).max().unwrap();
+        let max_tokens = (4 * chunk * BLOCK / 8).min(spec.context - longest);
+        let (grown, mapped, replayed_growths) = run(&gpu, &mut batch, &prompts, max_tokens);
+        let stats = batch.stats();
+        let last = *mapped.last().unwrap();
+        let growths = mapped.len() - 1;
+        eprintln!(
+            "{dtype} on demand: chunks of {chunk} blocks, {max_tokens} tokens per request; mapped blocks \
+             {mapped:?} of {} ({growths} growths, {replayed_growths} in steps replaying a recorded \
+             decode step)",
+            config.num_blocks
+        );
+        assert!(
+            mapped.windows(2).all(|w| w[0] < w[1]),
+            "the mapped blocks only grow: {mapped:?}"
+        );
+        assert!(growths >= 4, "the cache should grow many times: {mapped:?}");
+        assert!(
+            growths <= last.div_ceil(chunk),
+            "each growth maps at least a chunk: {mapped:?}"
+        );
+        assert!(
+            replayed_growths > 0,
+            "the cache should grow between replays of recorded decode steps"
+        );
+        assert!(
+            last <= config.num_blocks,
+            "mapped past the cache: {mapped:?}"
+        );
+        assert!(
+            last < config.num_blocks,
+            "the run should not need the whole cache: {mapped:?}"
+        );
+        let touched = stats.kv_blocks_total - stats.kv_blocks_free;
+        assert!(
+            last >= touched,
+            "{touched} blocks were handed out, {last} mapped"
+        );
+
+        // The same requests on a cache allocated up front.
+        let (model, tokenizer) = batch.into_parts();
+        gpu.set_kv_chunk_blocks(None);
+        let mut batch = PersistentBatch::new(model, tokenizer, config.clone()).unwrap();
+        assert!(!batch.cache().grows());
+        assert_eq!(batch.cache().mapped_blocks(), config.num_blocks);
+        let (allocated, mapped, _) = run(&gpu, &mut batch, &prompts, max_tokens);
+        assert_eq!(mapped, [config.num_blocks]);
+        for (i, (a, b)) in grown.iter().zip(&allocated).enumerate() {
+            assert_eq!(
+                a, b,
+                "{dtype} request {i}: mapped on demand and allocated up front generate differently"
+            );
+        }
+        eprintln!(
+            "{dtype}: {n}/{n} requests generate the same {max_tokens} tokens on both caches",
+            n = prompts.len()
         );
     }
-    eprintln!(
-        "{n}/{n} requests generate the same {max_tokens} tokens on both caches",
-        n = prompts.len()
-    );
 }
 
 /// Mapping past the device's memory is an out-of-memory error, not a panic or a broken cache:
