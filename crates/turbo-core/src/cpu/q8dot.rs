@@ -105,7 +105,10 @@ fn kernel() -> Q8Kernel {
     static KERNEL: std::sync::OnceLock<Q8Kernel> = std::sync::OnceLock::new();
     *KERNEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
             return avx2::rows;
         }
         rows_portable
@@ -166,7 +169,7 @@ unsafe fn rows_portable(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{codes_at, f16_at, Q8Activations};
+    use super::{codes_at, Q8Activations};
     use crate::{DType, WeightMatrix};
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -201,6 +204,29 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    /// A block's scale and the constant its codes are offset by (Q4_1: its f16 minimum; Q4_0:
+    /// -8 scales; Q8_0: none), converted by F16C (the block's first 4 bytes hold them).
+    #[inline(always)]
+    unsafe fn scales(dtype: DType, blk: *const u8) -> (f32, f32) {
+        let bits = (blk as *const u32).read_unaligned();
+        let f = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
+        let dw = _mm_cvtss_f32(f);
+        let min = match dtype {
+            DType::Q4_1 => _mm_cvtss_f32(_mm_movehdup_ps(f)),
+            DType::Q4_0 => -8.0 * dw,
+            _ => 0.0,
+        };
+        (dw, min)
+    }
+
+    /// Prefetches `rows` rows of `row_bytes` from `at`.
+    #[inline(always)]
+    unsafe fn prefetch_rows(at: *const u8, rows: usize, row_bytes: usize) {
+        for line in (0..rows * row_bytes).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(at.add(line) as *const i8);
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn rows(
         w: &WeightMatrix,
@@ -216,25 +242,45 @@ mod avx2 {
         let blocks = w.cols / 32;
         assert!(data.len() >= rows.end * row_bytes && a.codes.len() >= n * w.cols);
         let end = rows.end;
-        for r in rows {
-            if r + 4 < end {
-                let ahead = data.as_ptr().add((r + 4) * row_bytes);
-                for line in (0..row_bytes).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.add(line) as *const i8);
+        let mut r = rows.start;
+        // One token (decode of one sequence): four rows at a time, each block's activations
+        // loaded once for the four, and four independent accumulations (one row's FMAs alone are
+        // a chain of dependent adds that the block loop waits on).
+        if n == 1 {
+            while r + ROWS <= end {
+                if r + 2 * ROWS <= end {
+                    prefetch_rows(data.as_ptr().add((r + ROWS) * row_bytes), ROWS, row_bytes);
                 }
+                let base = data.as_ptr().add(r * row_bytes);
+                let mut acc = [_mm256_setzero_ps(); ROWS];
+                let mut extra = [0f32; ROWS];
+                for g in 0..blocks {
+                    let xs = _mm256_loadu_si256(a.codes.as_ptr().add(g * 32) as *const __m256i);
+                    let (dx, sx) = (a.d[g], a.sum[g]);
+                    for k in 0..ROWS {
+                        let blk = base.add(k * row_bytes + g * bytes);
+                        let (dw, min) = scales(dtype, blk);
+                        let p = _mm256_cvtepi32_ps(products(dtype, blk.add(at), xs));
+                        acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), p, acc[k]);
+                        extra[k] += min * sx;
+                    }
+                }
+                for k in 0..ROWS {
+                    *out.add(r + k) = hsum(acc[k]) + extra[k];
+                }
+                r += ROWS;
+            }
+        }
+        for r in r..end {
+            if r + 4 < end {
+                prefetch_rows(data.as_ptr().add((r + 4) * row_bytes), 1, row_bytes);
             }
             let row = data.as_ptr().add(r * row_bytes);
             let mut acc = [_mm256_setzero_ps(); 4];
             let mut extra = [0f32; 4];
             for g in 0..blocks {
                 let blk = row.add(g * bytes);
-                let head = std::slice::from_raw_parts(blk, 4);
-                let dw = f16_at(head, 0);
-                let min = match dtype {
-                    DType::Q4_1 => f16_at(head, 2),
-                    DType::Q4_0 => -8.0 * dw,
-                    _ => 0.0,
-                };
+                let (dw, min) = scales(dtype, blk);
                 for t in 0..n {
                     let xs = _mm256_loadu_si256(
                         a.codes.as_ptr().add(t * w.cols + g * 32) as *const __m256i
@@ -250,6 +296,9 @@ mod avx2 {
             }
         }
     }
+
+    /// Rows the one-token path takes at a time.
+    const ROWS: usize = 4;
 }
 
 #[cfg(test)]
@@ -267,7 +316,10 @@ mod tests {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
         let mut kernels: Vec<(&str, Q8Kernel)> = vec![("portable", rows_portable)];
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
             kernels.push(("avx2", avx2::rows));
         }
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
