@@ -52,11 +52,7 @@ pub struct KvLayout {
 impl KvLayout {
     /// Bytes of one block of keys (or values).
     pub fn block_bytes(&self) -> usize {
-        let rows = self.block_size * self.n_kv_heads;
-        match self.dtype {
-            KvDtype::Full => rows * self.head_dim * 2,
-            KvDtype::Int8 | KvDtype::Fp8 => rows * (self.head_dim + 4),
-        }
+        self.block_size * self.n_kv_heads * self.dtype.row_bytes(self.head_dim, 2)
     }
 
     /// Elements of a bf16 range one block takes (a quantized range is passed as bf16 elements

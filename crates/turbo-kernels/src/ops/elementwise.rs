@@ -171,7 +171,7 @@ impl QuantGeometry {
 
     /// Bytes of one block: a code byte per element and an f32 scale per (slot, KV head).
     pub fn block_bytes(&self) -> usize {
-        self.block_size * self.n_kv_heads * (self.head_dim + 4)
+        self.block_size * self.n_kv_heads * KvDtype::Int8.row_bytes(self.head_dim, 2)
     }
 
     /// Bytes of one layer's keys (or values).

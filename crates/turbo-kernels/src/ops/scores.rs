@@ -60,11 +60,7 @@ impl ScoreGeometry {
 
     /// Bytes of one block of keys.
     fn block_bytes(&self) -> usize {
-        let rows = self.block_size * self.n_kv_heads;
-        match self.dtype {
-            KvDtype::Full => rows * self.head_dim * 2,
-            KvDtype::Int8 | KvDtype::Fp8 => rows * (self.head_dim + 4),
-        }
+        self.block_size * self.n_kv_heads * self.dtype.row_bytes(self.head_dim, 2)
     }
 }
 
