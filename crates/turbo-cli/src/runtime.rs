@@ -33,6 +33,11 @@ pub struct ModelArgs {
     /// recorded as a CUDA graph (for comparison and debugging).
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// On a model split over GPUs, all-reduce through NCCL only, instead of through the GPUs'
+    /// mapped memory for decode-sized messages (for comparison; split steps are then not
+    /// recorded as CUDA graphs).
+    #[arg(long)]
+    pub no_peer_all_reduce: bool,
     /// KV blocks to map at a time on a GPU, as steps reach them (rounded up to the driver's
     /// allocation granularity, 2 MiB of each layer's keys and of its values on current GPUs),
     /// so that the KV cache holds memory only for the blocks used so far; default: the whole
@@ -130,6 +135,7 @@ impl ModelArgs {
             block_size: self.block_size,
             context: self.context,
             cuda_graphs: !self.no_cuda_graphs,
+            peer_all_reduce: !self.no_peer_all_reduce,
             kv_alloc_chunk: self.kv_alloc_chunk,
             progress: true,
             tensor_parallel: self.tensor_parallel,

@@ -26,6 +26,9 @@ pub struct ModelOptions {
     pub context: Option<usize>,
     /// On a GPU, record decode steps as CUDA graphs and replay them.
     pub cuda_graphs: bool,
+    /// On a split model whose GPUs map each other's memory, all-reduce decode-sized messages
+    /// through that memory (one kernel; steps recordable as CUDA graphs) rather than NCCL.
+    pub peer_all_reduce: bool,
     /// On a GPU, map the KV cache's memory this many blocks at a time as steps reach them,
     /// instead of allocating it whole at start.
     pub kv_alloc_chunk: Option<usize>,
@@ -50,6 +53,7 @@ impl Default for ModelOptions {
             block_size: 16,
             context: None,
             cuda_graphs: true,
+            peer_all_reduce: true,
             kv_alloc_chunk: None,
             progress: true,
             tensor_parallel: 1,
@@ -181,6 +185,7 @@ impl ModelOptions {
                 };
                 for b in &backends {
                     b.set_graphs(self.cuda_graphs);
+                    b.set_peer_all_reduce(self.peer_all_reduce);
                     b.set_kv_chunk_blocks(self.kv_alloc_chunk);
                 }
                 let mut model = Llama::new_parallel(backends, &loaded.config, &loaded.weights)?;

@@ -3,6 +3,7 @@
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::nccl::NcclRank;
+use crate::p2p::PeerRank;
 use crate::ops;
 use crate::ops::attention::{AttentionPlan, KvLayout, KvSplit, LogitScoring, PlanOptions};
 use crate::ops::elementwise::{CompactShape, QuantGeometry};
@@ -177,6 +178,10 @@ pub struct CudaBackend {
     kv_chunk_blocks: Arc<AtomicUsize>,
     /// This GPU's communicator when it is a rank of a tensor-parallel group.
     nccl: Option<Arc<NcclRank>>,
+    /// The group's all-reduce through peer-mapped memory, when every pair of its GPUs can map
+    /// each other's memory: used for messages that fit it (decode steps) unless turned off.
+    peer: Option<Arc<PeerRank>>,
+    peer_enabled: Arc<AtomicBool>,
 }
 
 impl CudaBackend {
@@ -192,11 +197,14 @@ impl CudaBackend {
             replayed: Arc::new(AtomicUsize::new(0)),
             kv_chunk_blocks: Arc::new(AtomicUsize::new(0)),
             nccl: None,
+            peer: None,
+            peer_enabled: Arc::new(AtomicBool::new(true)),
         })
     }
 
     /// The backends of a tensor-parallel group over GPUs `first .. first + world`, rank order,
-    /// joined by NCCL.
+    /// joined by NCCL, and by an all-reduce through peer-mapped memory where the GPUs can map
+    /// each other's (NVLink, or PCIe peer access).
     pub fn group(first: usize, world: usize) -> Result<Vec<Self>> {
         let count = crate::device_count();
         if first.checked_add(world).is_none_or(|end| end > count) {
@@ -212,7 +220,32 @@ impl CudaBackend {
         for (b, rank) in backends.iter_mut().zip(NcclRank::group(streams)?) {
             b.nccl = Some(Arc::new(rank));
         }
+        let devices: Vec<&CudaDevice> = backends.iter().map(|b| &*b.dev).collect();
+        if let Some(ranks) = PeerRank::group(&devices)? {
+            for (b, rank) in backends.iter_mut().zip(ranks) {
+                b.peer = Some(Arc::new(rank));
+            }
+        }
         Ok(backends)
+    }
+
+    /// Whether this rank's all-reduces of decode-sized messages go through peer-mapped memory
+    /// (on by default where the group has it) rather than NCCL. Every rank of a group must have
+    /// the same setting. Off, a split model's steps are not recorded as CUDA graphs.
+    pub fn set_peer_all_reduce(&self, enabled: bool) {
+        self.peer_enabled.store(enabled, Ordering::Relaxed);
+    }
+
+    /// Whether this rank is part of a group whose GPUs map each other's memory.
+    pub fn has_peer_all_reduce(&self) -> bool {
+        self.peer.is_some()
+    }
+
+    /// The peer all-reduce, when the group has it and it is on.
+    fn peer(&self) -> Option<&PeerRank> {
+        self.peer
+            .as_deref()
+            .filter(|_| self.peer_enabled.load(Ordering::Relaxed))
     }
 
     pub fn graph_stats(&self) -> GraphStats {
@@ -663,11 +696,12 @@ impl Backend for CudaBackend {
     }
 
     fn run_step(&self, batch: &CudaBatch, step: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        // A rank of a tensor-parallel group launches its steps directly: replaying steps
-        // recorded with NCCL all-reduces inside hung in a 100-request run on two H200s (while
-        // the same run launched directly finished), so graphs stay off there until that is
-        // understood.
-        let graphs_on = self.graphs.load(Ordering::Relaxed) && self.nccl.is_none();
+        // A rank of a tensor-parallel group records its steps only when their all-reduces go
+        // through peer memory (every recordable step's fit it): replaying steps recorded with
+        // NCCL all-reduces inside hung in a 100-request run on two H200s, while the same run
+        // launched directly finished.
+        let graphs_on =
+            self.graphs.load(Ordering::Relaxed) && (self.nccl.is_none() || self.peer().is_some());
         let Some(shape) = batch.shape.filter(|_| graphs_on) else {
             return step();
         };
@@ -879,13 +913,18 @@ impl Backend for CudaBackend {
     }
 
     fn all_reduce_sum(&self, x: &mut CudaTensor) -> Result<()> {
-        match &self.nccl {
-            Some(n) => Ok(n.all_reduce_sum(&mut x.data, x.rows * x.cols)?),
-            None => Ok(()),
+        let n = x.rows * x.cols;
+        match (self.peer(), &self.nccl) {
+            (Some(p), _) if p.fits(n) => Ok(p.all_reduce_sum(&self.dev, &mut x.data, n)?),
+            (_, Some(nccl)) => Ok(nccl.all_reduce_sum(&mut x.data, n)?),
+            _ => Ok(()),
         }
     }
 
     fn abort_collectives(&self) {
+        if let Some(p) = &self.peer {
+            p.abort();
+        }
         if let Some(n) = &self.nccl {
             n.abort();
         }

@@ -11,6 +11,7 @@ mod error;
 mod kv;
 mod lt;
 mod nccl;
+mod p2p;
 pub mod ops;
 pub mod ptx;
 

@@ -45,6 +45,7 @@ pub const MODULES: &[KernelModule] = &[
     module!("merge"),
     module!("gemv"),
     module!("scores"),
+    module!("comm"),
     module!("attention_sm90a", Some((9, 0))),
 ];
 

@@ -1,5 +1,6 @@
-//! Tensor parallelism on GPUs (NCCL): a model split over 2 GPUs against the same model on one
-//! GPU and on the CPU. Skips with a message unless two GPUs and NCCL are present.
+//! Tensor parallelism on GPUs (NCCL, and the all-reduce through peer-mapped memory): a model
+//! split over 2 GPUs against the same model on one GPU and on the CPU, and the peer all-reduce
+//! against sums made on the host. Skips with a message unless two GPUs and NCCL are present.
 //!
 //! Tolerances: a split GPU run differs from the whole one by the bf16 rounding of the partial
 //! residual updates before their sum (each rank's W_o and W_down products round to bf16, then the
@@ -7,8 +8,10 @@
 //! the GPU-vs-CPU tests allow. Greedy tokens are compared up to the first step whose top-2 gap on
 //! the CPU is below 0.1 (bf16 noise can pick either token there).
 
-use turbo_core::DType;
-use turbo_kernels::CudaBackend;
+use half::bf16;
+use std::time::{Duration, Instant};
+use turbo_core::{Backend, DType};
+use turbo_kernels::{CudaBackend, CudaTensor};
 use turbo_llama::{Llama, LoadedModel};
 use turbo_scheduler::{BatchConfig, Request};
 use turbo_tests::alone::run_together;
@@ -102,6 +105,7 @@ fn gpu_split_over_two_matches_one_gpu_and_the_cpu() {
             DType::F16 => group.clone(),
             _ => CudaBackend::group(0, 2).unwrap(),
         };
+        let rank0 = backends[0].clone();
         let two = Llama::new_parallel(backends, &loaded.config, &loaded.weights).unwrap();
         let two_logits = engine_logits(&two, &tokens);
         let (vs_one, vs_cpu) = (
@@ -125,7 +129,26 @@ fn gpu_split_over_two_matches_one_gpu_and_the_cpu() {
             .map(|(i, &n)| random_tokens(&spec, n, 40 + i as u64))
             .collect();
         let (want, one) = greedy(one, &loaded, &prompts);
+        let before = rank0.graph_stats();
         let (got, _) = greedy(two, &loaded, &prompts);
+        let after = rank0.graph_stats();
+        eprintln!(
+            "{dtype}: tp 2 recorded {} and replayed {} decode steps",
+            after.recorded - before.recorded,
+            after.replayed - before.replayed
+        );
+        if rank0.has_peer_all_reduce() {
+            assert!(after.replayed > before.replayed, "{dtype}: no step replayed");
+            // NCCL's sums of two ranks round as the peer kernel's do, and graphs launch the
+            // same kernels: the same tokens without either.
+            let nccl = CudaBackend::group(0, 2).unwrap();
+            for b in &nccl {
+                b.set_peer_all_reduce(false);
+            }
+            let model = Llama::new_parallel(nccl, &loaded.config, &loaded.weights).unwrap();
+            let (direct, _) = greedy(model, &loaded, &prompts);
+            assert_eq!(direct, got, "{dtype}: NCCL without graphs vs peer all-reduce");
+        }
         for ((p, g), w) in prompts.iter().zip(&got).zip(&want) {
             let Some(m) = g.iter().zip(w).position(|(a, b)| a != b) else {
                 continue;
@@ -147,4 +170,159 @@ fn gpu_split_over_two_matches_one_gpu_and_the_cpu() {
             );
         }
     }
+}
+
+/// Values exactly representable in bf16, from a seeded generator.
+fn bf16_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state >> 40) as f32 / (1u64 << 24) as f32;
+            bf16::from_f32((unit - 0.5) * 8.0).to_f32()
+        })
+        .collect()
+}
+
+/// What every rank must hold after summing `parts`: the f32 sum in rank order, rounded once.
+fn rank_order_sum(parts: &[Vec<f32>]) -> Vec<f32> {
+    (0..parts[0].len())
+        .map(|i| bf16::from_f32(parts.iter().fold(0f32, |a, p| a + p[i])).to_f32())
+        .collect()
+}
+
+/// Uploads `parts[r]` to rank r, all-reduces on every rank (launched from one thread: the
+/// launches do not wait for each other) and returns what each rank holds.
+fn all_reduce(group: &[CudaBackend], parts: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let mut tensors: Vec<CudaTensor> = group
+        .iter()
+        .zip(parts)
+        .map(|(b, p)| b.upload(p, 1, p.len()).unwrap())
+        .collect();
+    for (b, t) in group.iter().zip(&mut tensors) {
+        b.all_reduce_sum(t).unwrap();
+    }
+    group
+        .iter()
+        .zip(&tensors)
+        .map(|(b, t)| b.download(t).unwrap())
+        .collect()
+}
+
+/// A group whose GPUs map each other's memory, or a message saying why the test skips.
+fn peer_group(world: usize) -> Option<Vec<CudaBackend>> {
+    let group = gpus(world)?;
+    if !group[0].has_peer_all_reduce() {
+        eprintln!("skipping: these GPUs cannot map each other's memory");
+        return None;
+    }
+    Some(group)
+}
+
+#[test]
+fn peer_all_reduce_sums_in_rank_order_on_every_rank() {
+    for world in [2, 4] {
+        let Some(group) = peer_group(world) else {
+            continue;
+        };
+        // Odd sizes exercise the tail; the large one uses every block of the fixed grid; many
+        // calls in a row exercise the epochs and the alternating staging halves.
+        let sizes = [1, 7, 8, 4099, 256 * 4096 + 5, 1 << 22];
+        for (call, &n) in sizes.iter().cycle().take(3 * sizes.len()).enumerate() {
+            let parts: Vec<Vec<f32>> = (0..world)
+                .map(|r| bf16_values(n, (call * world + r) as u64 + 1))
+                .collect();
+            let want = rank_order_sum(&parts);
+            for (r, got) in all_reduce(&group, &parts).iter().enumerate() {
+                assert!(
+                    got == &want,
+                    "world {world}, call {call}, n {n}: rank {r} differs from the rank-order sum"
+                );
+            }
+        }
+        // The same sums through NCCL agree with these up to bf16 rounding of the order of
+        // NCCL's own additions.
+        for b in &group {
+            b.set_peer_all_reduce(false);
+        }
+        let parts: Vec<Vec<f32>> = (0..world).map(|r| bf16_values(4096, 99 + r as u64)).collect();
+        let want = rank_order_sum(&parts);
+        let nccl = all_reduce(&group, &parts);
+        let worst = nccl[0]
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+            .fold(0f32, f32::max);
+        assert!(worst <= 2.0 * 2f32.powi(-8), "NCCL vs peer sum: {worst}");
+        eprintln!("world {world}: peer all-reduce exact; NCCL within {worst:.1e}");
+    }
+}
+
+#[test]
+fn peer_all_reduce_replays_from_cuda_graphs() {
+    let Some(group) = peer_group(2) else { return };
+    let n = 3 * 4096 + 1;
+    let mut tensors: Vec<CudaTensor> = group.iter().map(|b| b.tensor(1, n).unwrap()).collect();
+    // Two all-reduces a step, as a layer makes; recorded once per rank, replayed many times.
+    let graphs: Vec<_> = group
+        .iter()
+        .zip(&mut tensors)
+        .map(|(b, t)| {
+            let stream = &b.device().stream;
+            stream
+                .begin_capture(
+                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+                .unwrap();
+            b.all_reduce_sum(t).unwrap();
+            b.all_reduce_sum(t).unwrap();
+            stream
+                .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+                .unwrap()
+                .expect("a recorded graph")
+        })
+        .collect();
+    for replay in 0..40u64 {
+        let parts: Vec<Vec<f32>> = (0..2).map(|r| bf16_values(n, 7 * replay + r)).collect();
+        // Twice summed: every rank holds the sum after the first, so the second doubles it.
+        let want: Vec<f32> = rank_order_sum(&parts)
+            .iter()
+            .map(|&s| bf16::from_f32(2.0 * s).to_f32())
+            .collect();
+        // The graphs name the buffers they were recorded with: new values are copied in.
+        for ((b, t), p) in group.iter().zip(&mut tensors).zip(&parts) {
+            let host: Vec<bf16> = p.iter().map(|&v| bf16::from_f32(v)).collect();
+            b.device().stream.memcpy_htod(&host, &mut t.data).unwrap();
+        }
+        for g in &graphs {
+            g.launch().unwrap();
+        }
+        for (r, (b, t)) in group.iter().zip(&tensors).enumerate() {
+            let got = b.download(t).unwrap();
+            assert!(got == want, "replay {replay}: rank {r} differs from the sum");
+        }
+    }
+}
+
+#[test]
+fn peer_all_reduce_abort_releases_a_waiting_rank() {
+    let Some(group) = peer_group(2) else { return };
+    let mut t = group[0].upload(&bf16_values(64, 3), 1, 64).unwrap();
+    let started = Instant::now();
+    // Rank 1 never joins: rank 0's kernel waits at the barrier until the group is aborted.
+    group[0].all_reduce_sum(&mut t).unwrap();
+    let aborter = {
+        let b = group[0].clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            b.abort_collectives();
+        })
+    };
+    group[0].device().stream.synchronize().unwrap();
+    aborter.join().unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(250));
+    let refused = group[1].all_reduce_sum(&mut group[1].tensor(1, 64).unwrap());
+    assert!(refused.is_err(), "an aborted group must refuse later collectives");
 }

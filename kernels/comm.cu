@@ -1,0 +1,107 @@
+// Collectives between the GPUs of one tensor-parallel group in one process, through memory the
+// ranks map into each other's address space (peer access over NVLink or PCIe): a step's small
+// all-reduces (decode's residual stream) cost one kernel and one barrier instead of a NCCL launch,
+// and they can be recorded into CUDA graphs.
+//
+// Each rank owns, in its own device memory:
+//   - a staging buffer of two halves of `half_elems` bf16 (a call uses the half of its epoch's
+//     parity, so a rank never overwrites what a peer may still be reading: to reach call e + 2 it
+//     must have passed call e + 1's barrier, which its peers join only after finishing call e);
+//   - signals (u32): COMM_MAX_BLOCKS x COMM_MAX_RANKS arrival epochs that peers write, then
+//     COMM_MAX_BLOCKS epoch counters of its own (one per block of the fixed grid).
+// `table` (u64, on each rank): the staging base of every rank, then the signals base of every
+// rank, COMM_MAX_RANKS entries each. Every call launches the same grid on every rank, so block b
+// of every rank handles the same elements and meets only block b of its peers.
+#include "common.cuh"
+
+#define COMM_MAX_RANKS 8
+#define COMM_MAX_BLOCKS 64
+
+__device__ __forceinline__ void comm_store_release(unsigned* p, unsigned v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned comm_load_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// A peer's 16 bytes, fetched again rather than from a cache line an earlier call left behind.
+__device__ __forceinline__ uint4 comm_load_fresh(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ __nv_bfloat16 comm_load_fresh_bf16(const __nv_bfloat16* p) {
+    unsigned short v;
+    asm volatile("ld.volatile.global.u16 %0, [%1];\n" : "=h"(v) : "l"(p) : "memory");
+    return __ushort_as_bfloat16(v);
+}
+
+// Sums the first n values of x over the group, in place, in rank order (0, 1, ..., world - 1,
+// in f32, rounded once to bf16), so every rank ends with the same bits. `abort_flag` is host
+// memory: when the host sets it (a rank failed and will never arrive), waiting blocks give up and
+// x is left unspecified.
+extern "C" __global__ void __launch_bounds__(512) all_reduce_sum_bf16(
+    __nv_bfloat16* x, long long n, int rank, int world, const unsigned long long* table,
+    long long half_elems, const volatile int* abort_flag) {
+    __shared__ unsigned epoch_shared;
+    unsigned* own_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + rank]);
+    unsigned* own_epoch = own_signals + COMM_MAX_BLOCKS * COMM_MAX_RANKS + blockIdx.x;
+    if (threadIdx.x == 0) epoch_shared = *own_epoch + 1;
+    __syncthreads();
+    const unsigned epoch = epoch_shared;
+    const long long half = (long long)(epoch & 1u) * half_elems;
+    __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(table[rank]) + half;
+
+    // 16-byte chunks are dealt to (block, thread) the same way on every rank; the tail of
+    // n % 8 values goes to block 0.
+    const long long chunks = n / 8;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long tail = chunks * 8 + threadIdx.x;
+    const bool has_tail = blockIdx.x == 0 && tail < n;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    uint4* sv = reinterpret_cast<uint4*>(staging);
+    for (long long c = first; c < chunks; c += stride) sv[c] = xv[c];
+    if (has_tail) staging[tail] = x[tail];
+
+    // Barrier with block blockIdx.x of every rank: publish this block's part, wait for theirs.
+    __syncthreads();
+    if (threadIdx.x < world) {
+        unsigned* peer_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + threadIdx.x]);
+        comm_store_release(peer_signals + blockIdx.x * COMM_MAX_RANKS + rank, epoch);
+        const unsigned* arrived = own_signals + blockIdx.x * COMM_MAX_RANKS + threadIdx.x;
+        for (unsigned spins = 0; (int)(comm_load_acquire(arrived) - epoch) < 0; spins++) {
+            if ((spins & 63u) == 63u && *abort_flag) break;
+        }
+    }
+    __syncthreads();
+
+    for (long long c = first; c < chunks; c += stride) {
+        float acc[8], part[8];
+        for (int k = 0; k < 8; k++) acc[k] = 0.f;
+        for (int r = 0; r < world; r++) {
+            const uint4* peer = reinterpret_cast<const uint4*>(
+                reinterpret_cast<const __nv_bfloat16*>(table[r]) + half);
+            bf16x8_unpack(r == rank ? xv[c] : comm_load_fresh(peer + c), part);
+#pragma unroll
+            for (int k = 0; k < 8; k++) acc[k] += part[k];
+        }
+        reinterpret_cast<uint4*>(x)[c] = bf16x8_pack(acc);
+    }
+    if (has_tail) {
+        float acc = 0.f;
+        for (int r = 0; r < world; r++) {
+            const __nv_bfloat16* peer = reinterpret_cast<const __nv_bfloat16*>(table[r]) + half;
+            acc += __bfloat162float(r == rank ? x[tail] : comm_load_fresh_bf16(peer + tail));
+        }
+        x[tail] = __float2bfloat16_rn(acc);
+    }
+    if (threadIdx.x == 0) *own_epoch = epoch;
+}
