@@ -4,14 +4,14 @@
 // and they can be recorded into CUDA graphs.
 //
 // Each rank owns, in its own device memory:
-//   - a staging buffer of two halves of `half_elems` bf16 (a call uses the half of its epoch's
-//     parity, so a rank never overwrites what a peer may still be reading: to reach call e + 2 it
-//     must have passed call e + 1's barrier, which its peers join only after finishing call e);
-//   - signals (u32): COMM_MAX_BLOCKS x COMM_MAX_RANKS arrival epochs that peers write, then
-//     COMM_MAX_BLOCKS epoch counters of its own (one per block of the fixed grid).
+//   - a staging buffer of two halves of `half_elems` bf16. Call e uses half e % 2, so a rank never
+//     overwrites what a peer may still be reading: to be in call e + 2 it must have finished call
+//     e + 1, whose barriers its peers join only after finishing call e;
+//   - signals (u32): COMM_MAX_BLOCKS x COMM_MAX_RANKS arrival epochs that peers write, then the
+//     rank's epoch (calls made so far) and a count of the blocks of the current call that are done.
 // `table` (u64, on each rank): the staging base of every rank, then the signals base of every
-// rank, COMM_MAX_RANKS entries each. Every call launches the same grid on every rank, so block b
-// of every rank handles the same elements and meets only block b of its peers.
+// rank, COMM_MAX_RANKS entries each. Every rank launches the same grid for a call (it depends on n
+// only), so block b of every rank handles the same elements and meets only block b of its peers.
 #include "common.cuh"
 
 #define COMM_MAX_RANKS 8
@@ -50,12 +50,11 @@ __device__ __forceinline__ __nv_bfloat16 comm_load_fresh_bf16(const __nv_bfloat1
 extern "C" __global__ void __launch_bounds__(512) all_reduce_sum_bf16(
     __nv_bfloat16* x, long long n, int rank, int world, const unsigned long long* table,
     long long half_elems, const volatile int* abort_flag) {
-    __shared__ unsigned epoch_shared;
     unsigned* own_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + rank]);
-    unsigned* own_epoch = own_signals + COMM_MAX_BLOCKS * COMM_MAX_RANKS + blockIdx.x;
-    if (threadIdx.x == 0) epoch_shared = *own_epoch + 1;
-    __syncthreads();
-    const unsigned epoch = epoch_shared;
+    unsigned* own_epoch = own_signals + COMM_MAX_BLOCKS * COMM_MAX_RANKS;
+    unsigned* blocks_done = own_epoch + 1;
+    // Written only at the end of the previous call (an earlier kernel on this stream).
+    const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own_epoch) + 1;
     const long long half = (long long)(epoch & 1u) * half_elems;
     __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(table[rank]) + half;
 
@@ -78,15 +77,18 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_sum_bf16(
         comm_store_release(peer_signals + blockIdx.x * COMM_MAX_RANKS + rank, epoch);
         const unsigned* arrived = own_signals + blockIdx.x * COMM_MAX_RANKS + threadIdx.x;
         for (unsigned spins = 0; (int)(comm_load_acquire(arrived) - epoch) < 0; spins++) {
-            if ((spins & 63u) == 63u && *abort_flag) break;
+            if ((spins & 1023u) == 1023u && *abort_flag) break;
         }
     }
     __syncthreads();
 
     for (long long c = first; c < chunks; c += stride) {
         float acc[8], part[8];
-        for (int k = 0; k < 8; k++) acc[k] = 0.f;
-        for (int r = 0; r < world; r++) {
+        bf16x8_unpack(rank == 0 ? xv[c]
+                                : comm_load_fresh(reinterpret_cast<const uint4*>(
+                                      reinterpret_cast<const __nv_bfloat16*>(table[0]) + half) + c),
+                      acc);
+        for (int r = 1; r < world; r++) {
             const uint4* peer = reinterpret_cast<const uint4*>(
                 reinterpret_cast<const __nv_bfloat16*>(table[r]) + half);
             bf16x8_unpack(r == rank ? xv[c] : comm_load_fresh(peer + c), part);
@@ -103,5 +105,10 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_sum_bf16(
         }
         x[tail] = __float2bfloat16_rn(acc);
     }
-    if (threadIdx.x == 0) *own_epoch = epoch;
+    // The last block done ends the call: the next call (a later kernel) reads the new epoch.
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
+        *blocks_done = 0;
+        *own_epoch = epoch;
+    }
 }

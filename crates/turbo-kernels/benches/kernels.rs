@@ -789,8 +789,60 @@ fn bench_gemv(c: &mut Criterion) {
     g.finish();
 }
 
+/// The all-reduce of a split model's residual stream (hidden 4096, bf16) over two GPUs, through
+/// peer-mapped memory and through NCCL: a decode step at batch 1 and batch 83 (the mean of the
+/// 1000-request run) and a 512-token prefill chunk. One iteration is 64 calls on each rank (a
+/// 32-layer step), each rank issuing its own from a thread of its own as the model does.
+fn bench_all_reduce(c: &mut Criterion) {
+    use turbo_core::Backend;
+    use turbo_kernels::CudaBackend;
+    if turbo_kernels::device_count() < 2 || !turbo_kernels::nccl_available() {
+        eprintln!("skipping all-reduce benches: two GPUs and NCCL needed");
+        return;
+    }
+    let group = CudaBackend::group(0, 2).expect("a group of two GPUs");
+    let mut g = c.benchmark_group("all_reduce");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500));
+    for rows in [1usize, 83, 512] {
+        let n = rows * 4096;
+        let mut tensors: Vec<_> = group
+            .iter()
+            .map(|b| b.upload(&vec![0.5f32; n], rows, 4096).expect("upload"))
+            .collect();
+        for (mode, peer) in [("peer", true), ("nccl", false)] {
+            if peer && !group[0].has_peer_all_reduce() {
+                continue;
+            }
+            for b in &group {
+                b.set_peer_all_reduce(peer);
+            }
+            g.throughput(Throughput::Bytes((64 * n * 2) as u64));
+            g.bench_function(format!("tp2_rows{rows}_x64_{mode}"), |bench| {
+                bench.iter_custom(|iters| {
+                    let start = std::time::Instant::now();
+                    std::thread::scope(|scope| {
+                        for (b, t) in group.iter().zip(tensors.iter_mut()) {
+                            scope.spawn(move || {
+                                for _ in 0..iters * 64 {
+                                    b.all_reduce_sum(t).expect("all-reduce");
+                                }
+                                b.device().stream.synchronize().expect("sync");
+                            });
+                        }
+                    });
+                    start.elapsed()
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
+    bench_all_reduce,
     bench_read_probe,
     bench,
     bench_merge,

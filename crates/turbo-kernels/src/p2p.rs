@@ -7,7 +7,7 @@
 
 use crate::device::CudaDevice;
 use crate::error::{CudaError, Result};
-use cudarc::driver::{sys, CudaContext, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use half::bf16;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -72,15 +72,52 @@ impl HostFlag {
     }
 }
 
+/// Device memory that other GPUs of the group read and write. Allocated by `cuMemAlloc`:
+/// cudarc's buffers come from the stream-ordered pool, which peer access does not cover.
+struct SharedBuffer {
+    ptr: sys::CUdeviceptr,
+    ctx: Arc<CudaContext>,
+}
+
+impl SharedBuffer {
+    /// `bytes` of zeroed memory on `ctx`'s device.
+    fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        ctx.bind_to_thread()?;
+        let mut ptr = 0;
+        // SAFETY: allocates and clears `bytes` in the bound context; freed in `drop`.
+        unsafe {
+            sys::cuMemAlloc_v2(&mut ptr, bytes).result()?;
+            let buffer = SharedBuffer {
+                ptr,
+                ctx: ctx.clone(),
+            };
+            sys::cuMemsetD8_v2(ptr, 0, bytes).result()?;
+            Ok(buffer)
+        }
+    }
+}
+
+impl Drop for SharedBuffer {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by cuMemAlloc in `zeroed`, freed once, after every rank's stream
+            // was drained (see `Group`'s drop).
+            unsafe {
+                let _ = sys::cuMemFree_v2(self.ptr);
+            }
+        }
+    }
+}
+
 /// The buffers of one group, made together and kept until the last rank is dropped.
 struct Group {
-    staging: Vec<CudaSlice<bf16>>,
-    /// Held for their memory, which peers' kernels write.
-    _signals: Vec<CudaSlice<u32>>,
+    staging: Vec<SharedBuffer>,
+    signals: Vec<SharedBuffer>,
+    streams: Vec<Arc<CudaStream>>,
     tables: Vec<CudaSlice<u64>>,
     abort: HostFlag,
     aborted: AtomicBool,
-    /// Blocks of every launch (the same on every rank; see `kernels/comm.cu`).
+    /// Most blocks a launch takes (the same on every rank; see `kernels/comm.cu`).
     blocks: u32,
 }
 
@@ -107,13 +144,15 @@ impl PeerRank {
         let mut staging = Vec::with_capacity(world);
         let mut signals = Vec::with_capacity(world);
         for d in devices {
-            staging.push(d.stream.alloc_zeros::<bf16>(2 * STAGING_HALF_ELEMS)?);
-            signals.push(d.stream.alloc_zeros::<u32>(MAX_BLOCKS * MAX_RANKS + MAX_BLOCKS)?);
+            let bytes = 2 * STAGING_HALF_ELEMS * std::mem::size_of::<bf16>();
+            staging.push(SharedBuffer::zeroed(&d.ctx, bytes)?);
+            let bytes = (MAX_BLOCKS * MAX_RANKS + MAX_BLOCKS) * std::mem::size_of::<u32>();
+            signals.push(SharedBuffer::zeroed(&d.ctx, bytes)?);
         }
         let mut addresses = vec![0u64; 2 * MAX_RANKS];
-        for (r, d) in devices.iter().enumerate() {
-            addresses[r] = staging[r].device_ptr(&d.stream).0;
-            addresses[MAX_RANKS + r] = signals[r].device_ptr(&d.stream).0;
+        for r in 0..world {
+            addresses[r] = staging[r].ptr;
+            addresses[MAX_RANKS + r] = signals[r].ptr;
         }
         let tables = devices
             .iter()
@@ -126,7 +165,8 @@ impl PeerRank {
         let sms = devices.iter().map(|d| d.sm_count()).min().unwrap_or(1);
         let group = Arc::new(Group {
             staging,
-            _signals: signals,
+            signals,
+            streams: devices.iter().map(|d| d.stream.clone()).collect(),
             tables,
             abort,
             aborted: AtomicBool::new(false),
@@ -181,8 +221,11 @@ impl PeerRank {
         l.arg(&g.tables[self.rank]);
         l.arg(&half);
         l.arg(&g.abort.device);
+        // Enough blocks for one 16-byte chunk a thread, up to the group's cap: a decode step's
+        // message takes one block, so one pair of flags crosses the link.
+        let blocks = (n / 8).div_ceil(THREADS as usize).clamp(1, g.blocks as usize) as u32;
         let cfg = LaunchConfig {
-            grid_dim: (g.blocks, 1, 1),
+            grid_dim: (blocks, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -204,9 +247,11 @@ impl Drop for Group {
     fn drop(&mut self) {
         // The staging and signal buffers are read by peers' kernels: every rank's stream is
         // drained before any of them is freed.
-        for s in &self.staging {
-            let _ = s.stream().synchronize();
+        for s in &self.streams {
+            let _ = s.synchronize();
         }
+        self.staging.clear();
+        self.signals.clear();
     }
 }
 

@@ -193,22 +193,24 @@ fn rank_order_sum(parts: &[Vec<f32>]) -> Vec<f32> {
         .collect()
 }
 
-/// Uploads `parts[r]` to rank r, all-reduces on every rank (launched from one thread: the
-/// launches do not wait for each other) and returns what each rank holds.
+/// Uploads `parts[r]` to rank r, all-reduces on every rank, each from a thread of its own as the
+/// model does (NCCL blocks a thread that issues one rank's call until the others join), and
+/// returns what each rank holds.
 fn all_reduce(group: &[CudaBackend], parts: &[Vec<f32>]) -> Vec<Vec<f32>> {
-    let mut tensors: Vec<CudaTensor> = group
-        .iter()
-        .zip(parts)
-        .map(|(b, p)| b.upload(p, 1, p.len()).unwrap())
-        .collect();
-    for (b, t) in group.iter().zip(&mut tensors) {
-        b.all_reduce_sum(t).unwrap();
-    }
-    group
-        .iter()
-        .zip(&tensors)
-        .map(|(b, t)| b.download(t).unwrap())
-        .collect()
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = group
+            .iter()
+            .zip(parts)
+            .map(|(b, p)| {
+                scope.spawn(move || {
+                    let mut t = b.upload(p, 1, p.len()).unwrap();
+                    b.all_reduce_sum(&mut t).unwrap();
+                    b.download(&t).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }
 
 /// A group whose GPUs map each other's memory, or a message saying why the test skips.
