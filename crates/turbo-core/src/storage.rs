@@ -158,10 +158,10 @@ impl WeightMatrix {
         let rows = parts.iter().map(|p| p.rows).sum();
         let dtype = parts.first().map_or(DType::F32, |p| p.dtype);
         if parts.iter().all(|p| p.dtype == dtype) {
-            let bytes: Vec<u8> = parts
-                .iter()
-                .flat_map(|p| p.data.as_slice().iter().copied())
-                .collect();
+            let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+            for p in parts {
+                bytes.extend_from_slice(p.data.as_slice());
+            }
             return WeightMatrix::new(dtype, rows, cols, Bytes::owned(bytes));
         }
         let values: Vec<f32> = parts.iter().flat_map(|p| p.to_f32()).collect();

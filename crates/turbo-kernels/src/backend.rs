@@ -41,6 +41,9 @@ pub struct CudaMatrix {
     pub cols: usize,
 }
 
+/// bf16 values of weights decoded and copied up at a time (64 MiB).
+const UPLOAD_CHUNK_ELEMS: usize = 32 << 20;
+
 /// Decode steps of at most this many sequences are recorded as CUDA graphs.
 pub const MAX_GRAPH_ROWS: usize = 256;
 /// The most key ranges a recorded decode step splits each row into.
@@ -182,6 +185,9 @@ pub struct CudaBackend {
     /// each other's memory: used for messages that fit it (decode steps) unless turned off.
     peer: Option<Arc<PeerRank>>,
     peer_enabled: Arc<AtomicBool>,
+    /// The host buffer weights are decoded into on their way up, reused so that loading a
+    /// large model faults its pages in once (at most [`UPLOAD_CHUNK_ELEMS`] values).
+    upload_staging: Arc<Mutex<Vec<bf16>>>,
 }
 
 impl CudaBackend {
@@ -199,6 +205,7 @@ impl CudaBackend {
             nccl: None,
             peer: None,
             peer_enabled: Arc::new(AtomicBool::new(true)),
+            upload_staging: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
@@ -388,29 +395,57 @@ impl Backend for CudaBackend {
     }
 
     fn upload_matrix(&self, w: &WeightMatrix) -> Result<CudaMatrix> {
-        // Decode rows in parallel: an 8B model has billions of elements to convert.
-        let mut host = vec![bf16::ZERO; w.rows * w.cols];
-        host.par_chunks_mut(w.cols.max(1) * 64)
-            .enumerate()
-            .for_each(|(i, chunk)| {
-                let mut row = vec![0f32; w.cols];
-                for (j, dst) in chunk.chunks_exact_mut(w.cols).enumerate() {
-                    w.dequantize_row(i * 64 + j, &mut row);
-                    for (d, s) in dst.iter_mut().zip(&row) {
-                        *d = bf16::from_f32(*s);
-                    }
-                }
-            });
-        Ok(CudaMatrix {
-            data: self.dev.stream.clone_htod(&host).map_err(CudaError::from)?,
-            rows: w.rows,
-            cols: w.cols,
-        })
+        self.upload_stacked(&[w])
     }
 
     fn upload_stacked(&self, parts: &[&WeightMatrix]) -> Result<CudaMatrix> {
-        let stacked = WeightMatrix::stack(parts).map_err(turbo_core::BackendError::Unsupported)?;
-        self.upload_matrix(&stacked)
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(turbo_core::BackendError::Unsupported(
+                "stacked matrices must have the same number of columns".into(),
+            ));
+        }
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        // SAFETY: every element is written below before the matrix is returned.
+        let mut data = unsafe { self.dev.stream.alloc::<bf16>((rows * cols).max(1)) }
+            .map_err(CudaError::from)?;
+        // Each part decodes straight into its rows (no stacked copy of the quantized bytes),
+        // a chunk of rows at a time through the reused host buffer, 16 rows a task.
+        let mut staging = self
+            .upload_staging
+            .lock()
+            .map_err(|_| BackendError::Device("an earlier weight upload panicked".into()))?;
+        let chunk_rows = (UPLOAD_CHUNK_ELEMS / cols.max(1)).max(1);
+        let mut first_row = 0;
+        for w in parts {
+            for start in (0..w.rows).step_by(chunk_rows) {
+                let n = chunk_rows.min(w.rows - start);
+                if staging.len() < n * cols {
+                    staging.resize(n * cols, bf16::ZERO);
+                }
+                let host = &mut staging[..n * cols];
+                host.par_chunks_mut(cols.max(1) * 16)
+                    .enumerate()
+                    .for_each(|(i, chunk)| {
+                        let mut row = vec![0f32; cols];
+                        for (j, dst) in chunk.chunks_exact_mut(cols.max(1)).enumerate() {
+                            w.dequantize_row(start + i * 16 + j, &mut row);
+                            for (d, s) in dst.iter_mut().zip(&row) {
+                                *d = bf16::from_f32(*s);
+                            }
+                        }
+                    });
+                let at = (first_row + start) * cols;
+                // From pageable memory the copy has read `host` when it returns, so the buffer
+                // can take the next chunk.
+                self.dev
+                    .stream
+                    .memcpy_htod(&*host, &mut data.slice_mut(at..at + n * cols))
+                    .map_err(CudaError::from)?;
+            }
+            first_row += w.rows;
+        }
+        Ok(CudaMatrix { data, rows, cols })
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {

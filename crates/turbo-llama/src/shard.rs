@@ -13,6 +13,7 @@
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 use crate::weights::{HostWeights, LayerWeights, LlamaWeights};
+use rayon::prelude::*;
 use std::ops::Range;
 use turbo_core::WeightMatrix;
 
@@ -131,9 +132,10 @@ impl ShardPlan {
                 ))
             })
         };
+        // Layers in parallel: the row-parallel slices are copies, tens of GB for a 70B model.
         let layers = host
             .layers
-            .iter()
+            .par_iter()
             .enumerate()
             .map(|(i, l)| -> Result<_> {
                 Ok(LayerWeights {
