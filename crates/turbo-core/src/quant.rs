@@ -69,7 +69,7 @@ pub fn dequantize_block(dtype: DType, block: &[u8], out: &mut [f32; 32]) {
 
 /// Scale and minimum `j` (of 8) of a Q4_K / Q5_K super-block's 12 packed 6-bit bytes.
 #[inline(always)]
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

@@ -164,6 +164,21 @@ impl WeightMatrix {
             }
             return WeightMatrix::new(dtype, rows, cols, Bytes::owned(bytes));
         }
+        // Q4_0 and Q5_0 blocks are Q8_0 blocks with fewer code bits (the same f16 scale times a
+        // signed code): a mix of the three stacks as Q8_0, exactly, rather than as f32 (4x the
+        // bytes for every product). Quantizers mix them (Q4_K_M files keep some layers' V in
+        // Q8_0 beside Q5_0 Q and K).
+        let widens = |d: DType| matches!(d, DType::Q4_0 | DType::Q5_0 | DType::Q8_0);
+        if parts.iter().all(|p| widens(p.dtype)) {
+            let mut bytes = Vec::with_capacity(rows * DType::Q8_0.row_bytes(cols).unwrap_or(0));
+            for p in parts {
+                for block in p.data.as_slice().chunks_exact(p.dtype.block_bytes()) {
+                    bytes.extend_from_slice(&block[..2]);
+                    bytes.extend((0..32).map(|j| q8_code(p.dtype, block, j) as u8));
+                }
+            }
+            return WeightMatrix::new(DType::Q8_0, rows, cols, Bytes::owned(bytes));
+        }
         let values: Vec<f32> = parts.iter().flat_map(|p| p.to_f32()).collect();
         Ok(WeightMatrix::from_f32(rows, cols, &values))
     }
@@ -219,6 +234,74 @@ impl WeightMatrix {
         WeightMatrix {
             data: Bytes::owned(bytes),
             ..self.clone()
+        }
+    }
+}
+
+/// Code `j` of a Q4_0, Q5_0 or Q8_0 block as the signed 8-bit code its f16 scale multiplies.
+fn q8_code(dtype: DType, block: &[u8], j: usize) -> i8 {
+    match dtype {
+        DType::Q8_0 => block[2 + j] as i8,
+        DType::Q4_0 => {
+            let q = block[2 + j % 16];
+            (if j < 16 { q & 15 } else { q >> 4 }) as i8 - 8
+        }
+        _ => {
+            let qh = u32::from_le_bytes(block[2..6].try_into().unwrap());
+            let q = block[6 + j % 16];
+            let low = if j < 16 { q & 15 } else { q >> 4 };
+            (low | (((qh >> j) & 1) as u8) << 4) as i8 - 16
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{quantize_row, random_blocks};
+    use rand::{Rng, SeedableRng};
+
+    fn matrix(dtype: DType, rows: usize, cols: usize, rng: &mut impl Rng) -> WeightMatrix {
+        let bytes = match DType::WRITABLE.contains(&dtype) {
+            true => (0..rows)
+                .flat_map(|_| {
+                    let row: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+                    quantize_row(dtype, &row)
+                })
+                .collect(),
+            false => random_blocks(dtype, rows * cols / dtype.block_len(), || rng.random()),
+        };
+        WeightMatrix::new(dtype, rows, cols, Bytes::owned(bytes)).unwrap()
+    }
+
+    /// Stacked parts decode to exactly the parts' values: Q4_0, Q5_0 and Q8_0 mixed become one
+    /// Q8_0 matrix; other mixes become f32.
+    #[test]
+    fn stacks_keep_every_value() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let cols = 96;
+        for (types, want) in [
+            (vec![DType::Q5_0, DType::Q5_0, DType::Q8_0], DType::Q8_0),
+            (vec![DType::Q4_0, DType::Q8_0, DType::Q5_0], DType::Q8_0),
+            (vec![DType::Q5_0, DType::F16], DType::F32),
+            (vec![DType::Q4_1, DType::Q4_1], DType::Q4_1),
+        ] {
+            let parts: Vec<WeightMatrix> = types
+                .iter()
+                .enumerate()
+                .map(|(i, &d)| matrix(d, 3 + i, cols, &mut rng))
+                .collect();
+            let refs: Vec<&WeightMatrix> = parts.iter().collect();
+            let stacked = WeightMatrix::stack(&refs).unwrap();
+            assert_eq!(stacked.dtype, want, "{types:?}");
+            let values: Vec<f32> = parts.iter().flat_map(|p| p.to_f32()).collect();
+            let got = stacked.to_f32();
+            assert!(
+                got.iter()
+                    .zip(&values)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{types:?}: stacked values differ"
+            );
         }
     }
 }

@@ -3,12 +3,12 @@
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::nccl::NcclRank;
-use crate::p2p::PeerRank;
 use crate::ops;
 use crate::ops::attention::{AttentionPlan, KvLayout, KvSplit, LogitScoring, PlanOptions};
 use crate::ops::elementwise::{CompactShape, QuantGeometry};
 use crate::ops::gemv::{gemv_fits, GemvNorm, GemvOut, QkvRopeOut};
 use crate::ops::scores::{self, FixedScoring, ScoreGeometry, ScorePlan};
+use crate::p2p::PeerRank;
 use cudarc::driver::sys::CUstreamCaptureMode;
 use cudarc::driver::{CudaGraph, CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::bf16;

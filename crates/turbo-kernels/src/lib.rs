@@ -11,8 +11,8 @@ mod error;
 mod kv;
 mod lt;
 mod nccl;
-mod p2p;
 pub mod ops;
+mod p2p;
 pub mod ptx;
 
 pub use backend::{CudaBackend, CudaKvCache, CudaMatrix, CudaTensor, GraphStats};

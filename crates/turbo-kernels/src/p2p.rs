@@ -223,7 +223,9 @@ impl PeerRank {
         l.arg(&g.abort.device);
         // Enough blocks for one 16-byte chunk a thread, up to the group's cap: a decode step's
         // message takes one block, so one pair of flags crosses the link.
-        let blocks = (n / 8).div_ceil(THREADS as usize).clamp(1, g.blocks as usize) as u32;
+        let blocks = (n / 8)
+            .div_ceil(THREADS as usize)
+            .clamp(1, g.blocks as usize) as u32;
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (THREADS, 1, 1),

@@ -138,7 +138,10 @@ fn gpu_split_over_two_matches_one_gpu_and_the_cpu() {
             after.replayed - before.replayed
         );
         if rank0.has_peer_all_reduce() {
-            assert!(after.replayed > before.replayed, "{dtype}: no step replayed");
+            assert!(
+                after.replayed > before.replayed,
+                "{dtype}: no step replayed"
+            );
             // NCCL's sums of two ranks round as the peer kernel's do, and graphs launch the
             // same kernels: the same tokens without either.
             let nccl = CudaBackend::group(0, 2).unwrap();
@@ -147,7 +150,10 @@ fn gpu_split_over_two_matches_one_gpu_and_the_cpu() {
             }
             let model = Llama::new_parallel(nccl, &loaded.config, &loaded.weights).unwrap();
             let (direct, _) = greedy(model, &loaded, &prompts);
-            assert_eq!(direct, got, "{dtype}: NCCL without graphs vs peer all-reduce");
+            assert_eq!(
+                direct, got,
+                "{dtype}: NCCL without graphs vs peer all-reduce"
+            );
         }
         for ((p, g), w) in prompts.iter().zip(&got).zip(&want) {
             let Some(m) = g.iter().zip(w).position(|(a, b)| a != b) else {
@@ -249,7 +255,9 @@ fn peer_all_reduce_sums_in_rank_order_on_every_rank() {
         for b in &group {
             b.set_peer_all_reduce(false);
         }
-        let parts: Vec<Vec<f32>> = (0..world).map(|r| bf16_values(4096, 99 + r as u64)).collect();
+        let parts: Vec<Vec<f32>> = (0..world)
+            .map(|r| bf16_values(4096, 99 + r as u64))
+            .collect();
         let want = rank_order_sum(&parts);
         let nccl = all_reduce(&group, &parts);
         let worst = nccl[0]
@@ -303,7 +311,10 @@ fn peer_all_reduce_replays_from_cuda_graphs() {
         }
         for (r, (b, t)) in group.iter().zip(&tensors).enumerate() {
             let got = b.download(t).unwrap();
-            assert!(got == want, "replay {replay}: rank {r} differs from the sum");
+            assert!(
+                got == want,
+                "replay {replay}: rank {r} differs from the sum"
+            );
         }
     }
 }
@@ -326,5 +337,8 @@ fn peer_all_reduce_abort_releases_a_waiting_rank() {
     aborter.join().unwrap();
     assert!(started.elapsed() >= Duration::from_millis(250));
     let refused = group[1].all_reduce_sum(&mut group[1].tensor(1, 64).unwrap());
-    assert!(refused.is_err(), "an aborted group must refuse later collectives");
+    assert!(
+        refused.is_err(),
+        "an aborted group must refuse later collectives"
+    );
 }

@@ -426,23 +426,25 @@ unsafe fn decoded_rows_by_tokens<I: Isa>(
     m: usize,
     out: *mut f32,
 ) {
-    DECODED_ROW.with(|scratch| {
-        let mut scratch = scratch.borrow_mut();
-        scratch.resize(w.cols, 0.0);
-        for r in rows {
-            w.dequantize_row(r, &mut scratch);
-            let bytes: &[u8] = bytemuck::cast_slice(&scratch);
-            let sums: [f32; 4] = match m {
-                1 => pad(row_dots::<F32, I, 1>(bytes, x, w.cols)),
-                2 => pad(row_dots::<F32, I, 2>(bytes, x, w.cols)),
-                3 => pad(row_dots::<F32, I, 3>(bytes, x, w.cols)),
-                _ => row_dots::<F32, I, 4>(bytes, x, w.cols),
-            };
-            for (t, s) in sums.iter().take(m).enumerate() {
-                *out.add(t * w.rows + r) = *s;
-            }
+    // The scratch row is taken out of its cell rather than used inside `with`'s closure: a
+    // closure does not inherit this function's target features, so the dot products compiled
+    // there called a library `fmaf` per element.
+    let mut scratch = DECODED_ROW.take();
+    scratch.resize(w.cols, 0.0);
+    for r in rows {
+        w.dequantize_row(r, &mut scratch);
+        let bytes: &[u8] = bytemuck::cast_slice(&scratch);
+        let sums: [f32; 4] = match m {
+            1 => pad(row_dots::<F32, I, 1>(bytes, x, w.cols)),
+            2 => pad(row_dots::<F32, I, 2>(bytes, x, w.cols)),
+            3 => pad(row_dots::<F32, I, 3>(bytes, x, w.cols)),
+            _ => row_dots::<F32, I, 4>(bytes, x, w.cols),
+        };
+        for (t, s) in sums.iter().take(m).enumerate() {
+            *out.add(t * w.rows + r) = *s;
         }
-    });
+    }
+    DECODED_ROW.set(scratch);
 }
 
 #[inline(always)]

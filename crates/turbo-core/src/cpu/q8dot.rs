@@ -3,11 +3,15 @@
 //! llama.cpp's CPU decode multiplies its 4- and 8-bit weight blocks with activations quantized to
 //! 8 bits per 32 elements, so that the inner products are integer multiply-adds on bytes (32
 //! products per instruction pair on AVX2) rather than f32 FMAs on decoded weights. This module
-//! does the same for Q4_0, Q4_1 and Q8_0 weights when [`CpuActivations::Q8`] is chosen:
+//! does the same for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights when
+//! [`CpuActivations::Q8`] is chosen:
 //! activations of each token become blocks of 32 `i8` codes with one f32 scale
 //! (`d = max|x| / 127`, `code = round_ties_even(x / d)`), and each weight block's dot product with
-//! an activation block is exact integer arithmetic scaled once by `d_w · d_x` (plus, for Q4_1,
-//! its minimum times the activation block's sum). The only rounding beyond f32 accumulation is
+//! an activation block is exact integer arithmetic scaled once by `d_w · d_x` (plus, for Q4_1
+//! and Q5_1, its minimum times the activation block's sum). The K-quants' sub-blocks (32 values
+//! for Q4_K, 16 for Q6_K) line up with the activation blocks, so their dot products are the same
+//! integer sums, scaled by the sub-block's scale and corrected by its minimum (Q4_K) or, in the
+//! integers, by the 32 its codes are offset by (Q6_K). The only rounding beyond f32 accumulation is
 //! the activations' own: the results differ from the f32 path by that, and `docs/perf/cpu.md`
 //! reports what it costs in perplexity.
 
@@ -21,8 +25,8 @@ pub enum CpuActivations {
     /// Exact: f32 activations times exactly decoded weights.
     #[default]
     F32,
-    /// Activations rounded to 8 bits per 32 elements for Q4_0, Q4_1 and Q8_0 weights (other
-    /// types, and prefill, stay f32).
+    /// Activations rounded to 8 bits per 32 elements for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K
+    /// and Q6_K weights (other types, and prefill, stay f32).
     Q8,
 }
 
@@ -38,15 +42,31 @@ impl CpuActivations {
 
 /// Whether Q8 activations serve products with weights of `dtype`.
 pub(crate) fn serves(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+    matches!(
+        dtype,
+        DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q8_0
+            | DType::Q4_K
+            | DType::Q6_K
+    )
+}
+
+/// Whether `dtype` has super-blocks of 256 (the K-quants' kernels) rather than blocks of 32.
+fn super_blocks(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_K | DType::Q6_K)
 }
 
 /// Activations of up to a few tokens as 8-bit blocks of 32: `codes[t][c]`, and per token and
-/// block the scale `d` and `d · Σ codes` (for weights with a minimum).
+/// block the scale `d` and `d · Σ codes` (for weights with a minimum), and per half block the
+/// sum of its 16 codes (for Q6_K's offset codes, whose scales change every 16 values).
 pub(crate) struct Q8Activations {
     pub codes: Vec<i8>,
     pub d: Vec<f32>,
     pub sum: Vec<f32>,
+    pub sum16: Vec<i32>,
 }
 
 impl Q8Activations {
@@ -58,6 +78,7 @@ impl Q8Activations {
             codes: vec![0; n * cols],
             d: vec![0.0; blocks],
             sum: vec![0.0; blocks],
+            sum16: vec![0; 2 * blocks],
         };
         for (b, (xs, codes)) in x[..n * cols]
             .chunks_exact(32)
@@ -67,13 +88,14 @@ impl Q8Activations {
             let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut total = 0i32;
             for (c, &v) in codes.iter_mut().zip(xs) {
                 *c = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
-                total += *c as i32;
             }
+            let half = |h: usize| codes[16 * h..16 * h + 16].iter().map(|&c| c as i32).sum();
+            q.sum16[2 * b] = half(0);
+            q.sum16[2 * b + 1] = half(1);
             q.d[b] = d;
-            q.sum[b] = d * total as f32;
+            q.sum[b] = d * (q.sum16[2 * b] + q.sum16[2 * b + 1]) as f32;
         }
         q
     }
@@ -90,7 +112,10 @@ impl Q8Activations {
 pub(crate) fn gemv_q8(x: &[f32], n: usize, w: &WeightMatrix, out: &mut [f32]) {
     debug_assert!(serves(w.dtype) && n <= 4);
     let acts = Q8Activations::new(x, n, w.cols);
-    let kernel = kernel();
+    let kernel = match super_blocks(w.dtype) {
+        true => kernel_k(),
+        false => kernel(),
+    };
     let out_ptr = super::linear::SyncPtr(out.as_mut_ptr());
     super::linear::for_row_tasks(w.rows, |rows| {
         // SAFETY: the dispatcher returns only kernels whose CPU features were detected; each task
@@ -115,11 +140,49 @@ fn kernel() -> Q8Kernel {
     })
 }
 
-/// Where a served block's codes start, after its f16 scale (and, for Q4_1, its f16 minimum).
+fn kernel_k() -> Q8Kernel {
+    static KERNEL: std::sync::OnceLock<Q8Kernel> = std::sync::OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            return avx2::rows_k;
+        }
+        rows_k_portable
+    })
+}
+
+/// Where a served block's 4- or 8-bit codes start, after its f16 scale (and its f16 minimum,
+/// and the 32 fifth bits of Q5 types).
 fn codes_at(dtype: DType) -> usize {
     match dtype {
         DType::Q4_1 => 4,
+        DType::Q5_0 => 6,
+        DType::Q5_1 => 8,
         _ => 2,
+    }
+}
+
+/// Code `j` (0..32) of a served block of 32, as the unsigned (Q4, Q5) or signed (Q8_0) integer
+/// the block's scale multiplies.
+fn code(dtype: DType, blk: &[u8], j: usize) -> i32 {
+    let at = codes_at(dtype);
+    match dtype {
+        DType::Q8_0 => blk[at + j] as i8 as i32,
+        _ => {
+            let q = blk[at + j % 16];
+            let nibble = if j < 16 { q & 15 } else { q >> 4 } as i32;
+            let high = match dtype {
+                DType::Q5_0 | DType::Q5_1 => {
+                    let qh = u32::from_le_bytes(blk[at - 4..at].try_into().unwrap());
+                    ((qh >> j) & 1) as i32 * 16
+                }
+                _ => 0,
+            };
+            nibble + high
+        }
     }
 }
 
@@ -131,7 +194,7 @@ unsafe fn rows_portable(
     n: usize,
     out: *mut f32,
 ) {
-    let (bytes, at) = (w.dtype.block_bytes(), codes_at(w.dtype));
+    let bytes = w.dtype.block_bytes();
     let data = w.data.as_slice();
     let row_bytes = w.row_bytes();
     let blocks = w.cols / 32;
@@ -144,22 +207,71 @@ unsafe fn rows_portable(
                 let xs = &a.codes[t * w.cols + g * 32..][..32];
                 let (dx, sx) = (a.d[t * blocks + g], a.sum[t * blocks + g]);
                 let dw = f16_at(blk, 0);
-                let dot: i32 = match w.dtype {
-                    DType::Q8_0 => (0..32)
-                        .map(|j| blk[at + j] as i8 as i32 * xs[j] as i32)
-                        .sum(),
-                    _ => (0..16)
-                        .map(|j| {
-                            let q = blk[at + j];
-                            (q & 15) as i32 * xs[j] as i32 + (q >> 4) as i32 * xs[j + 16] as i32
-                        })
-                        .sum(),
-                };
+                let dot: i32 = (0..32).map(|j| code(w.dtype, blk, j) * xs[j] as i32).sum();
                 total += dw * dx * dot as f32;
                 match w.dtype {
                     DType::Q4_0 => total -= 8.0 * dw * sx,
-                    DType::Q4_1 => total += f16_at(blk, 2) * sx,
+                    DType::Q5_0 => total -= 16.0 * dw * sx,
+                    DType::Q4_1 | DType::Q5_1 => total += f16_at(blk, 2) * sx,
                     _ => {}
+                }
+            }
+            *out.add(t * w.rows + r) = total;
+        }
+    }
+}
+
+/// The K-quants' scalar kernel: each sub-block's integer dot product with the activation codes,
+/// scaled and corrected as the vector kernel does.
+unsafe fn rows_k_portable(
+    w: &WeightMatrix,
+    rows: Range<usize>,
+    a: &Q8Activations,
+    n: usize,
+    out: *mut f32,
+) {
+    let bytes = w.dtype.block_bytes();
+    let data = w.data.as_slice();
+    let row_bytes = w.row_bytes();
+    let blocks = w.cols / 32;
+    for r in rows {
+        let row = &data[r * row_bytes..(r + 1) * row_bytes];
+        for t in 0..n {
+            let mut total = 0f32;
+            for (sb, b) in row.chunks_exact(bytes).enumerate() {
+                for s in 0..8 {
+                    let i = t * blocks + sb * 8 + s;
+                    let xs = &a.codes[i * 32..i * 32 + 32];
+                    let dot = |q: &dyn Fn(usize) -> i32, from: usize, to: usize| -> i32 {
+                        (from..to).map(|l| q(l) * xs[l] as i32).sum()
+                    };
+                    match w.dtype {
+                        DType::Q4_K => {
+                            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                            let (sc, m) = crate::quant::scale_min_k4(s, &b[4..16]);
+                            let ql = &b[16 + 32 * (s / 2)..];
+                            let q = |l: usize| match s % 2 {
+                                0 => (ql[l] & 15) as i32,
+                                _ => (ql[l] >> 4) as i32,
+                            };
+                            total += d * sc as f32 * a.d[i] * dot(&q, 0, 32) as f32
+                                - dmin * m as f32 * a.sum[i];
+                        }
+                        _ => {
+                            let (h, k) = (s / 4, s % 4);
+                            let (ql, qh, d) = (&b[64 * h..], &b[128 + 32 * h..], f16_at(b, 208));
+                            let q = |l: usize| {
+                                let low = (ql[l + 32 * (k % 2)] >> (4 * (k / 2))) & 15;
+                                (low | (((qh[l] >> (2 * k)) & 3) << 4)) as i32
+                            };
+                            for half in 0..2 {
+                                let sc = b[192 + 8 * h + 2 * k + half] as i8 as f32;
+                                let offset = 32 * a.sum16[2 * i + half];
+                                let sum = dot(&q, 16 * half, 16 * half + 16) - offset;
+                                total += d * sc * a.d[i] * sum as f32;
+                            }
+                        }
+                    }
                 }
             }
             *out.add(t * w.rows + r) = total;
@@ -170,30 +282,56 @@ unsafe fn rows_portable(
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{codes_at, Q8Activations};
+    use crate::cpu::linear::f16_at;
+    use crate::quant::scale_min_k4;
     use crate::{DType, WeightMatrix};
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    /// The 32 weight bytes of a block as unsigned values for `maddubs` (Q4: the nibbles, low ones
-    /// first, so element j and j + 16 line up with the activations; Q8_0: magnitudes, with the
-    /// weights' signs moved onto the activations).
+    /// The 32 weight codes of the block at `blk` times the activation codes `xs`, summed in
+    /// eight i32 lanes (lanes 0-3: elements 0-15, lanes 4-7: elements 16-31). Q4/Q5 codes are
+    /// unsigned for `maddubs` (the nibbles, low ones first, so element j and j + 16 line up with
+    /// the activations; Q5 adds the fifth bits); Q8_0's are magnitudes, with the weights' signs
+    /// moved onto the activations.
     #[inline(always)]
     unsafe fn products(dtype: DType, blk: *const u8, xs: __m256i) -> __m256i {
-        let ones = _mm256_set1_epi16(1);
+        let at = codes_at(dtype);
         let p16 = match dtype {
             DType::Q8_0 => {
-                let w = _mm256_loadu_si256(blk as *const __m256i);
+                let w = _mm256_loadu_si256(blk.add(at) as *const __m256i);
                 _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xs, w))
             }
             _ => {
-                let qs = _mm_loadu_si128(blk as *const __m128i);
+                let qs = _mm_loadu_si128(blk.add(at) as *const __m128i);
                 let mask = _mm_set1_epi8(0x0f);
                 let lo = _mm_and_si128(qs, mask);
                 let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-                _mm256_maddubs_epi16(_mm256_set_m128i(hi, lo), xs)
+                let mut q = _mm256_set_m128i(hi, lo);
+                if matches!(dtype, DType::Q5_0 | DType::Q5_1) {
+                    let high = bytes_from_bits(blk.add(at - 4));
+                    q = _mm256_or_si256(q, _mm256_and_si256(high, _mm256_set1_epi8(0x10)));
+                }
+                _mm256_maddubs_epi16(q, xs)
             }
         };
-        _mm256_madd_epi16(p16, ones)
+        _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
+    }
+
+    /// The 32 bits at `at` as 32 bytes, byte j all ones where bit j is set.
+    #[inline(always)]
+    unsafe fn bytes_from_bits(at: *const u8) -> __m256i {
+        let bits = (at as *const u32).read_unaligned() as i32;
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits),
+            _mm256_set_epi64x(
+                0x0303_0303_0303_0303,
+                0x0202_0202_0202_0202,
+                0x0101_0101_0101_0101,
+                0,
+            ),
+        );
+        let probe = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+        _mm256_cmpeq_epi8(probe, _mm256_set1_epi64x(-1))
     }
 
     #[inline(always)]
@@ -204,16 +342,18 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// A block's scale and the constant its codes are offset by (Q4_1: its f16 minimum; Q4_0:
-    /// -8 scales; Q8_0: none), converted by F16C (the block's first 4 bytes hold them).
+    /// A block's scale and the constant its codes are offset by (Q4_1, Q5_1: its f16 minimum;
+    /// Q4_0: -8 scales; Q5_0: -16 scales; Q8_0: none), converted by F16C (the block's first 4
+    /// bytes hold them).
     #[inline(always)]
     unsafe fn scales(dtype: DType, blk: *const u8) -> (f32, f32) {
         let bits = (blk as *const u32).read_unaligned();
         let f = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
         let dw = _mm_cvtss_f32(f);
         let min = match dtype {
-            DType::Q4_1 => _mm_cvtss_f32(_mm_movehdup_ps(f)),
+            DType::Q4_1 | DType::Q5_1 => _mm_cvtss_f32(_mm_movehdup_ps(f)),
             DType::Q4_0 => -8.0 * dw,
+            DType::Q5_0 => -16.0 * dw,
             _ => 0.0,
         };
         (dw, min)
@@ -236,7 +376,7 @@ mod avx2 {
         out: *mut f32,
     ) {
         let dtype = w.dtype;
-        let (bytes, at) = (dtype.block_bytes(), codes_at(dtype));
+        let bytes = dtype.block_bytes();
         let data = w.data.as_slice();
         let row_bytes = w.row_bytes();
         let blocks = w.cols / 32;
@@ -260,7 +400,7 @@ mod avx2 {
                     for k in 0..ROWS {
                         let blk = base.add(k * row_bytes + g * bytes);
                         let (dw, min) = scales(dtype, blk);
-                        let p = _mm256_cvtepi32_ps(products(dtype, blk.add(at), xs));
+                        let p = _mm256_cvtepi32_ps(products(dtype, blk, xs));
                         acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), p, acc[k]);
                         extra[k] += min * sx;
                     }
@@ -285,7 +425,7 @@ mod avx2 {
                     let xs = _mm256_loadu_si256(
                         a.codes.as_ptr().add(t * w.cols + g * 32) as *const __m256i
                     );
-                    let p = _mm256_cvtepi32_ps(products(dtype, blk.add(at), xs));
+                    let p = _mm256_cvtepi32_ps(products(dtype, blk, xs));
                     let i = t * blocks + g;
                     acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d[i]), p, acc[t]);
                     extra[t] += min * a.sum[i];
@@ -299,6 +439,104 @@ mod avx2 {
 
     /// Rows the one-token path takes at a time.
     const ROWS: usize = 4;
+
+    /// Q4_K and Q6_K rows: each super-block's codes unpacked to bytes once per row, then one
+    /// integer dot product per sub-block and token.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn rows_k(
+        w: &WeightMatrix,
+        rows: Range<usize>,
+        a: &Q8Activations,
+        n: usize,
+        out: *mut f32,
+    ) {
+        let bytes = w.dtype.block_bytes();
+        let data = w.data.as_slice();
+        let row_bytes = w.row_bytes();
+        let blocks = w.cols / 32;
+        assert!(data.len() >= rows.end * row_bytes && a.codes.len() >= n * w.cols && n <= 4);
+        let m4 = _mm256_set1_epi8(0x0f);
+        let m2 = _mm256_set1_epi8(0x03);
+        let ones = _mm256_set1_epi16(1);
+        for r in rows {
+            let row = &data[r * row_bytes..(r + 1) * row_bytes];
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut extra = [0f32; 4];
+            for (sb, b) in row.chunks_exact(bytes).enumerate() {
+                let p = b.as_ptr();
+                // The super-block's eight sub-blocks of 32 as unsigned codes, with per 32 (Q4_K)
+                // or per 16 (Q6_K) scales.
+                let mut q = [_mm256_setzero_si256(); 8];
+                match w.dtype {
+                    DType::Q4_K => {
+                        for j in 0..4 {
+                            let qs = _mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i);
+                            q[2 * j] = _mm256_and_si256(qs, m4);
+                            q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(qs, 4), m4);
+                        }
+                    }
+                    _ => {
+                        for h in 0..2 {
+                            let ql0 = _mm256_loadu_si256(p.add(64 * h) as *const __m256i);
+                            let ql1 = _mm256_loadu_si256(p.add(64 * h + 32) as *const __m256i);
+                            let qh = _mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i);
+                            let high = |shift: i32| {
+                                let bits = match shift {
+                                    0 => qh,
+                                    2 => _mm256_srli_epi16(qh, 2),
+                                    4 => _mm256_srli_epi16(qh, 4),
+                                    _ => _mm256_srli_epi16(qh, 6),
+                                };
+                                _mm256_slli_epi16(_mm256_and_si256(bits, m2), 4)
+                            };
+                            let low_hi0 = _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4);
+                            let low_hi1 = _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4);
+                            q[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0));
+                            q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2));
+                            q[4 * h + 2] = _mm256_or_si256(low_hi0, high(4));
+                            q[4 * h + 3] = _mm256_or_si256(low_hi1, high(6));
+                        }
+                    }
+                }
+                for (s, &qs) in q.iter().enumerate() {
+                    // Per sub-block: the weight of its dot product, and of the activation sums.
+                    // (Q4_K's minimum term goes beside the products, once per sub-block.)
+                    let (scale, high) = match w.dtype {
+                        DType::Q4_K => {
+                            let (sc, m) = scale_min_k4(s, &b[4..16]);
+                            let d = f16_at(b, 0) * sc as f32;
+                            (_mm256_set1_ps(d), -f16_at(b, 2) * m as f32)
+                        }
+                        _ => {
+                            let d = f16_at(b, 208);
+                            let at = 192 + 8 * (s / 4) + 2 * (s % 4);
+                            let (s0, s1) = (b[at] as i8 as f32 * d, b[at + 1] as i8 as f32 * d);
+                            (_mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1), 0.0)
+                        }
+                    };
+                    for t in 0..n {
+                        let i = t * blocks + sb * 8 + s;
+                        let xs = _mm256_loadu_si256(a.codes.as_ptr().add(i * 32) as *const __m256i);
+                        let mut p16 = _mm256_maddubs_epi16(qs, xs);
+                        if w.dtype == DType::Q6_K {
+                            // Codes are offset by 32: take 32 x the activations off, exactly
+                            // (pairs of products stay within i16: 2 x 63 x 127).
+                            let offset = _mm256_maddubs_epi16(_mm256_set1_epi8(32), xs);
+                            p16 = _mm256_sub_epi16(p16, offset);
+                        } else {
+                            extra[t] += high * a.sum[i];
+                        }
+                        let dot = _mm256_madd_epi16(p16, ones);
+                        let weighted = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), scale);
+                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(a.d[i]), weighted, acc[t]);
+                    }
+                }
+            }
+            for t in 0..n {
+                *out.add(t * w.rows + r) = hsum(acc[t]) + extra[t];
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -314,23 +552,43 @@ mod tests {
     #[test]
     fn kernels_match_the_f64_product_of_decoded_values() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
-        let mut kernels: Vec<(&str, Q8Kernel)> = vec![("portable", rows_portable)];
+        // (blocks of 32, super-blocks of 256) kernels.
+        let mut kernels: Vec<(&str, Q8Kernel, Q8Kernel)> =
+            vec![("portable", rows_portable, rows_k_portable)];
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
         {
-            kernels.push(("avx2", avx2::rows));
+            kernels.push(("avx2", avx2::rows, avx2::rows_k));
         }
-        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
-            for (rows, cols) in [(37usize, 64usize), (9, 2048)] {
-                let values: Vec<f32> = (0..rows * cols)
-                    .map(|_| rng.random_range(-1.0..1.0))
-                    .collect();
-                let bytes: Vec<u8> = values
-                    .chunks(cols)
-                    .flat_map(|r| quantize_row(dtype, r))
-                    .collect();
+        let types = [
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q8_0,
+            DType::Q5_0,
+            DType::Q5_1,
+            DType::Q4_K,
+            DType::Q6_K,
+        ];
+        for dtype in types {
+            for (rows, cols) in [(37usize, 256usize), (9, 2048)] {
+                // Types Turbo writes are quantized from random values; those it only reads are
+                // random blocks with finite scales.
+                let bytes: Vec<u8> = match DType::WRITABLE.contains(&dtype) {
+                    true => (0..rows)
+                        .flat_map(|_| {
+                            let row: Vec<f32> =
+                                (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+                            quantize_row(dtype, &row)
+                        })
+                        .collect(),
+                    false => {
+                        crate::quant::random_blocks(dtype, rows * cols / dtype.block_len(), || {
+                            rng.random()
+                        })
+                    }
+                };
                 let w = WeightMatrix::new(dtype, rows, cols, crate::Bytes::owned(bytes)).unwrap();
                 let wf = w.to_f32();
                 for n in 1..=4usize {
@@ -340,7 +598,12 @@ mod tests {
                         .collect();
                     x[32..64].fill(0.0);
                     let acts = Q8Activations::new(&x, n, cols);
-                    for (name, kernel) in &kernels {
+                    for &(name, blocks32, blocks256) in &kernels {
+                        let kernel = if super_blocks(dtype) {
+                            blocks256
+                        } else {
+                            blocks32
+                        };
                         let mut out = vec![f32::NAN; n * rows];
                         // SAFETY: the kernel's features were detected above; out holds n * rows.
                         unsafe { kernel(&w, 0..rows, &acts, n, out.as_mut_ptr()) };
