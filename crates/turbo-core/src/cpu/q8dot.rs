@@ -59,51 +59,83 @@ fn super_blocks(dtype: DType) -> bool {
     matches!(dtype, DType::Q4_K | DType::Q6_K)
 }
 
-/// Activations of up to a few tokens as 8-bit blocks of 32: `codes[t][c]`, and per token and
-/// block the scale `d` and `d · Σ codes` (for weights with a minimum), and per half block the
-/// sum of its 16 codes (for Q6_K's offset codes, whose scales change every 16 values).
+/// Activations of up to a few tokens as 8-bit codes in blocks of `block` values (32 for the
+/// block formats; 256, one scale per super-block, for the K-quants, as llama.cpp's Q8_K does, so
+/// that a super-block's sub-block sums combine in the integers): `codes[t][c]`, per token and
+/// block the scale `d` and `d · Σ codes` (for weights with a minimum), and per 16 codes their
+/// sum (for the K-quants' minimums and offsets, whose scales change every 16 or 32 values).
 pub(crate) struct Q8Activations {
     pub codes: Vec<i8>,
     pub d: Vec<f32>,
     pub sum: Vec<f32>,
     pub sum16: Vec<i32>,
+    pub block: usize,
 }
 
 impl Q8Activations {
-    /// Quantizes `n` rows of `cols` (a multiple of 32) values of `x`.
+    /// Quantizes `n` rows of `cols` (a multiple of 32) values of `x` in blocks of 32.
     pub fn new(x: &[f32], n: usize, cols: usize) -> Self {
-        assert!(cols.is_multiple_of(32) && x.len() >= n * cols);
-        let blocks = n * cols / 32;
+        Self::with_block(x, n, cols, 32)
+    }
+
+    /// Quantizes `n` rows of `cols` (a multiple of 256) values of `x` in blocks of 256.
+    pub fn super_blocks(x: &[f32], n: usize, cols: usize) -> Self {
+        Self::with_block(x, n, cols, 256)
+    }
+
+    fn with_block(x: &[f32], n: usize, cols: usize, block: usize) -> Self {
+        assert!(cols.is_multiple_of(block) && x.len() >= n * cols);
+        let blocks = n * cols / block;
         let mut q = Q8Activations {
             codes: vec![0; n * cols],
             d: vec![0.0; blocks],
             sum: vec![0.0; blocks],
-            sum16: vec![0; 2 * blocks],
+            sum16: vec![0; n * cols / 16],
+            block,
         };
         for (b, (xs, codes)) in x[..n * cols]
-            .chunks_exact(32)
-            .zip(q.codes.chunks_exact_mut(32))
+            .chunks_exact(block)
+            .zip(q.codes.chunks_exact_mut(block))
             .enumerate()
         {
             let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            for (c, &v) in codes.iter_mut().zip(xs) {
-                *c = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+            round_codes(xs, inv, codes);
+            let sums = &mut q.sum16[b * block / 16..(b + 1) * block / 16];
+            for (s, c) in sums.iter_mut().zip(codes.chunks_exact(16)) {
+                *s = c.iter().map(|&c| c as i32).sum();
             }
-            let half = |h: usize| codes[16 * h..16 * h + 16].iter().map(|&c| c as i32).sum();
-            q.sum16[2 * b] = half(0);
-            q.sum16[2 * b + 1] = half(1);
             q.d[b] = d;
-            q.sum[b] = d * (q.sum16[2 * b] + q.sum16[2 * b + 1]) as f32;
+            q.sum[b] = d * sums.iter().sum::<i32>() as f32;
         }
         q
+    }
+
+    /// The scale of value `c` of token `t`, in rows of `cols` (for references).
+    #[cfg(test)]
+    pub fn scale(&self, t: usize, c: usize, cols: usize) -> f32 {
+        self.d[(t * cols + c) / self.block]
     }
 
     /// The value code `c` of token `t` stands for, in rows of `cols` (for references).
     #[cfg(test)]
     pub fn value(&self, t: usize, c: usize, cols: usize) -> f32 {
-        self.codes[t * cols + c] as f32 * self.d[(t * cols + c) / 32]
+        self.codes[t * cols + c] as f32 * self.scale(t, c, cols)
+    }
+}
+
+/// `codes[i] = round_ties_even(xs[i] · inv)` clamped to ±127: with AVX2 eight at a time (the
+/// scalar rounding is a library call per value).
+fn round_codes(xs: &[f32], inv: f32, codes: &mut [i8]) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && xs.len().is_multiple_of(8) {
+        // SAFETY: AVX2 was detected; the lengths are equal multiples of 8.
+        unsafe { avx2::round_codes(xs, inv, codes) };
+        return;
+    }
+    for (c, &v) in codes.iter_mut().zip(xs) {
+        *c = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
     }
 }
 
@@ -111,10 +143,9 @@ impl Q8Activations {
 /// weight type [`serves`] accepts.
 pub(crate) fn gemv_q8(x: &[f32], n: usize, w: &WeightMatrix, out: &mut [f32]) {
     debug_assert!(serves(w.dtype) && n <= 4);
-    let acts = Q8Activations::new(x, n, w.cols);
-    let kernel = match super_blocks(w.dtype) {
-        true => kernel_k(),
-        false => kernel(),
+    let (acts, kernel) = match super_blocks(w.dtype) {
+        true => (Q8Activations::super_blocks(x, n, w.cols), kernel_k()),
+        false => (Q8Activations::new(x, n, w.cols), kernel()),
     };
     let out_ptr = super::linear::SyncPtr(out.as_mut_ptr());
     super::linear::for_row_tasks(w.rows, |rows| {
@@ -221,8 +252,8 @@ unsafe fn rows_portable(
     }
 }
 
-/// The K-quants' scalar kernel: each sub-block's integer dot product with the activation codes,
-/// scaled and corrected as the vector kernel does.
+/// The K-quants' scalar kernel: per super-block and token, the sub-blocks' integer dot products
+/// times their integer scales summed in the integers, then scaled once, as the vector kernel does.
 unsafe fn rows_k_portable(
     w: &WeightMatrix,
     rows: Range<usize>,
@@ -233,46 +264,54 @@ unsafe fn rows_k_portable(
     let bytes = w.dtype.block_bytes();
     let data = w.data.as_slice();
     let row_bytes = w.row_bytes();
-    let blocks = w.cols / 32;
+    let supers = w.cols / 256;
     for r in rows {
         let row = &data[r * row_bytes..(r + 1) * row_bytes];
         for t in 0..n {
             let mut total = 0f32;
             for (sb, b) in row.chunks_exact(bytes).enumerate() {
+                let i = t * supers + sb;
+                let xs = &a.codes[i * 256..i * 256 + 256];
+                let sums = &a.sum16[i * 16..i * 16 + 16];
+                let (mut sumi, mut summ) = (0i64, 0i64);
                 for s in 0..8 {
-                    let i = t * blocks + sb * 8 + s;
-                    let xs = &a.codes[i * 32..i * 32 + 32];
-                    let dot = |q: &dyn Fn(usize) -> i32, from: usize, to: usize| -> i32 {
-                        (from..to).map(|l| q(l) * xs[l] as i32).sum()
-                    };
+                    let xs = &xs[32 * s..32 * s + 32];
                     match w.dtype {
                         DType::Q4_K => {
-                            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
                             let (sc, m) = crate::quant::scale_min_k4(s, &b[4..16]);
                             let ql = &b[16 + 32 * (s / 2)..];
-                            let q = |l: usize| match s % 2 {
-                                0 => (ql[l] & 15) as i32,
-                                _ => (ql[l] >> 4) as i32,
-                            };
-                            total += d * sc as f32 * a.d[i] * dot(&q, 0, 32) as f32
-                                - dmin * m as f32 * a.sum[i];
+                            let dot: i32 = (0..32)
+                                .map(|l| {
+                                    let q = if s % 2 == 0 { ql[l] & 15 } else { ql[l] >> 4 };
+                                    q as i32 * xs[l] as i32
+                                })
+                                .sum();
+                            sumi += sc as i64 * dot as i64;
+                            summ += m as i64 * (sums[2 * s] + sums[2 * s + 1]) as i64;
                         }
                         _ => {
                             let (h, k) = (s / 4, s % 4);
-                            let (ql, qh, d) = (&b[64 * h..], &b[128 + 32 * h..], f16_at(b, 208));
-                            let q = |l: usize| {
-                                let low = (ql[l + 32 * (k % 2)] >> (4 * (k / 2))) & 15;
-                                (low | (((qh[l] >> (2 * k)) & 3) << 4)) as i32
-                            };
+                            let (ql, qh) = (&b[64 * h..], &b[128 + 32 * h..]);
                             for half in 0..2 {
-                                let sc = b[192 + 8 * h + 2 * k + half] as i8 as f32;
-                                let offset = 32 * a.sum16[2 * i + half];
-                                let sum = dot(&q, 16 * half, 16 * half + 16) - offset;
-                                total += d * sc * a.d[i] * sum as f32;
+                                let sc = b[192 + 8 * h + 2 * k + half] as i8 as i64;
+                                let dot: i32 = (16 * half..16 * half + 16)
+                                    .map(|l| {
+                                        let low = (ql[l + 32 * (k % 2)] >> (4 * (k / 2))) & 15;
+                                        let q = low | (((qh[l] >> (2 * k)) & 3) << 4);
+                                        q as i32 * xs[l] as i32
+                                    })
+                                    .sum();
+                                sumi += sc * (dot - 32 * sums[2 * s + half]) as i64;
                             }
                         }
                     }
                 }
+                total += match w.dtype {
+                    DType::Q4_K => {
+                        f16_at(b, 0) * a.d[i] * sumi as f32 - f16_at(b, 2) * a.d[i] * summ as f32
+                    }
+                    _ => f16_at(b, 208) * a.d[i] * sumi as f32,
+                };
             }
             *out.add(t * w.rows + r) = total;
         }
@@ -440,8 +479,31 @@ mod avx2 {
     /// Rows the one-token path takes at a time.
     const ROWS: usize = 4;
 
-    /// Q4_K and Q6_K rows: each super-block's codes unpacked to bytes once per row, then one
-    /// integer dot product per sub-block and token.
+    /// See [`super::round_codes`]; `xs.len()` is a multiple of 8 and equals `codes.len()`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn round_codes(xs: &[f32], inv: f32, codes: &mut [i8]) {
+        let (scale, lo, hi) = (
+            _mm256_set1_ps(inv),
+            _mm256_set1_ps(-127.0),
+            _mm256_set1_ps(127.0),
+        );
+        for (x, c) in xs.chunks_exact(8).zip(codes.chunks_exact_mut(8)) {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr()), scale);
+            let v = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+            // NaN stays NaN through the clamp (the second operand is returned) and converts to
+            // 0x80000000, whose low byte is 0, as the scalar path's `as i8` gives.
+            let i = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, v)));
+            let mut lanes = [0i32; 8];
+            _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, i);
+            for (c, l) in c.iter_mut().zip(lanes) {
+                *c = l as i8;
+            }
+        }
+    }
+
+    /// Q4_K and Q6_K rows over activations in blocks of 256: each super-block's codes unpacked
+    /// to bytes once per row; per token, its sub-blocks' integer dot products times their
+    /// integer scales summed in the integers and converted once.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn rows_k(
         w: &WeightMatrix,
@@ -453,11 +515,12 @@ mod avx2 {
         let bytes = w.dtype.block_bytes();
         let data = w.data.as_slice();
         let row_bytes = w.row_bytes();
-        let blocks = w.cols / 32;
+        let supers = w.cols / 256;
         assert!(data.len() >= rows.end * row_bytes && a.codes.len() >= n * w.cols && n <= 4);
+        assert!(a.block == 256);
         let m4 = _mm256_set1_epi8(0x0f);
         let m2 = _mm256_set1_epi8(0x03);
-        let ones = _mm256_set1_epi16(1);
+        let m32 = _mm256_set1_epi8(32);
         for r in rows {
             let row = &data[r * row_bytes..(r + 1) * row_bytes];
             let mut acc = [_mm256_setzero_ps(); 4];
@@ -498,38 +561,51 @@ mod avx2 {
                         }
                     }
                 }
-                for (s, &qs) in q.iter().enumerate() {
-                    // Per sub-block: the weight of its dot product, and of the activation sums.
-                    // (Q4_K's minimum term goes beside the products, once per sub-block.)
-                    let (scale, high) = match w.dtype {
+                // Per sub-block: its integer scale as i16 lanes (Q6_K: one per 16 values, so
+                // the low and high 128-bit halves differ), and Q4_K's minimum.
+                let mut scales = [_mm256_setzero_si256(); 8];
+                let mut mins = [0i32; 8];
+                for (s, v) in scales.iter_mut().enumerate() {
+                    *v = match w.dtype {
                         DType::Q4_K => {
                             let (sc, m) = scale_min_k4(s, &b[4..16]);
-                            let d = f16_at(b, 0) * sc as f32;
-                            (_mm256_set1_ps(d), -f16_at(b, 2) * m as f32)
+                            mins[s] = m as i32;
+                            _mm256_set1_epi16(sc as i16)
                         }
                         _ => {
-                            let d = f16_at(b, 208);
                             let at = 192 + 8 * (s / 4) + 2 * (s % 4);
-                            let (s0, s1) = (b[at] as i8 as f32 * d, b[at + 1] as i8 as f32 * d);
-                            (_mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1), 0.0)
+                            let (s0, s1) = (b[at] as i8 as i16, b[at + 1] as i8 as i16);
+                            _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0))
                         }
                     };
-                    for t in 0..n {
-                        let i = t * blocks + sb * 8 + s;
-                        let xs = _mm256_loadu_si256(a.codes.as_ptr().add(i * 32) as *const __m256i);
-                        let mut p16 = _mm256_maddubs_epi16(qs, xs);
+                }
+                for t in 0..n {
+                    let i = t * supers + sb;
+                    let xs_at = a.codes.as_ptr().add(i * 256);
+                    let mut sumi = _mm256_setzero_si256();
+                    for s in 0..8 {
+                        let xs = _mm256_loadu_si256(xs_at.add(32 * s) as *const __m256i);
+                        let mut p16 = _mm256_maddubs_epi16(q[s], xs);
                         if w.dtype == DType::Q6_K {
                             // Codes are offset by 32: take 32 x the activations off, exactly
                             // (pairs of products stay within i16: 2 x 63 x 127).
-                            let offset = _mm256_maddubs_epi16(_mm256_set1_epi8(32), xs);
-                            p16 = _mm256_sub_epi16(p16, offset);
-                        } else {
-                            extra[t] += high * a.sum[i];
+                            p16 = _mm256_sub_epi16(p16, _mm256_maddubs_epi16(m32, xs));
                         }
-                        let dot = _mm256_madd_epi16(p16, ones);
-                        let weighted = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), scale);
-                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(a.d[i]), weighted, acc[t]);
+                        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p16, scales[s]));
                     }
+                    let (d, min) = match w.dtype {
+                        DType::Q4_K => {
+                            let sums = &a.sum16[i * 16..i * 16 + 16];
+                            let summ: i32 = (0..8)
+                                .map(|s| mins[s] * (sums[2 * s] + sums[2 * s + 1]))
+                                .sum();
+                            (f16_at(b, 0), f16_at(b, 2) * summ as f32)
+                        }
+                        _ => (f16_at(b, 208), 0.0),
+                    };
+                    let scale = _mm256_set1_ps(d * a.d[i]);
+                    acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sumi), acc[t]);
+                    extra[t] -= min * a.d[i];
                 }
             }
             for t in 0..n {
@@ -597,7 +673,10 @@ mod tests {
                         .map(|i| rng.random_range(-1.0..1.0) * if i % 96 < 32 { 4.0 } else { 0.1 })
                         .collect();
                     x[32..64].fill(0.0);
-                    let acts = Q8Activations::new(&x, n, cols);
+                    let acts = match super_blocks(dtype) {
+                        true => Q8Activations::super_blocks(&x, n, cols),
+                        false => Q8Activations::new(&x, n, cols),
+                    };
                     for &(name, blocks32, blocks256) in &kernels {
                         let kernel = if super_blocks(dtype) {
                             blocks256
@@ -614,7 +693,7 @@ mod tests {
                                     let wv = wf[r * cols + c] as f64;
                                     want += wv * acts.value(t, c, cols) as f64;
                                     exact += wv * x[t * cols + c] as f64;
-                                    bound += wv.abs() * acts.d[(t * cols + c) / 32] as f64 / 2.0;
+                                    bound += wv.abs() * acts.scale(t, c, cols) as f64 / 2.0;
                                 }
                                 let got = out[t * rows + r] as f64;
                                 assert!(
