@@ -47,6 +47,39 @@ fn bench_linear(c: &mut Criterion) {
     group.finish();
 }
 
+/// Decode products with activations rounded to 8 bits (`--cpu-activations q8`), per weight type at
+/// the shapes of a SmolLM2 Q4_K_M file: Q5_0 up/gate/QKV rows (1536 x 576), K-quant down rows
+/// (576 x 1536), the Q8_0 LM head (49152 x 576). Bound by weight bytes.
+fn bench_linear_q8(c: &mut Criterion) {
+    use turbo_core::cpu::{linear::linear_with, CpuActivations};
+    let mut group = c.benchmark_group("linear_q8");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    for (dtype, rows, cols) in [
+        (DType::Q4_1, 1536usize, 576usize),
+        (DType::Q5_0, 1536, 576),
+        (DType::Q8_0, 1536, 576),
+        (DType::Q4_K, 576, 1536),
+        (DType::Q6_K, 576, 1536),
+        (DType::Q8_0, 49152, 576),
+    ] {
+        let w = match DType::WRITABLE.contains(&dtype) {
+            true => matrix(dtype, rows, cols),
+            false => {
+                let blocks = rows * cols / dtype.block_len();
+                let bytes = turbo_core::quant::random_blocks(dtype, blocks, || rng.random());
+                WeightMatrix::new(dtype, rows, cols, Bytes::owned(bytes)).unwrap()
+            }
+        };
+        let x = random(cols, 2);
+        let mut out = vec![0f32; rows];
+        group.throughput(Throughput::Bytes(w.data.len() as u64));
+        group.bench_function(format!("{dtype}_{rows}x{cols}_n1"), |b| {
+            b.iter(|| linear_with(&x, 1, &w, &mut out, CpuActivations::Q8))
+        });
+    }
+    group.finish();
+}
+
 fn bench_rows(c: &mut Criterion) {
     let mut group = c.benchmark_group("row_ops");
     let (d, n) = (576usize, 512usize);
@@ -67,5 +100,5 @@ fn bench_rows(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_linear, bench_rows);
+criterion_group!(benches, bench_linear, bench_linear_q8, bench_rows);
 criterion_main!(benches);

@@ -328,32 +328,48 @@ mod avx2 {
     use std::ops::Range;
 
     /// The 32 weight codes of the block at `blk` times the activation codes `xs`, summed in
-    /// eight i32 lanes (lanes 0-3: elements 0-15, lanes 4-7: elements 16-31). Q4/Q5 codes are
-    /// unsigned for `maddubs` (the nibbles, low ones first, so element j and j + 16 line up with
-    /// the activations; Q5 adds the fifth bits); Q8_0's are magnitudes, with the weights' signs
-    /// moved onto the activations.
+    /// eight i32 lanes (lanes 0-3: elements 0-15, lanes 4-7: elements 16-31). The nibbles come
+    /// low ones first, so element j and j + 16 line up with the activations; Q5 types add their
+    /// fifth bits. Q4_1 and Q5_1 codes are unsigned (their minimum is added beside); Q4_0 and
+    /// Q5_0 codes are made signed here (minus 8, or minus 16 through the fifth bit, as
+    /// llama.cpp does), and signed codes multiply as magnitudes with their signs moved onto the
+    /// activations, so those types need no term beside the products.
     #[inline(always)]
     unsafe fn products(dtype: DType, blk: *const u8, xs: __m256i) -> __m256i {
         let at = codes_at(dtype);
         let p16 = match dtype {
-            DType::Q8_0 => {
-                let w = _mm256_loadu_si256(blk.add(at) as *const __m256i);
-                _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xs, w))
-            }
+            DType::Q8_0 => signed_products(xs, _mm256_loadu_si256(blk.add(at) as *const __m256i)),
             _ => {
                 let qs = _mm_loadu_si128(blk.add(at) as *const __m128i);
                 let mask = _mm_set1_epi8(0x0f);
                 let lo = _mm_and_si128(qs, mask);
                 let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-                let mut q = _mm256_set_m128i(hi, lo);
-                if matches!(dtype, DType::Q5_0 | DType::Q5_1) {
-                    let high = bytes_from_bits(blk.add(at - 4));
-                    q = _mm256_or_si256(q, _mm256_and_si256(high, _mm256_set1_epi8(0x10)));
+                let q = _mm256_set_m128i(hi, lo);
+                match dtype {
+                    DType::Q4_0 => signed_products(xs, _mm256_sub_epi8(q, _mm256_set1_epi8(8))),
+                    // Code - 16: where the fifth bit is clear, the byte's top nibble is all ones.
+                    DType::Q5_0 => {
+                        let bits = bytes_from_bits(blk.add(at - 4));
+                        let top = _mm256_andnot_si256(bits, _mm256_set1_epi8(0xF0u8 as i8));
+                        signed_products(xs, _mm256_or_si256(q, top))
+                    }
+                    DType::Q5_1 => {
+                        let bits = bytes_from_bits(blk.add(at - 4));
+                        let q = _mm256_or_si256(q, _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
+                        _mm256_maddubs_epi16(q, xs)
+                    }
+                    _ => _mm256_maddubs_epi16(q, xs),
                 }
-                _mm256_maddubs_epi16(q, xs)
             }
         };
         _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
+    }
+
+    /// Signed weight codes `w` times activation codes `xs`, as pairs in i16 lanes: magnitudes
+    /// with the weights' signs moved onto the activations (`maddubs` takes one unsigned side).
+    #[inline(always)]
+    unsafe fn signed_products(xs: __m256i, w: __m256i) -> __m256i {
+        _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xs, w))
     }
 
     /// The 32 bits at `at` as 32 bytes, byte j all ones where bit j is set.
@@ -381,9 +397,8 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// A block's scale and the constant its codes are offset by (Q4_1, Q5_1: its f16 minimum;
-    /// Q4_0: -8 scales; Q5_0: -16 scales; Q8_0: none), converted by F16C (the block's first 4
-    /// bytes hold them).
+    /// A block's scale and its minimum (Q4_1, Q5_1; 0 for the others, whose codes are signed),
+    /// converted by F16C (the block's first 4 bytes hold them).
     #[inline(always)]
     unsafe fn scales(dtype: DType, blk: *const u8) -> (f32, f32) {
         let bits = (blk as *const u32).read_unaligned();
@@ -391,8 +406,6 @@ mod avx2 {
         let dw = _mm_cvtss_f32(f);
         let min = match dtype {
             DType::Q4_1 | DType::Q5_1 => _mm_cvtss_f32(_mm_movehdup_ps(f)),
-            DType::Q4_0 => -8.0 * dw,
-            DType::Q5_0 => -16.0 * dw,
             _ => 0.0,
         };
         (dw, min)
@@ -414,7 +427,45 @@ mod avx2 {
         n: usize,
         out: *mut f32,
     ) {
-        let dtype = w.dtype;
+        // One copy of the loops per type, so that each block's decoding is straight-line code
+        // and types without a minimum carry no term beside the products.
+        match w.dtype {
+            DType::Q4_0 => rows_of::<Q4_0>(w, rows, a, n, out),
+            DType::Q4_1 => rows_of::<Q4_1>(w, rows, a, n, out),
+            DType::Q5_0 => rows_of::<Q5_0>(w, rows, a, n, out),
+            DType::Q5_1 => rows_of::<Q5_1>(w, rows, a, n, out),
+            _ => rows_of::<Q8_0>(w, rows, a, n, out),
+        }
+    }
+
+    const Q4_0: u8 = 0;
+    const Q4_1: u8 = 1;
+    const Q5_0: u8 = 2;
+    const Q5_1: u8 = 3;
+    const Q8_0: u8 = 4;
+
+    #[inline(always)]
+    const fn dtype_of(t: u8) -> DType {
+        match t {
+            Q4_0 => DType::Q4_0,
+            Q4_1 => DType::Q4_1,
+            Q5_0 => DType::Q5_0,
+            Q5_1 => DType::Q5_1,
+            _ => DType::Q8_0,
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn rows_of<const T: u8>(
+        w: &WeightMatrix,
+        rows: Range<usize>,
+        a: &Q8Activations,
+        n: usize,
+        out: *mut f32,
+    ) {
+        let dtype = dtype_of(T);
+        let has_min = matches!(dtype, DType::Q4_1 | DType::Q5_1);
+        debug_assert_eq!(dtype, w.dtype);
         let bytes = dtype.block_bytes();
         let data = w.data.as_slice();
         let row_bytes = w.row_bytes();
@@ -441,7 +492,9 @@ mod avx2 {
                         let (dw, min) = scales(dtype, blk);
                         let p = _mm256_cvtepi32_ps(products(dtype, blk, xs));
                         acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), p, acc[k]);
-                        extra[k] += min * sx;
+                        if has_min {
+                            extra[k] += min * sx;
+                        }
                     }
                 }
                 for k in 0..ROWS {
@@ -467,7 +520,9 @@ mod avx2 {
                     let p = _mm256_cvtepi32_ps(products(dtype, blk, xs));
                     let i = t * blocks + g;
                     acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d[i]), p, acc[t]);
-                    extra[t] += min * a.sum[i];
+                    if has_min {
+                        extra[t] += min * a.sum[i];
+                    }
                 }
             }
             for t in 0..n {
