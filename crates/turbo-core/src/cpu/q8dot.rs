@@ -3,7 +3,7 @@
 //! llama.cpp's CPU decode multiplies its 4- and 8-bit weight blocks with activations quantized to
 //! 8 bits per 32 elements, so that the inner products are integer multiply-adds on bytes (32
 //! products per instruction pair on AVX2) rather than f32 FMAs on decoded weights. This module
-//! does the same for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights when
+//! does the same for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights when
 //! [`CpuActivations::Q8`] is chosen:
 //! activations of each token become blocks of 32 `i8` codes with one f32 scale
 //! (`d = max|x| / 127`, `code = round_ties_even(x / d)`), and each weight block's dot product with
@@ -25,8 +25,8 @@ pub enum CpuActivations {
     /// Exact: f32 activations times exactly decoded weights.
     #[default]
     F32,
-    /// Activations rounded to 8 bits per 32 elements for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K
-    /// and Q6_K weights (other types, and prefill, stay f32).
+    /// Activations rounded to 8 bits (per 32 elements; per 256 for K-quants) for Q4_0, Q4_1,
+    /// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights (other types, and prefill, stay f32).
     Q8,
 }
 
@@ -50,13 +50,14 @@ pub(crate) fn serves(dtype: DType) -> bool {
             | DType::Q5_1
             | DType::Q8_0
             | DType::Q4_K
+            | DType::Q5_K
             | DType::Q6_K
     )
 }
 
 /// Whether `dtype` has super-blocks of 256 (the K-quants' kernels) rather than blocks of 32.
 fn super_blocks(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_K | DType::Q6_K)
+    matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K)
 }
 
 /// Activations of up to a few tokens as 8-bit codes in blocks of `block` values (32 for the
@@ -277,13 +278,15 @@ unsafe fn rows_k_portable(
                 for s in 0..8 {
                     let xs = &xs[32 * s..32 * s + 32];
                     match w.dtype {
-                        DType::Q4_K => {
+                        DType::Q4_K | DType::Q5_K => {
                             let (sc, m) = crate::quant::scale_min_k4(s, &b[4..16]);
-                            let ql = &b[16 + 32 * (s / 2)..];
+                            let five = w.dtype == DType::Q5_K;
+                            let ql = &b[if five { 48 } else { 16 } + 32 * (s / 2)..];
                             let dot: i32 = (0..32)
                                 .map(|l| {
                                     let q = if s % 2 == 0 { ql[l] & 15 } else { ql[l] >> 4 };
-                                    q as i32 * xs[l] as i32
+                                    let high = if five { ((b[16 + l] >> s) & 1) << 4 } else { 0 };
+                                    (q | high) as i32 * xs[l] as i32
                                 })
                                 .sum();
                             sumi += sc as i64 * dot as i64;
@@ -307,7 +310,7 @@ unsafe fn rows_k_portable(
                     }
                 }
                 total += match w.dtype {
-                    DType::Q4_K => {
+                    DType::Q4_K | DType::Q5_K => {
                         f16_at(b, 0) * a.d[i] * sumi as f32 - f16_at(b, 2) * a.d[i] * summ as f32
                     }
                     _ => f16_at(b, 208) * a.d[i] * sumi as f32,
@@ -363,6 +366,13 @@ mod avx2 {
             }
         };
         _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
+    }
+
+    /// Q5_K's fifth bits of sub-block `s` (bit `s` of each byte of `qh`) as 16 in each byte.
+    #[inline(always)]
+    unsafe fn fifth_bits(qh: __m256i, s: i32) -> __m256i {
+        let bits = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(s));
+        _mm256_slli_epi16(_mm256_and_si256(bits, _mm256_set1_epi8(1)), 4)
     }
 
     /// Signed weight codes `w` times activation codes `xs`, as pairs in i16 lanes: magnitudes
@@ -593,6 +603,17 @@ mod avx2 {
                             q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(qs, 4), m4);
                         }
                     }
+                    DType::Q5_K => {
+                        // Bit s of byte l of `qh` is the fifth bit of element l of sub-block s.
+                        let qh = _mm256_loadu_si256(p.add(16) as *const __m256i);
+                        for j in 0..4 {
+                            let qs = _mm256_loadu_si256(p.add(48 + 32 * j) as *const __m256i);
+                            let lo = _mm256_and_si256(qs, m4);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), m4);
+                            q[2 * j] = _mm256_or_si256(lo, fifth_bits(qh, 2 * j as i32));
+                            q[2 * j + 1] = _mm256_or_si256(hi, fifth_bits(qh, 2 * j as i32 + 1));
+                        }
+                    }
                     _ => {
                         for h in 0..2 {
                             let ql0 = _mm256_loadu_si256(p.add(64 * h) as *const __m256i);
@@ -622,7 +643,7 @@ mod avx2 {
                 let mut mins = [0i32; 8];
                 for (s, v) in scales.iter_mut().enumerate() {
                     *v = match w.dtype {
-                        DType::Q4_K => {
+                        DType::Q4_K | DType::Q5_K => {
                             let (sc, m) = scale_min_k4(s, &b[4..16]);
                             mins[s] = m as i32;
                             _mm256_set1_epi16(sc as i16)
@@ -649,7 +670,7 @@ mod avx2 {
                         sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p16, scales[s]));
                     }
                     let (d, min) = match w.dtype {
-                        DType::Q4_K => {
+                        DType::Q4_K | DType::Q5_K => {
                             let sums = &a.sum16[i * 16..i * 16 + 16];
                             let summ: i32 = (0..8)
                                 .map(|s| mins[s] * (sums[2 * s] + sums[2 * s + 1]))
@@ -700,6 +721,7 @@ mod tests {
             DType::Q5_0,
             DType::Q5_1,
             DType::Q4_K,
+            DType::Q5_K,
             DType::Q6_K,
         ];
         for dtype in types {
