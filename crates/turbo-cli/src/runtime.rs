@@ -61,9 +61,9 @@ pub struct ModelArgs {
     #[arg(long, default_value = "bf16", value_parser = parse_kv_dtype)]
     pub kv_dtype: KvDtype,
     /// On the CPU: f32 keeps decode products exact; q8 rounds their activations to 8 bits (per
-    /// 32 values; per 256 for K-quants) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights
-    /// and multiplies on integers, as llama.cpp does (about twice the decode speed, slightly
-    /// different logits: docs/perf/cpu.md).
+    /// 32 values; per 256 for K-quants) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K
+    /// weights and multiplies on integers, as llama.cpp does (about twice the decode speed,
+    /// slightly different logits: docs/perf/cpu.md).
     #[arg(long, default_value = "f32", value_parser = parse_cpu_activations)]
     pub cpu_activations: CpuActivations,
 }
