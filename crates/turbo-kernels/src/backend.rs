@@ -184,7 +184,6 @@ pub struct CudaBackend {
     /// The group's all-reduce through peer-mapped memory, when every pair of its GPUs can map
     /// each other's memory: used for messages that fit it (decode steps) unless turned off.
     peer: Option<Arc<PeerRank>>,
-    peer_enabled: Arc<AtomicBool>,
     /// The host buffer weights are decoded into on their way up, reused so that loading a
     /// large model faults its pages in once (at most [`UPLOAD_CHUNK_ELEMS`] values).
     upload_staging: Arc<Mutex<Vec<bf16>>>,
@@ -204,7 +203,6 @@ impl CudaBackend {
             kv_chunk_blocks: Arc::new(AtomicUsize::new(0)),
             nccl: None,
             peer: None,
-            peer_enabled: Arc::new(AtomicBool::new(true)),
             upload_staging: Arc::new(Mutex::new(Vec::new())),
         })
     }
@@ -236,11 +234,13 @@ impl CudaBackend {
         Ok(backends)
     }
 
-    /// Whether this rank's all-reduces of decode-sized messages go through peer-mapped memory
-    /// (on by default where the group has it) rather than NCCL. Every rank of a group must have
-    /// the same setting. Off, a split model's steps are not recorded as CUDA graphs.
+    /// Whether the group's all-reduces of decode-sized messages go through peer-mapped memory
+    /// (on by default where the group has it) rather than NCCL; set on any rank, it holds for the
+    /// whole group. Off, a split model's steps are not recorded as CUDA graphs.
     pub fn set_peer_all_reduce(&self, enabled: bool) {
-        self.peer_enabled.store(enabled, Ordering::Relaxed);
+        if let Some(p) = &self.peer {
+            p.set_enabled(enabled);
+        }
     }
 
     /// Whether this rank is part of a group whose GPUs map each other's memory.
@@ -250,9 +250,7 @@ impl CudaBackend {
 
     /// The peer all-reduce, when the group has it and it is on.
     fn peer(&self) -> Option<&PeerRank> {
-        self.peer
-            .as_deref()
-            .filter(|_| self.peer_enabled.load(Ordering::Relaxed))
+        self.peer.as_deref().filter(|p| p.enabled())
     }
 
     pub fn graph_stats(&self) -> GraphStats {

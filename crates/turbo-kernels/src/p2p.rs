@@ -117,6 +117,8 @@ struct Group {
     tables: Vec<CudaSlice<u64>>,
     abort: HostFlag,
     aborted: AtomicBool,
+    /// Whether the group's all-reduces take this path (see [`PeerRank::set_enabled`]).
+    enabled: AtomicBool,
     /// Most blocks a launch takes (the same on every rank; see `kernels/comm.cu`).
     blocks: u32,
 }
@@ -170,6 +172,7 @@ impl PeerRank {
             tables,
             abort,
             aborted: AtomicBool::new(false),
+            enabled: AtomicBool::new(true),
             blocks: (sms / 2).clamp(1, MAX_BLOCKS) as u32,
         });
         Ok(Some(
@@ -180,6 +183,16 @@ impl PeerRank {
                 })
                 .collect(),
         ))
+    }
+
+    /// Turns this path on or off for every rank of the group at once: ranks that disagreed
+    /// would wait in different collectives.
+    pub(crate) fn set_enabled(&self, enabled: bool) {
+        self.group.enabled.store(enabled, Ordering::Relaxed);
+    }
+
+    pub(crate) fn enabled(&self) -> bool {
+        self.group.enabled.load(Ordering::Relaxed)
     }
 
     /// Whether a message of `n` bf16 values fits this path.

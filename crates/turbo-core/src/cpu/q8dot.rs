@@ -144,9 +144,10 @@ fn round_codes(xs: &[f32], inv: f32, codes: &mut [i8]) {
 /// weight type [`serves`] accepts.
 pub(crate) fn gemv_q8(x: &[f32], n: usize, w: &WeightMatrix, out: &mut [f32]) {
     debug_assert!(serves(w.dtype) && n <= 4);
+    let (blocks32, blocks256) = kernels();
     let (acts, kernel) = match super_blocks(w.dtype) {
-        true => (Q8Activations::super_blocks(x, n, w.cols), kernel_k()),
-        false => (Q8Activations::new(x, n, w.cols), kernel()),
+        true => (Q8Activations::super_blocks(x, n, w.cols), blocks256),
+        false => (Q8Activations::new(x, n, w.cols), blocks32),
     };
     let out_ptr = super::linear::SyncPtr(out.as_mut_ptr());
     super::linear::for_row_tasks(w.rows, |rows| {
@@ -158,31 +159,19 @@ pub(crate) fn gemv_q8(x: &[f32], n: usize, w: &WeightMatrix, out: &mut [f32]) {
 
 type Q8Kernel = unsafe fn(&WeightMatrix, Range<usize>, &Q8Activations, usize, *mut f32);
 
-fn kernel() -> Q8Kernel {
-    static KERNEL: std::sync::OnceLock<Q8Kernel> = std::sync::OnceLock::new();
-    *KERNEL.get_or_init(|| {
+/// This CPU's kernels for blocks of 32 and for super-blocks of 256: the AVX2 ones where AVX2,
+/// FMA and F16C are present, detected once.
+fn kernels() -> (Q8Kernel, Q8Kernel) {
+    static KERNELS: std::sync::OnceLock<(Q8Kernel, Q8Kernel)> = std::sync::OnceLock::new();
+    *KERNELS.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
         {
-            return avx2::rows;
+            return (avx2::rows, avx2::rows_k);
         }
-        rows_portable
-    })
-}
-
-fn kernel_k() -> Q8Kernel {
-    static KERNEL: std::sync::OnceLock<Q8Kernel> = std::sync::OnceLock::new();
-    *KERNEL.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
-            return avx2::rows_k;
-        }
-        rows_k_portable
+        (rows_portable, rows_k_portable)
     })
 }
 
