@@ -242,6 +242,20 @@ __device__ __forceinline__ void ew_copy_row(__nv_bfloat16* dst, const __nv_bfloa
     }
 }
 
+// Token ids a step takes from the tokens the previous step sampled (overlapped stepping): an id
+// with the top bit set (CARRIED_TOKEN in turbo-core) is replaced, in place, by sampled[id & 0x7fffffff];
+// naming a row past the `sampled_len` sampled ones makes it an id past every vocabulary, which the
+// embedding turns into a row of NaN rather than reading out of bounds. One thread per row.
+extern "C" __global__ void resolve_carried_tokens(unsigned* ids, const unsigned* sampled, int n, int sampled_len) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const unsigned id = ids[i];
+    if (id & 0x80000000u) {
+        const unsigned row = id & 0x7fffffffu;
+        ids[i] = row < (unsigned)sampled_len ? sampled[row] : 0xffffffffu;
+    }
+}
+
 // out[i, :] = src[idx[i], :] for i < n; src is [src_rows, cols], out is [n, cols]. One block per
 // output row. An index out of range fills its output row with NaN instead of reading out of bounds.
 // Serves both token embedding (src = the table) and row gathering.

@@ -13,7 +13,7 @@ use std::time::Instant;
 use turbo_engine::limits::MAX_REQUESTS_FILE_BYTES;
 use turbo_engine::requests_file::{parse_requests, RequestLine};
 use turbo_engine::{Engine, EngineConfig};
-use turbo_scheduler::{FinishReason, Request, SamplingParams};
+use turbo_scheduler::{FinishReason, Request, SamplingParams, StepPhases, StepTiming};
 
 /// Options of batch mode.
 pub struct BatchArgs {
@@ -26,6 +26,8 @@ pub struct BatchArgs {
     pub max_batched_tokens: usize,
     pub kv: KvArgs,
     pub eviction: KvPolicyArgs,
+    /// Where to write the per-step timeline, if anywhere.
+    pub step_profile: Option<PathBuf>,
 }
 
 /// One request's failure, as its line of output.
@@ -61,6 +63,7 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
         max_batched_tokens: args.max_batched_tokens.max(args.max_batch),
         prefill_chunk: 512,
         max_pending: lines.len(),
+        profile_steps: args.step_profile.is_some(),
         ..EngineConfig::new(model.options()?)
     })?);
     let started = Instant::now();
@@ -139,6 +142,10 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
             stats.decode_step_tokens as f64 / stats.decode_steps.max(1) as f64,
         );
     }
+    if let Some(path) = &args.step_profile {
+        write_step_profile(path, &engine.take_step_profile())?;
+        print_phases(&stats.phases, elapsed);
+    }
     if stats.compactions > 0 {
         eprintln!(
             "KV compactions: {} in {:.2} s of host time ({:.2} ms each)",
@@ -157,6 +164,62 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// One step of `--step-profile`, as its JSON line.
+#[derive(Serialize)]
+struct StepLine {
+    at_us: f64,
+    sequences: usize,
+    tokens: usize,
+    prefill_tokens: usize,
+    schedule_us: f64,
+    forward_us: f64,
+    wait_us: f64,
+    device_us: Option<f64>,
+    postprocess_us: f64,
+}
+
+fn write_step_profile(path: &std::path::Path, steps: &[StepTiming]) -> Result<()> {
+    use std::io::Write;
+    let file = std::fs::File::create(path)
+        .with_context(|| format!("cannot write step profile {}", path.display()))?;
+    let mut out = std::io::BufWriter::new(file);
+    let round = |v: f64| (v * 10.0).round() / 10.0;
+    for t in steps {
+        let line = StepLine {
+            at_us: round(t.at_micros),
+            sequences: t.sequences,
+            tokens: t.tokens,
+            prefill_tokens: t.prefill_tokens,
+            schedule_us: round(t.schedule_micros),
+            forward_us: round(t.forward_micros),
+            wait_us: round(t.wait_micros),
+            device_us: t.device_micros.map(round),
+            postprocess_us: round(t.postprocess_micros),
+        };
+        serde_json::to_writer(&mut out, &line)?;
+        out.write_all(b"\n")?;
+    }
+    out.flush()
+        .with_context(|| format!("cannot write step profile {}", path.display()))?;
+    Ok(())
+}
+
+/// Where the steps' time went, on stderr: each phase's seconds and share of the run.
+fn print_phases(p: &StepPhases, elapsed: f64) {
+    let part = |micros: u64| {
+        let s = micros as f64 / 1e6;
+        format!("{s:.2} s ({:.0}%)", 100.0 * s / elapsed.max(1e-9))
+    };
+    eprintln!(
+        "step phases: schedule {}, forward (host) {}, wait for results {}, postprocess {}; device busy {}",
+        part(p.schedule_micros),
+        part(p.forward_micros),
+        part(p.wait_micros),
+        part(p.postprocess_micros),
+        part(p.device_micros),
+    );
 }
 
 /// The requests file's bytes, refused past [`MAX_REQUESTS_FILE_BYTES`].

@@ -230,6 +230,7 @@ impl ModelTask for Bench {
             prefix_caching: false,
         };
         let mut batch = PersistentBatch::new(model, tokenizer, config)?;
+        batch.set_overlap(batch.overlaps() && !args.model.no_overlap);
         let mut run_once = |prompt: &[u32], max_tokens: usize| -> Result<Completion> {
             let handle = batch.submit(Request {
                 max_tokens,

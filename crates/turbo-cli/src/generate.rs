@@ -59,6 +59,11 @@ pub struct GenerateArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// With --prompts-file: write one JSON line per step to this file (its sequences and
+    /// tokens, the host's scheduling, forward and postprocessing time, the wait for results,
+    /// the device's time), and print where the steps' time went.
+    #[arg(long, requires = "prompts_file")]
+    step_profile: Option<PathBuf>,
 }
 
 /// The JSON record of one request, as `--json` and `--prompts-file` print it.
@@ -104,6 +109,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             max_batched_tokens: args.max_batched_tokens,
             kv: args.kv.clone(),
             eviction: args.eviction.clone(),
+            step_profile: args.step_profile.clone(),
         };
         return crate::batch::run(&args.model, batch);
     }

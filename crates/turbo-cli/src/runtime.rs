@@ -38,6 +38,11 @@ pub struct ModelArgs {
     /// recorded as CUDA graphs).
     #[arg(long)]
     pub no_peer_all_reduce: bool,
+    /// On a GPU, run steps one after another, the host waiting for each step's tokens before
+    /// preparing the next, instead of overlapping the host's work with the device's (for
+    /// comparison).
+    #[arg(long)]
+    pub no_overlap: bool,
     /// KV blocks to map at a time on a GPU, as steps reach them (rounded up to the driver's
     /// allocation granularity, 2 MiB of each layer's keys and of its values on current GPUs),
     /// so that the KV cache holds memory only for the blocks used so far; default: the whole
@@ -137,6 +142,7 @@ impl ModelArgs {
             context: self.context,
             cuda_graphs: !self.no_cuda_graphs,
             peer_all_reduce: !self.no_peer_all_reduce,
+            overlap_steps: !self.no_overlap,
             kv_alloc_chunk: self.kv_alloc_chunk,
             progress: true,
             tensor_parallel: self.tensor_parallel,

@@ -48,10 +48,53 @@ impl OwnedSpans {
     }
 }
 
+/// A token id of a [`BatchLayout`] with this bit set stands for a token the host does not know
+/// yet: `CARRIED_TOKEN | row` is the token the previous step run with the same batch object
+/// sampled for its output row `row`. The backend takes it from where that step left it, so a
+/// step can be issued before the previous step's tokens have come back to the host (the
+/// overlapped persistent batch). Real token ids are below the vocabulary size, far below this.
+pub const CARRIED_TOKEN: u32 = 1 << 31;
+
+/// The tokens a step sampled, as [`TokensLater::wait`] returns them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SampledTokens {
+    /// One per output row of the step.
+    pub tokens: Vec<u32>,
+    /// The device's time for the step, when step timing is on ([`Backend::set_step_timing`]).
+    pub device_micros: Option<f64>,
+}
+
+/// A step's sampled tokens on their way to the host ([`Backend::read_tokens_later`]): later
+/// steps may be issued before they are waited for.
+pub struct TokensLater(Box<dyn FnOnce() -> Result<SampledTokens> + Send>);
+
+impl TokensLater {
+    /// Tokens that are already on the host.
+    pub fn ready(tokens: SampledTokens) -> Self {
+        TokensLater(Box::new(move || Ok(tokens)))
+    }
+
+    /// Tokens that `wait` brings back, blocking until the step is done.
+    pub fn new(wait: impl FnOnce() -> Result<SampledTokens> + Send + 'static) -> Self {
+        TokensLater(Box::new(wait))
+    }
+
+    /// Blocks until the tokens are on the host and returns them.
+    pub fn wait(self) -> Result<SampledTokens> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for TokensLater {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TokensLater")
+    }
+}
+
 /// What a forward pass tells the backend about its batch, once, before the layers run.
 #[derive(Clone, Copy, Debug)]
 pub struct BatchLayout<'a> {
-    /// Token id of each row.
+    /// Token id of each row; [`CARRIED_TOKEN`] marks one the previous step sampled.
     pub ids: &'a [u32],
     /// Position of each token in its sequence (for RoPE).
     pub positions: &'a [u32],
@@ -279,6 +322,24 @@ pub trait Backend: Send + Sync {
     fn forget_steps(&self, batch: &Self::Batch) {
         let _ = batch;
     }
+    /// Measures the device time of each step from now on (`on`), or stops; for step profiles.
+    /// Backends whose steps run on the calling thread have nothing to measure apart from the
+    /// host's time and ignore it.
+    fn set_step_timing(&self, on: bool) {
+        let _ = on;
+    }
+    /// Device time of the last step `batch` ran, in microseconds, once its results were read
+    /// back; `None` when step timing is off or the backend has no device of its own.
+    fn step_device_micros(&self, batch: &Self::Batch) -> Option<f64> {
+        let _ = batch;
+        None
+    }
+    /// Whether a step's device work goes on after [`Backend::run_step`] returns (a GPU), so
+    /// that the host gains by preparing the next step meanwhile; false where the calling
+    /// thread computes the step itself.
+    fn runs_ahead(&self) -> bool {
+        false
+    }
 
     /// The embedding table's rows for the batch's token ids.
     fn embed(
@@ -392,6 +453,16 @@ pub trait Backend: Send + Sync {
     fn read_logits(&self, batch: &Self::Batch) -> Result<Vec<f32>>;
     /// The output rows' sampled tokens.
     fn read_tokens(&self, batch: &Self::Batch) -> Result<Vec<u32>>;
+    /// Starts bringing the tokens [`Backend::sample`] chose back to the host and returns without
+    /// waiting for the step; the next step may be issued (with [`CARRIED_TOKEN`] ids naming these
+    /// tokens) before [`TokensLater::wait`]. By default the tokens are read at once.
+    fn read_tokens_later(&self, batch: &Self::Batch) -> Result<TokensLater> {
+        let tokens = self.read_tokens(batch)?;
+        Ok(TokensLater::ready(SampledTokens {
+            tokens,
+            device_micros: self.step_device_micros(batch),
+        }))
+    }
     /// Moves a sequence's kept keys and values to its leading key indices ([`KvCompaction`]),
     /// with their eviction scores.
     fn compact_kv(&self, cache: &mut Self::KvCache, compaction: &KvCompaction) -> Result<()>;

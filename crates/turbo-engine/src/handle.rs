@@ -14,7 +14,7 @@ use turbo_core::Backend;
 use turbo_llama::Llama;
 use turbo_scheduler::{
     BatchConfig, BatchStats, Completion, Event, EventSink, PersistentBatch, Request, RequestError,
-    RequestLimits,
+    RequestLimits, StepTiming, MAX_PROFILED_STEPS,
 };
 use turbo_tokenizer::{ChatMessage, ChatTemplate, TextTokenizer};
 
@@ -36,6 +36,9 @@ pub struct EngineConfig {
     /// Requests running or queued beyond which [`Engine::submit`] refuses new ones
     /// ([`SubmitError::QueueFull`]), so that a burst is answered at once instead of piling up.
     pub max_pending: usize,
+    /// Keep a timing of every step (host phases, device time), for
+    /// [`Engine::take_step_profile`].
+    pub profile_steps: bool,
 }
 
 impl EngineConfig {
@@ -52,6 +55,7 @@ impl EngineConfig {
             prefill_chunk: 512,
             prefix_caching: true,
             max_pending: 1024,
+            profile_steps: false,
         }
     }
 }
@@ -105,6 +109,8 @@ struct Shared {
     stats: Mutex<EngineStats>,
     /// Cancellation flags of the requests in flight, by id.
     cancels: Mutex<HashMap<u64, Arc<AtomicBool>>>,
+    /// Steps profiled and not yet taken (with [`EngineConfig::profile_steps`]).
+    profile: Mutex<Vec<StepTiming>>,
 }
 
 impl Shared {
@@ -157,6 +163,7 @@ impl Engine {
             alive: AtomicBool::new(true),
             stats: Mutex::new(EngineStats::default()),
             cancels: Mutex::new(HashMap::new()),
+            profile: Mutex::new(Vec::new()),
         });
         let (commands, inbox) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
@@ -251,6 +258,12 @@ impl Engine {
 
     pub fn stats(&self) -> EngineStats {
         self.shared.stats()
+    }
+
+    /// The steps timed since the last call, oldest first, when the engine was started with
+    /// [`EngineConfig::profile_steps`] (empty otherwise).
+    pub fn take_step_profile(&self) -> Vec<StepTiming> {
+        std::mem::take(&mut *self.shared.profile.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// Queues a request; its events arrive on the returned stream. Refused at once when it can
@@ -503,7 +516,9 @@ impl ModelTask for EngineThread {
                 },
                 max_prompt_bytes: max_prompt_bytes(&tokenizer, info.context_length),
             };
-            let batch = PersistentBatch::new(model, tokenizer.clone(), batch_config)?;
+            let mut batch = PersistentBatch::new(model, tokenizer.clone(), batch_config)?;
+            batch.set_step_profile(config.profile_steps);
+            batch.set_overlap(batch.overlaps() && config.model.overlap_steps);
             Ok::<_, EngineError>((batch, (engine_info, tokenizer, template)))
         })();
         let mut batch = match made {
@@ -555,6 +570,12 @@ fn serve<B: Backend>(batch: &mut PersistentBatch<B>, inbox: &Receiver<Command>, 
             batch: batch.stats(),
             ..EngineStats::default()
         };
+        let steps = batch.take_step_profile();
+        if !steps.is_empty() {
+            let mut profile = shared.profile.lock().unwrap_or_else(PoisonError::into_inner);
+            let room = MAX_PROFILED_STEPS.saturating_sub(profile.len());
+            profile.extend(steps.into_iter().take(room));
+        }
     }
 }
 

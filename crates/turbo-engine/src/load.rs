@@ -42,6 +42,10 @@ pub struct ModelOptions {
     /// On the CPU, whether decode products round activations to 8 bits (llama.cpp's recipe,
     /// faster) or keep them exact (the default).
     pub cpu_activations: CpuActivations,
+    /// On a GPU, issue each step before the previous step's tokens are back, so that the
+    /// host's scheduling and output processing run while the device works (steps that need
+    /// each token first still run one at a time).
+    pub overlap_steps: bool,
 }
 
 impl Default for ModelOptions {
@@ -54,6 +58,7 @@ impl Default for ModelOptions {
             context: None,
             cuda_graphs: true,
             peer_all_reduce: true,
+            overlap_steps: true,
             kv_alloc_chunk: None,
             progress: true,
             tensor_parallel: 1,

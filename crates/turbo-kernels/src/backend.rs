@@ -10,7 +10,9 @@ use crate::ops::gemv::{gemv_fits, GemvNorm, GemvOut, QkvRopeOut};
 use crate::ops::scores::{self, FixedScoring, ScoreGeometry, ScorePlan};
 use crate::p2p::PeerRank;
 use cudarc::driver::sys::CUstreamCaptureMode;
-use cudarc::driver::{CudaGraph, CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaEvent, CudaGraph, CudaSlice, CudaView, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
+};
 use half::bf16;
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -18,7 +20,8 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use turbo_core::backend::{
-    Backend, BatchLayout, BatchRows, KvCompaction, KvRuleCompaction, Result,
+    Backend, BatchLayout, BatchRows, KvCompaction, KvRuleCompaction, Result, SampledTokens,
+    TokensLater, CARRIED_TOKEN,
 };
 use turbo_core::comm::RankInfo;
 use turbo_core::cpu::KvCacheSpec;
@@ -122,7 +125,16 @@ pub struct CudaBatch {
     /// Per shape: `None` once run directly (the warm-up that loads kernels and lets cuBLASLt pick
     /// its algorithms), then its recording.
     graphs: Mutex<HashMap<StepShape, Option<StepGraph>>>,
+    /// Events recorded before and after the last step, while step timing is on.
+    step_events: Mutex<Option<(CudaEvent, CudaEvent)>>,
+    /// Page-locked host buffers the sampled tokens come back in without a wait, used in turn:
+    /// a step's tokens are taken before the step after next reuses its buffer.
+    pinned: [PinnedTokens; 2],
+    pinned_turn: AtomicUsize,
 }
+
+/// A page-locked buffer of sampled tokens, shared with the [`TokensLater`] reading it.
+type PinnedTokens = Mutex<Option<Arc<Mutex<PinnedHostSlice<u32>>>>>;
 
 fn lock<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
     m.lock()
@@ -179,6 +191,8 @@ pub struct CudaBackend {
     replayed: Arc<AtomicUsize>,
     /// KV blocks a new cache maps at a time; 0: allocated in full up front.
     kv_chunk_blocks: Arc<AtomicUsize>,
+    /// Whether steps record events for their device time (step profiles).
+    step_timing: Arc<AtomicBool>,
     /// This GPU's communicator when it is a rank of a tensor-parallel group.
     nccl: Option<Arc<NcclRank>>,
     /// The group's all-reduce through peer-mapped memory, when every pair of its GPUs can map
@@ -201,6 +215,7 @@ impl CudaBackend {
             recorded: Arc::new(AtomicUsize::new(0)),
             replayed: Arc::new(AtomicUsize::new(0)),
             kv_chunk_blocks: Arc::new(AtomicUsize::new(0)),
+            step_timing: Arc::new(AtomicBool::new(false)),
             nccl: None,
             peer: None,
             upload_staging: Arc::new(Mutex::new(Vec::new())),
@@ -252,6 +267,55 @@ impl CudaBackend {
     fn peer(&self) -> Option<&PeerRank> {
         self.peer.as_deref().filter(|p| p.enabled())
     }
+
+    /// [`Backend::run_step`] without its timing events: replays the step's recording, records
+    /// it, or runs it directly.
+    fn run_step_untimed(
+        &self,
+        batch: &CudaBatch,
+        step: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        // A rank of a tensor-parallel group records its steps only when their all-reduces go
+        // through peer memory (every recordable step's fit it): replaying steps recorded with
+        // NCCL all-reduces inside hung in a 100-request run on two H200s, while the same run
+        // launched directly finished.
+        let graphs_on =
+            self.graphs.load(Ordering::Relaxed) && (self.nccl.is_none() || self.peer().is_some());
+        let Some(shape) = batch.shape.filter(|_| graphs_on) else {
+            return step();
+        };
+        let mut graphs = lock(&batch.graphs)?;
+        match graphs.get(&shape) {
+            Some(Some(graph)) => {
+                graph.0.launch().map_err(CudaError::from)?;
+                self.replayed.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            None => {
+                step()?;
+                graphs.insert(shape, None);
+                Ok(())
+            }
+            Some(None) => {
+                let stream = &self.dev.stream;
+                stream
+                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(CudaError::from)?;
+                let recorded = step();
+                // The capture always ends, also when the step failed part-way.
+                let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+                recorded?;
+                let graph = graph.map_err(CudaError::from)?.ok_or_else(|| {
+                    BackendError::Device("recording a step captured no work".into())
+                })?;
+                graph.launch().map_err(CudaError::from)?;
+                graphs.insert(shape, Some(StepGraph(graph)));
+                self.recorded.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+        }
+    }
+
 
     pub fn graph_stats(&self) -> GraphStats {
         GraphStats {
@@ -525,6 +589,9 @@ impl Backend for CudaBackend {
             shape: None,
             cache: 0,
             graphs: Mutex::new(HashMap::new()),
+            step_events: Mutex::new(None),
+            pinned: [Mutex::new(None), Mutex::new(None)],
+            pinned_turn: AtomicUsize::new(0),
         })
     }
 
@@ -594,6 +661,19 @@ impl Backend for CudaBackend {
             .stream
             .memcpy_htod(&host, &mut batch.upload.slice_mut(..host.len()))
             .map_err(CudaError::from)?;
+        // Ids naming the last step's tokens take them now, before its buffer may be replaced.
+        if layout.ids.iter().any(|&id| id & CARRIED_TOKEN != 0) {
+            let sampled = batch
+                .sampled
+                .get_mut()
+                .map_err(|_| unsupported("poisoned".into()))?;
+            ops::elementwise::resolve_carried_tokens(
+                &self.dev,
+                &mut batch.upload.slice_mut(ids.clone()),
+                sampled,
+                n,
+            )?;
+        }
         batch.sections = Sections {
             ids,
             positions,
@@ -729,45 +809,29 @@ impl Backend for CudaBackend {
     }
 
     fn run_step(&self, batch: &CudaBatch, step: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        // A rank of a tensor-parallel group records its steps only when their all-reduces go
-        // through peer memory (every recordable step's fit it): replaying steps recorded with
-        // NCCL all-reduces inside hung in a 100-request run on two H200s, while the same run
-        // launched directly finished.
-        let graphs_on =
-            self.graphs.load(Ordering::Relaxed) && (self.nccl.is_none() || self.peer().is_some());
-        let Some(shape) = batch.shape.filter(|_| graphs_on) else {
-            return step();
-        };
-        let mut graphs = lock(&batch.graphs)?;
-        match graphs.get(&shape) {
-            Some(Some(graph)) => {
-                graph.0.launch().map_err(CudaError::from)?;
-                self.replayed.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            None => {
-                step()?;
-                graphs.insert(shape, None);
-                Ok(())
-            }
-            Some(None) => {
-                let stream = &self.dev.stream;
-                stream
-                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(CudaError::from)?;
-                let recorded = step();
-                // The capture always ends, also when the step failed part-way.
-                let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
-                recorded?;
-                let graph = graph.map_err(CudaError::from)?.ok_or_else(|| {
-                    BackendError::Device("recording a step captured no work".into())
-                })?;
-                graph.launch().map_err(CudaError::from)?;
-                graphs.insert(shape, Some(StepGraph(graph)));
-                self.recorded.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
+        if !self.step_timing.load(Ordering::Relaxed) {
+            return self.run_step_untimed(batch, step);
         }
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let stream = &self.dev.stream;
+        let start = stream.record_event(timing).map_err(CudaError::from)?;
+        self.run_step_untimed(batch, step)?;
+        let end = stream.record_event(timing).map_err(CudaError::from)?;
+        *lock(&batch.step_events)? = Some((start, end));
+        Ok(())
+    }
+
+    fn set_step_timing(&self, on: bool) {
+        self.step_timing.store(on, Ordering::Relaxed);
+    }
+
+    fn runs_ahead(&self) -> bool {
+        true
+    }
+
+    fn step_device_micros(&self, batch: &CudaBatch) -> Option<f64> {
+        let (start, end) = batch.step_events.lock().ok()?.take()?;
+        Some(start.elapsed_ms(&end).ok()? as f64 * 1e3)
     }
 
     fn forget_steps(&self, batch: &CudaBatch) {
@@ -1042,6 +1106,63 @@ impl Backend for CudaBackend {
             .memcpy_dtoh(&sampled.slice(..batch.real_outputs), &mut host)
             .map_err(CudaError::from)?;
         Ok(host)
+    }
+
+    fn read_tokens_later(&self, batch: &CudaBatch) -> Result<TokensLater> {
+        let sampled = lock(&batch.sampled)?;
+        let n = batch.real_outputs;
+        let turn = batch.pinned_turn.fetch_add(1, Ordering::Relaxed) % batch.pinned.len();
+        let mut slot = lock(&batch.pinned[turn])?;
+        // The copy moves the whole token buffer (a few KiB): a device-to-host copy takes the
+        // host buffer's length, so the two are kept the same length.
+        let fits = match slot.as_ref() {
+            Some(p) => lock(p)?.len() == sampled.len(),
+            None => false,
+        };
+        if !fits {
+            // SAFETY: the buffer is only read after a copy into it has completed (its event).
+            let host = unsafe {
+                self.dev
+                    .ctx
+                    .alloc_pinned_with_flags::<u32>(sampled.len(), 0)
+            }
+            .map_err(CudaError::from)?;
+            *slot = Some(Arc::new(Mutex::new(host)));
+        }
+        let pinned = slot.clone().expect("set above");
+        drop(slot);
+        {
+            let mut host = lock(&pinned)?;
+            self.dev
+                .stream
+                .memcpy_dtoh(&*sampled, &mut *host)
+                .map_err(CudaError::from)?;
+        }
+        drop(sampled);
+        // Marks the copy's end (cudarc records the host buffer's own event only where it manages
+        // stream synchronization, which this backend's single stream does not ask for).
+        let copied = self
+            .dev
+            .stream
+            .record_event(None)
+            .map_err(CudaError::from)?;
+        let events = lock(&batch.step_events)?.take();
+        Ok(TokensLater::new(move || {
+            copied.synchronize().map_err(CudaError::from)?;
+            let host = lock(&pinned)?;
+            let data = host.as_slice().map_err(CudaError::from)?;
+            let tokens = data
+                .get(..n)
+                .ok_or_else(|| BackendError::Device(format!("{n} tokens read from {}", data.len())))?
+                .to_vec();
+            let device_micros = events
+                .and_then(|(start, end)| start.elapsed_ms(&end).ok())
+                .map(|ms| ms as f64 * 1e3);
+            Ok(SampledTokens {
+                tokens,
+                device_micros,
+            })
+        }))
     }
 
     fn compact_kv(&self, cache: &mut CudaKvCache, compaction: &KvCompaction) -> Result<()> {

@@ -152,6 +152,8 @@ fn batched_equals_alone<B: Backend>(backend: B) {
         prefix_caching: false,
     };
     let mut batch = PersistentBatch::new(model, loaded.tokenizer.clone(), alone_config).unwrap();
+    // The reference runs each step alone.
+    batch.set_overlap(false);
     let alone: Vec<Vec<u32>> = prompts
         .iter()
         .enumerate()
@@ -164,9 +166,11 @@ fn batched_equals_alone<B: Backend>(backend: B) {
     let mut parts = batch.into_parts();
 
     let longest = prompts.iter().map(Vec::len).max().unwrap() + 16;
-    for (name, num_blocks) in [
-        ("roomy pool", 1024),
-        ("two-request pool", 2 * longest.div_ceil(BLOCK)),
+    let runs_ahead = parts.0.backend().runs_ahead();
+    for (name, num_blocks, overlap) in [
+        ("roomy pool", 1024, true),
+        ("roomy pool, steps one at a time", 1024, false),
+        ("two-request pool", 2 * longest.div_ceil(BLOCK), true),
     ] {
         let config = BatchConfig {
             max_batch: 8,
@@ -177,6 +181,7 @@ fn batched_equals_alone<B: Backend>(backend: B) {
             prefix_caching: true,
         };
         let mut batch = PersistentBatch::new(parts.0, parts.1, config).unwrap();
+        batch.set_overlap(overlap && runs_ahead);
         let handles: Vec<RequestHandle> =
             prompts.iter().map(|p| batch.submit(request(p))).collect();
         let mut mixed = 0;
@@ -195,10 +200,24 @@ fn batched_equals_alone<B: Backend>(backend: B) {
         }
         eprintln!(
             "{name} ({num_blocks} blocks): {matched}/{} requests equal their alone runs token \
-             for token; {mixed} steps mixed prefill and decode, {} preemptions",
+             for token; {mixed} steps mixed prefill and decode, {} preemptions, {} of {} steps \
+             overlapped",
             prompts.len(),
-            stats.preemptions
+            stats.preemptions,
+            stats.overlapped_steps,
+            stats.steps,
         );
+        if !(overlap && runs_ahead) {
+            assert_eq!(stats.overlapped_steps, 0, "{name}");
+        } else if num_blocks == 1024 {
+            // (A tight pool reads the step in flight back before steps that might preempt.)
+            assert!(
+                stats.overlapped_steps * 2 > stats.steps,
+                "{name}: {} of {} steps overlapped",
+                stats.overlapped_steps,
+                stats.steps
+            );
+        }
         assert!(
             mixed > 0,
             "{name}: no step mixed chunked prefill with decode"

@@ -273,6 +273,45 @@ fn assert_gathered(what: &str, got: &[bf16], src: &[bf16], idx: &[u32], cols: us
     }
 }
 
+/// Ids naming the previous step's tokens ([`CARRIED_TOKEN`]) take the sampled token of the row
+/// they name, in place; plain ids stay; a row past the sampled ones becomes an id no vocabulary
+/// holds (the embedding then gives NaN); ids past `n` are not touched.
+#[test]
+fn carried_tokens_take_the_sampled_ones() {
+    use turbo_core::backend::CARRIED_TOKEN;
+    let Some(dev) = device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    for (n, sampled_len) in [(1usize, 1usize), (5, 3), (300, 257), (1100, 1024)] {
+        let sampled: Vec<u32> = (0..sampled_len)
+            .map(|_| rng.random_range(0..50_000))
+            .collect();
+        let mut ids: Vec<u32> = (0..n + 4)
+            .map(|_| match rng.random_range(0..3) {
+                0 => rng.random_range(0..50_000),
+                1 => CARRIED_TOKEN | rng.random_range(0..sampled_len as u32),
+                _ => CARRIED_TOKEN | rng.random_range(0..sampled_len as u32 + 8),
+            })
+            .collect();
+        ids[0] = CARRIED_TOKEN | (sampled_len as u32 - 1);
+        let want: Vec<u32> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| match (i < n, id & CARRIED_TOKEN) {
+                (false, _) | (true, 0) => id,
+                _ => sampled
+                    .get((id & !CARRIED_TOKEN) as usize)
+                    .copied()
+                    .unwrap_or(u32::MAX),
+            })
+            .collect();
+        let mut ids_d = upload(&dev, &ids);
+        let sampled_d = upload(&dev, &sampled);
+        ops::elementwise::resolve_carried_tokens(&dev, &mut ids_d.slice_mut(..), &sampled_d, n)
+            .unwrap();
+        assert_eq!(download(&dev, &ids_d), want, "n={n} sampled={sampled_len}");
+    }
+}
+
 #[test]
 fn embed_copies_table_rows() {
     let Some(dev) = device() else { return };

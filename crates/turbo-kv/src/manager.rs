@@ -437,6 +437,15 @@ impl KvManager {
         Ok(())
     }
 
+    /// Blocks [`KvManager::reserve`] of `upto` tokens would add to the active `seq`'s table.
+    pub fn blocks_to_reserve(&self, seq: SeqId, upto: usize) -> Result<usize, KvError> {
+        let s = self.active(seq)?;
+        Ok(upto
+            .saturating_sub(s.evicted)
+            .div_ceil(self.block_size)
+            .saturating_sub(s.blocks.len()))
+    }
+
     /// Whether [`KvManager::reserve`] of `upto` tokens for `seq` would succeed.
     pub fn can_reserve(&self, seq: SeqId, upto: usize) -> bool {
         self.active(seq).is_ok_and(|s| {

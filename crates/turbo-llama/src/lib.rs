@@ -12,6 +12,6 @@ pub mod weights;
 
 pub use config::{LlamaConfig, RopeScaling};
 pub use error::{LlamaError, Result};
-pub use model::{Llama, Logits, SequenceChunk};
+pub use model::{ForwardTimes, Llama, Logits, SequenceChunk};
 pub use shard::ShardPlan;
 pub use weights::{HostWeights, LoadedModel, ModelFormat};

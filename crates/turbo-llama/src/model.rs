@@ -8,8 +8,9 @@ use crate::weights::HostWeights;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::sync::Mutex;
+use std::time::Instant;
 use turbo_attention::QuerySpan;
-use turbo_core::backend::{BatchLayout, Sampling};
+use turbo_core::backend::{BatchLayout, Sampling, TokensLater};
 use turbo_core::comm::RankInfo;
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::{PenaltyLists, SampleParams};
@@ -139,6 +140,16 @@ pub(crate) enum Output {
     Tokens,
     /// The tokens, and the logits they were chosen from (after the penalties).
     Both,
+    /// The tokens, on their way back ([`Backend::read_tokens_later`]).
+    TokensLater,
+}
+
+/// What a forward pass hands back: logits, tokens, or tokens still on their way.
+#[derive(Default)]
+pub(crate) struct Outputs {
+    logits: Vec<f32>,
+    tokens: Vec<u32>,
+    later: Option<TokensLater>,
 }
 
 /// What one forward pass runs and hands back.
@@ -164,6 +175,21 @@ pub(crate) struct RankModel<B: Backend> {
     inv_freq: Vec<f32>,
     /// `None` until the first forward pass.
     workspace: Mutex<Option<Workspace<B>>>,
+    /// Where the last forward pass spent its time.
+    times: Mutex<ForwardTimes>,
+}
+
+/// Where one forward pass spent its time, for step profiles: the host's part, the wait for its
+/// results, and the device's own time when the backend measures it
+/// ([`Llama::set_step_timing`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ForwardTimes {
+    /// Preparing the batch (flattening, the upload, attention plans) and issuing its work.
+    pub host_micros: f64,
+    /// Waiting for the results (the sampled tokens or logits) to come back.
+    pub wait_micros: f64,
+    /// The device's time from the step's first work to its last, if measured.
+    pub device_micros: Option<f64>,
 }
 
 /// A LLaMA model resident on backend `B`: on one device, or split over the ranks of a
@@ -214,6 +240,7 @@ impl<B: Backend> RankModel<B> {
             false => None,
         };
         Ok(RankModel {
+            times: Mutex::new(ForwardTimes::default()),
             config: config.clone(),
             inv_freq: config.rope_inv_freq(),
             backend,
@@ -285,6 +312,17 @@ impl<B: Backend> Llama<B> {
         &self.rank.backend
     }
 
+    /// Where the last forward pass spent its time (rank 0's, for a split model).
+    pub fn last_forward_times(&self) -> ForwardTimes {
+        self.rank.times.lock().map(|t| *t).unwrap_or_default()
+    }
+
+    /// Measures the device time of every forward pass from now on (`on`), or stops: rank 0's
+    /// backend records events around each step, a little work per step.
+    pub fn set_step_timing(&self, on: bool) {
+        self.rank.backend.set_step_timing(on);
+    }
+
     /// Ranks the model is split over (1 when it is not).
     pub fn world(&self) -> usize {
         self.peers.as_ref().map_or(1, |p| p.len() + 1)
@@ -338,8 +376,7 @@ impl<B: Backend> Llama<B> {
             sampling: None,
             output: Output::Logits,
         };
-        let out = self.run_ranks(pass, cache)?;
-        Ok(out.0)
+        Ok(self.run_ranks(pass, cache)?.logits)
     }
 
     /// Runs the new tokens of every sequence in `batch`, appending their KV to `cache`, and
@@ -358,8 +395,36 @@ impl<B: Backend> Llama<B> {
             sampling: Some(Sampling { params, penalties }),
             output: Output::Tokens,
         };
-        let out = self.run_ranks(pass, cache)?;
-        Ok(out.1)
+        Ok(self.run_ranks(pass, cache)?.tokens)
+    }
+
+    /// [`forward_sample`](Self::forward_sample) that returns once the step is issued, with its
+    /// tokens on their way back: the caller may issue the next step, naming these tokens by
+    /// [`CARRIED_TOKEN`](turbo_core::backend::CARRIED_TOKEN) ids, before waiting for them. The
+    /// model must not be split over ranks (peers do not sample, so they could not resolve
+    /// carried ids).
+    pub fn forward_sample_later(
+        &self,
+        batch: &[SequenceChunk],
+        cache: &mut B::KvCache,
+        params: &[SampleParams],
+        penalties: &PenaltyLists,
+    ) -> Result<TokensLater> {
+        if self.peers.is_some() {
+            return Err(BackendError::Unsupported(
+                "a model split over ranks reads its sampled tokens at once".into(),
+            )
+            .into());
+        }
+        let pass = Pass {
+            batch,
+            which: Logits::Last,
+            sampling: Some(Sampling { params, penalties }),
+            output: Output::TokensLater,
+        };
+        self.run_ranks(pass, cache)?
+            .later
+            .ok_or_else(|| BackendError::Device("a step issued without its tokens".into()).into())
     }
 
     /// [`forward_sample`](Self::forward_sample), also returning the logits each token was chosen
@@ -378,8 +443,8 @@ impl<B: Backend> Llama<B> {
             sampling: Some(Sampling { params, penalties }),
             output: Output::Both,
         };
-        let (logits, tokens) = self.run_ranks(pass, cache)?;
-        Ok((tokens, logits))
+        let out = self.run_ranks(pass, cache)?;
+        Ok((out.tokens, out.logits))
     }
 
     /// Runs `work` on every rank's KV cache with that rank's backend (`cache` is rank 0's) and
@@ -404,7 +469,7 @@ impl<B: Backend> Llama<B> {
 
     /// One forward pass on every rank: the peers get the step, rank 0 runs it here, and the
     /// first failure of any rank is the step's.
-    fn run_ranks(&self, pass: Pass, cache: &mut B::KvCache) -> Result<(Vec<f32>, Vec<u32>)> {
+    fn run_ranks(&self, pass: Pass, cache: &mut B::KvCache) -> Result<Outputs> {
         let Some(peers) = &self.peers else {
             return self.rank.backend.run(|| self.rank.forward(pass, cache));
         };
@@ -435,7 +500,7 @@ impl<B: Backend> RankModel<B> {
         &self,
         pass: Pass,
         cache: &mut B::KvCache,
-    ) -> Result<(Vec<f32>, Vec<u32>)> {
+    ) -> Result<Outputs> {
         let result = self.forward_inner(pass, cache);
         if result.is_err() {
             self.backend.abort_collectives();
@@ -443,7 +508,7 @@ impl<B: Backend> RankModel<B> {
         result
     }
 
-    fn forward_inner(&self, pass: Pass, cache: &mut B::KvCache) -> Result<(Vec<f32>, Vec<u32>)> {
+    fn forward_inner(&self, pass: Pass, cache: &mut B::KvCache) -> Result<Outputs> {
         let Pass {
             batch,
             which,
@@ -453,6 +518,7 @@ impl<B: Backend> RankModel<B> {
         let b = &self.backend;
         let c = &self.config;
         let block_size = b.kv_spec(cache).block_size;
+        let started = Instant::now();
         let (ids, positions, slots, spans) = flatten(batch, block_size)?;
         let n = ids.len();
         let hd = c.head_dim;
@@ -524,7 +590,10 @@ impl<B: Backend> RankModel<B> {
         let batch_layout = &*batch_layout;
         let eps = c.rms_norm_eps;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let sample = matches!(output, Output::Tokens | Output::Both);
+        let sample = matches!(
+            output,
+            Output::Tokens | Output::Both | Output::TokensLater
+        );
         b.run_step(batch_layout, &mut || {
             b.embed(&self.embed, batch_layout, x)?;
             for (i, layer) in self.layers.iter().enumerate() {
@@ -564,12 +633,31 @@ impl<B: Backend> RankModel<B> {
             }
             Ok(())
         })?;
-        Ok(match output {
-            Output::Nothing => (Vec::new(), Vec::new()),
-            Output::Logits => (b.read_logits(batch_layout)?, Vec::new()),
-            Output::Tokens => (Vec::new(), b.read_tokens(batch_layout)?),
-            Output::Both => (b.read_logits(batch_layout)?, b.read_tokens(batch_layout)?),
-        })
+        let launched = Instant::now();
+        let mut out = Outputs::default();
+        match output {
+            Output::Nothing => {}
+            Output::Logits => out.logits = b.read_logits(batch_layout)?,
+            Output::Tokens => out.tokens = b.read_tokens(batch_layout)?,
+            Output::Both => {
+                out.logits = b.read_logits(batch_layout)?;
+                out.tokens = b.read_tokens(batch_layout)?;
+            }
+            Output::TokensLater => out.later = Some(b.read_tokens_later(batch_layout)?),
+        }
+        let times = ForwardTimes {
+            host_micros: (launched - started).as_secs_f64() * 1e6,
+            wait_micros: launched.elapsed().as_secs_f64() * 1e6,
+            // Tokens still on their way carry the step's device time themselves.
+            device_micros: match output {
+                Output::TokensLater => None,
+                _ => b.step_device_micros(batch_layout),
+            },
+        };
+        if let Ok(mut t) = self.times.lock() {
+            *t = times;
+        }
+        Ok(out)
     }
 }
 

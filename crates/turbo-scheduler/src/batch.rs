@@ -23,10 +23,14 @@
 //! request always advances and the batch never deadlocks.
 
 mod eviction;
+mod overlap;
+mod profile;
 mod request;
 
 use eviction::EvictionState;
 pub use eviction::KvEviction;
+use profile::{StepClock, StepProfile};
+pub use profile::{StepPhases, StepTiming, MAX_PROFILED_STEPS};
 
 pub use crate::completion::{Completion, Timings};
 pub use request::{
@@ -42,6 +46,7 @@ use std::sync::mpsc::channel;
 use std::time::Instant;
 use thiserror::Error;
 use turbo_core::sampling::{PenaltyLists, PenaltyRow, SampleParams};
+use turbo_core::backend::CARRIED_TOKEN;
 use turbo_core::Backend;
 use turbo_kv::{KvError, KvManager, SeqId, SeqState};
 use turbo_llama::{Llama, LlamaError, SequenceChunk};
@@ -156,6 +161,11 @@ pub struct BatchStats {
     /// keys (with the scores read back), and issuing the move and the release of blocks.
     pub compactions: u64,
     pub compaction_micros: u64,
+    /// Where the steps' time went (host phases, the wait for results, device time when
+    /// measured), summed over every step.
+    pub phases: StepPhases,
+    /// Steps issued before the previous step's tokens were read back (overlapped stepping).
+    pub overlapped_steps: u64,
 }
 
 /// What one [`PersistentBatch::step`] did.
@@ -177,12 +187,15 @@ pub struct StepReport {
     pub ended: usize,
 }
 
-/// One sequence's part of a step: run `len` tokens from position `start`.
+/// One sequence's part of a step: run `len` tokens from position `start`. `carried`: the one
+/// token is the one the step still in flight samples for its output row of that number (see
+/// [`overlap`]).
 #[derive(Clone, Copy, Debug)]
 struct Work {
     slot: usize,
     start: usize,
     len: usize,
+    carried: Option<u32>,
 }
 
 /// What a step's forward pass chose: a token per scheduled chunk, and the logits (`[chunks,
@@ -190,6 +203,15 @@ struct Work {
 struct Sampled {
     tokens: Vec<u32>,
     logits: Option<Vec<f32>>,
+}
+
+/// A step's forward-pass inputs, in work order.
+struct StepInputs {
+    chunks: Vec<SequenceChunk>,
+    params: Vec<SampleParams>,
+    penalties: PenaltyLists,
+    /// Whether a row's request reports log-probabilities (the logits must come back).
+    logprobs: bool,
 }
 
 /// A request from submission to its end: its sequence, its sampling and streaming state.
@@ -228,9 +250,23 @@ struct Live {
     queue_deadline: Option<Instant>,
     admitted: Option<Instant>,
     first_token: Option<Instant>,
+    /// Sampled tokens of steps in flight that the host does not know yet (0 outside overlapped
+    /// stepping; 1 between steps, 2 while a step is issued and the one before it not yet read).
+    in_flight: u8,
+    /// The output row of this request's token in the last step issued.
+    out_row: u32,
+    /// Where its KV counts as computed once its awaited token is known: the last step issued
+    /// ran a row carrying that token.
+    commit_when_known: Option<usize>,
 }
 
 impl Live {
+    /// The output row of the last issued step that holds this request's next token, while the
+    /// host does not know it yet.
+    fn carry_row(&self) -> Option<u32> {
+        (self.in_flight > 0).then_some(self.out_row)
+    }
+
     fn send(&mut self, event: Event) {
         if self.connected && !self.events.send(event) {
             self.connected = false;
@@ -293,6 +329,12 @@ pub struct PersistentBatch<B: Backend> {
     compactions: (u64, u64),
     kv_blocks_peak: usize,
     preemptions: u64,
+    profile: StepProfile,
+    /// Issue each step before taking the previous step's tokens (see [`overlap`]).
+    overlap: bool,
+    /// The step issued and not yet read back, when stepping overlaps.
+    in_flight: Option<overlap::InFlight>,
+    overlapped_steps: u64,
 }
 
 impl<B: Backend> PersistentBatch<B> {
@@ -303,6 +345,7 @@ impl<B: Backend> PersistentBatch<B> {
     ) -> Result<Self, BatchError> {
         config.validate().map_err(BatchError::Config)?;
         let cache = model.kv_cache(config.block_size, config.num_blocks)?;
+        let model_runs_ahead = model.backend().runs_ahead() && model.world() == 1;
         let kv = match config.prefix_caching {
             true => KvManager::new(config.num_blocks as u32, config.block_size),
             false => KvManager::without_reuse(config.num_blocks as u32, config.block_size),
@@ -326,6 +369,10 @@ impl<B: Backend> PersistentBatch<B> {
             compactions: (0, 0),
             kv_blocks_peak: 0,
             preemptions: 0,
+            profile: StepProfile::default(),
+            overlap: model_runs_ahead,
+            in_flight: None,
+            overlapped_steps: 0,
         })
     }
 
@@ -383,12 +430,26 @@ impl<B: Backend> PersistentBatch<B> {
             compaction_micros: self.compactions.1,
             kv_blocks_peak: self.kv_blocks_peak,
             preemptions: self.preemptions,
+            phases: self.profile.phases,
+            overlapped_steps: self.overlapped_steps,
         }
+    }
+
+    /// Keeps a [`StepTiming`] of every step from now on (`on`), with the device's time where
+    /// the backend measures it, or stops keeping them.
+    pub fn set_step_profile(&mut self, on: bool) {
+        self.profile.set_on(on);
+        self.model.set_step_timing(on);
+    }
+
+    /// The steps profiled since the last call (see [`Self::set_step_profile`]).
+    pub fn take_step_profile(&mut self) -> Vec<StepTiming> {
+        self.profile.take()
     }
 
     /// Whether nothing is waiting or running.
     pub fn is_idle(&self) -> bool {
-        self.waiting.is_empty() && self.slots.iter().all(Option::is_none)
+        self.waiting.is_empty() && self.slots.iter().all(Option::is_none) && self.in_flight.is_none()
     }
 
     /// Queues a request. An invalid one, or one too large for the KV cache even alone, gets its
@@ -479,6 +540,9 @@ impl<B: Backend> PersistentBatch<B> {
             queue_deadline: request.max_queue_wait.map(|wait| submitted + wait),
             admitted: None,
             first_token: None,
+            in_flight: 0,
+            out_row: 0,
+            commit_when_known: None,
         };
         if max_tokens == 0 {
             let completion = live.completion(FinishReason::Length);
@@ -545,28 +609,53 @@ impl<B: Backend> PersistentBatch<B> {
 
     /// One step: decide what runs, run it in one forward pass, act on the logits.
     pub fn step(&mut self) -> Result<StepReport, BatchError> {
-        let started = Instant::now();
+        let mut clock = StepClock::start();
         let mut report = StepReport::default();
-        let work = self.schedule(&mut report)?;
+        let overlap = self.overlap && self.model.world() == 1;
+        if self.in_flight.is_some() && (!overlap || self.must_drain()?) {
+            self.drain(&mut report, &mut clock)?;
+        }
+        let mut work = self.schedule(&mut report)?;
         self.kv_blocks_peak = self.kv_blocks_peak.max(self.kv.num_used());
+        clock.scheduled();
+        let overlapped = overlap && work.iter().all(|w| !self.needs_tokens_now(w.slot));
+        if !overlapped && self.in_flight.is_some() {
+            // This step runs alone: the tokens in flight come back first. Rows that named one
+            // now know it, and rows of requests that just ended go.
+            self.drain(&mut report, &mut clock)?;
+            work.retain(|w| self.slots[w.slot].is_some());
+            for w in &mut work {
+                w.carried = None;
+            }
+        }
         if work.is_empty() {
+            self.drain(&mut report, &mut clock)?;
             return Ok(report);
         }
-        let sampled = match self.run(&work) {
-            Ok(sampled) => sampled,
-            Err(e) => {
-                self.fail_all(&work, &e)?;
-                return Err(e);
-            }
-        };
-        self.postprocess(&work, &sampled, &mut report)?;
+        if overlapped {
+            self.issue(&work, &mut report, &mut clock)?;
+        } else {
+            let sampled = match self.run(&work) {
+                Ok(sampled) => sampled,
+                Err(e) => {
+                    self.fail_all(&work, &e)?;
+                    return Err(e);
+                }
+            };
+            clock.forwarded(self.model.last_forward_times());
+            self.postprocess(&work, &sampled, &mut report)?;
+            clock.postprocessed();
+        }
         self.prefill_tokens_run += report.prefill_tokens as u64;
         if report.prefill_tokens == 0 {
             let (steps, tokens, micros) = &mut self.decode_steps;
             *steps += 1;
             *tokens += report.tokens as u64;
-            *micros += started.elapsed().as_micros() as u64;
+            *micros += clock.started().elapsed().as_micros() as u64;
         }
+        let (sequences, tokens, prefill) =
+            (report.sequences, report.tokens, report.prefill_tokens);
+        self.profile.record(clock, sequences, tokens, prefill);
         Ok(report)
     }
 
@@ -673,6 +762,7 @@ impl<B: Backend> PersistentBatch<B> {
                             slot: s,
                             start,
                             len: want[s],
+                            carried: self.live(s).carry_row(),
                         });
                         break;
                     }
@@ -790,6 +880,7 @@ impl<B: Backend> PersistentBatch<B> {
                 slot,
                 start: cached,
                 len,
+                carried: None,
             });
             budget -= len;
             report.admitted += 1;
@@ -841,6 +932,31 @@ impl<B: Backend> PersistentBatch<B> {
     /// greedily, without drawing from their request's generator), with the logits they were
     /// chosen from when a request reports log-probabilities.
     fn run(&mut self, work: &[Work]) -> Result<Sampled, BatchError> {
+        let inputs = self.inputs(work)?;
+        let (tokens, logits) = if inputs.logprobs {
+            let (tokens, logits) = self.model.forward_sample_with_logits(
+                &inputs.chunks,
+                &mut self.cache,
+                &inputs.params,
+                &inputs.penalties,
+            )?;
+            (tokens, Some(logits))
+        } else {
+            let tokens = self.model.forward_sample(
+                &inputs.chunks,
+                &mut self.cache,
+                &inputs.params,
+                &inputs.penalties,
+            )?;
+            (tokens, None)
+        };
+        Ok(Sampled { tokens, logits })
+    }
+
+    /// The forward pass's inputs for `work`: each chunk's tokens (a carried row's one token named
+    /// by [`CARRIED_TOKEN`]), KV positions and block table, and each output row's sampling (its
+    /// request's next draw where the chunk ends the known tokens, greedy otherwise).
+    fn inputs(&mut self, work: &[Work]) -> Result<StepInputs, BatchError> {
         let mut chunks = Vec::with_capacity(work.len());
         let mut params = Vec::with_capacity(work.len());
         let mut penalties = PenaltyLists::empty(0);
@@ -848,14 +964,18 @@ impl<B: Backend> PersistentBatch<B> {
         for w in work {
             let seq = self.live(w.slot).seq;
             let tokens = self.kv.tokens(seq)?;
-            let ends = w.start + w.len >= tokens.len();
+            let ends = w.carried.is_some() || w.start + w.len >= tokens.len();
             let live = self.slots[w.slot].as_ref().expect("scheduled slots run");
             let scoring = live
                 .eviction
                 .as_ref()
                 .and_then(|e| e.scoring(live.generated.len(), live.max_tokens));
+            let chunk_tokens = match w.carried {
+                Some(row) => vec![CARRIED_TOKEN | row],
+                None => tokens[w.start..w.start + w.len].to_vec(),
+            };
             chunks.push(SequenceChunk {
-                tokens: tokens[w.start..w.start + w.len].to_vec(),
+                tokens: chunk_tokens,
                 start: w.start - self.kv.evicted(seq)?,
                 position: w.start,
                 block_table: self.kv.block_table(seq)?.to_vec(),
@@ -872,21 +992,12 @@ impl<B: Backend> PersistentBatch<B> {
                 penalties.push_row(PenaltyRow::default());
             }
         }
-        let (tokens, logits) = if logprobs {
-            let (tokens, logits) = self.model.forward_sample_with_logits(
-                &chunks,
-                &mut self.cache,
-                &params,
-                &penalties,
-            )?;
-            (tokens, Some(logits))
-        } else {
-            let tokens =
-                self.model
-                    .forward_sample(&chunks, &mut self.cache, &params, &penalties)?;
-            (tokens, None)
-        };
-        Ok(Sampled { tokens, logits })
+        Ok(StepInputs {
+            chunks,
+            params,
+            penalties,
+            logprobs,
+        })
     }
 
     /// Compacts the KV of the request in `slot` to its eviction budget; false when that failed,
@@ -981,16 +1092,27 @@ impl<B: Backend> PersistentBatch<B> {
         self.slots[slot].as_ref().expect("an occupied slot")
     }
 
-    /// Tokens of the running request in `slot` whose KV is not computed yet.
+    /// Tokens of the running request in `slot` whose KV is not computed yet, counting a token
+    /// still on its way from the device unless it will be the request's last.
     fn pending(&self, slot: usize) -> Result<usize, KvError> {
-        let seq = self.live(slot).seq;
-        Ok(self.kv.tokens(seq)?.len() - self.kv.computed(seq)?)
+        let live = self.live(slot);
+        let known = self.kv.tokens(live.seq)?.len() - self.kv.computed(live.seq)?;
+        let awaited = live.in_flight > 0 && live.generated.len() + 1 < live.max_tokens;
+        Ok(known + usize::from(awaited))
     }
 
     /// Sends the running request in `slot` back to the front of the queue without its KV; it is
     /// recomputed from its tokens (prompt and generated so far) when readmitted.
     fn preempt(&mut self, slot: usize) -> Result<(), KvError> {
         let mut live = self.slots[slot].take().expect("an occupied slot");
+        if live.in_flight > 0 {
+            // Overlapped stepping reads the step in flight back before any step that could
+            // preempt (`must_drain`), so this does not happen; if it did, the token in flight
+            // would be drawn again after the request's recomputation.
+            tracing::warn!(request = live.id.0, "preempted with a token in flight");
+            live.in_flight = 0;
+            live.commit_when_known = None;
+        }
         self.kv.preempt(live.seq)?;
         live.preemptions += 1;
         self.preemptions += 1;

@@ -8,8 +8,8 @@ pub mod stop;
 
 pub use batch::{
     BatchConfig, BatchError, BatchStats, Event, EventSink, KvEviction, PersistentBatch, Request,
-    RequestError, RequestHandle, RequestId, RequestLimits, StepReport, TokenLogprobs,
-    MAX_TOP_LOGPROBS,
+    RequestError, RequestHandle, RequestId, RequestLimits, StepPhases, StepReport, StepTiming,
+    TokenLogprobs, MAX_PROFILED_STEPS, MAX_TOP_LOGPROBS,
 };
 pub use completion::{Completion, FinishReason, Timings};
 pub use sampling::{Sampler, SamplingParams};

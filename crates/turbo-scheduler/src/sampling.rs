@@ -107,6 +107,12 @@ impl Sampler {
         }
     }
 
+    /// Whether a penalty applies, so that each draw depends on every token before it.
+    pub fn has_penalties(&self) -> bool {
+        let p = &self.params;
+        p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0
+    }
+
     /// The parameters of the next token's draw (drawing its uniform number when it samples).
     pub fn next_params(&mut self) -> SampleParams {
         let p = &self.params;

@@ -455,18 +455,46 @@ struct Submitted {
 /// against each request run alone (on a fresh batch of one slot).
 #[test]
 fn stress_random_requests_on_a_tiny_model() {
+    stress(Stepping::OneAtATime);
+}
+
+/// The same stress with overlapped stepping (each step issued before the previous step's tokens
+/// are read back, decoding rows naming their input by the previous step's output row): the
+/// same completions as the requests run alone, cancellations, sessions and preemption included.
+/// Penalties and log-probabilities, which make steps run one at a time, are rarer here, so that
+/// most steps overlap.
+#[test]
+fn stress_random_requests_with_overlapped_steps() {
+    stress(Stepping::Overlapped);
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Stepping {
+    OneAtATime,
+    Overlapped,
+}
+
+fn stress(stepping: Stepping) {
     let (spec, loaded, _dir) = tiny_model();
+    let overlapped = stepping == Stepping::Overlapped;
+    // Chance of a penalty or of log-probabilities in a request (each forces steps one at a time
+    // while the request is in the batch).
+    let (penalty, logprobs) = if overlapped { (0.02, 0.02) } else { (0.3, 0.2) };
     let config = BatchConfig {
         max_batch: 16,
         max_batched_tokens: 96,
         block_size: 8,
-        num_blocks: 40,
+        // Overlapped steps run one at a time while the next step might preempt, which a pool
+        // this tight makes most steps; a roomier one still preempts, with most steps overlapped.
+        num_blocks: if overlapped { 120 } else { 40 },
         prefill_chunk: 32,
         prefix_caching: true,
     };
     let mut batch =
         PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config.clone()).unwrap();
-    let mut rng = ChaCha8Rng::seed_from_u64(2024);
+    assert!(!batch.overlaps(), "the CPU backend runs steps one at a time by default");
+    batch.set_overlap(overlapped);
+    let mut rng = ChaCha8Rng::seed_from_u64(if overlapped { 2025 } else { 2024 });
     let system = random_tokens(&spec, 24, 1);
     let total = 1000;
     let mut reqs: Vec<Submitted> = Vec::with_capacity(total);
@@ -519,9 +547,21 @@ fn stress_random_requests_on_a_tiny_model() {
                 } else {
                     rng.random_range(0.0..0.2)
                 },
-                repetition_penalty: if rng.random_bool(0.7) { 1.0 } else { 1.1 },
-                frequency_penalty: if rng.random_bool(0.8) { 0.0 } else { 0.5 },
-                presence_penalty: if rng.random_bool(0.8) { 0.0 } else { -0.3 },
+                repetition_penalty: if rng.random_bool(1.0 - penalty) {
+                    1.0
+                } else {
+                    1.1
+                },
+                frequency_penalty: if rng.random_bool(1.0 - penalty) {
+                    0.0
+                } else {
+                    0.5
+                },
+                presence_penalty: if rng.random_bool(1.0 - penalty) {
+                    0.0
+                } else {
+                    -0.3
+                },
                 seed: rng.random(),
             };
             let request = Request {
@@ -539,7 +579,7 @@ fn stress_random_requests_on_a_tiny_model() {
                 },
                 ignore_eos: rng.random_bool(0.5),
                 session: session.clone(),
-                logprobs: rng.random_bool(0.2).then(|| rng.random_range(0..=5)),
+                logprobs: rng.random_bool(logprobs).then(|| rng.random_range(0..=5)),
                 max_queue_wait: None,
                 kv_eviction: None,
                 forced_tokens: Vec::new(),
@@ -593,6 +633,18 @@ fn stress_random_requests_on_a_tiny_model() {
             .unwrap_or_else(|| panic!("request {i} never ended"));
         let cap = r.request.max_tokens.min(spec.context - r.prompt.len());
         assert!(c.token_ids.len() <= cap, "request {i}: too many tokens");
+        // Keys held at the end: every token but the last; under overlapped stepping a request
+        // ended by a stop may also hold the last one (its row was issued before the stop was
+        // seen).
+        let keys = r.prompt.len() + c.token_ids.len() - 1;
+        let stop_row = overlapped && c.finish_reason == FinishReason::Stop;
+        if c.finish_reason != FinishReason::Cancelled {
+            assert!(
+                c.kv_tokens == keys || (stop_row && c.kv_tokens == keys + 1),
+                "request {i}: {} keys held for {keys} tokens",
+                c.kv_tokens
+            );
+        }
         match c.finish_reason {
             FinishReason::Length => assert_eq!(c.token_ids.len(), cap, "request {i}"),
             FinishReason::Cancelled => {
@@ -607,15 +659,26 @@ fn stress_random_requests_on_a_tiny_model() {
         hits += (c.cached_prompt_tokens > 0) as usize;
     }
     println!(
-        "{total} requests ({demand} tokens of demand on a pool of {} tokens) in {elapsed:.1} s, \
-         {step} steps: {by_reason:?}; {hits} prompts partly cached; {} preemptions, {} tokens \
-         run",
+        "{stepping:?}: {total} requests ({demand} tokens of demand on a pool of {} tokens) in \
+         {elapsed:.1} s, {step} steps ({} overlapped): {by_reason:?}; {hits} prompts partly \
+         cached; {} preemptions, {} tokens run",
         config.num_blocks * config.block_size,
+        stats.overlapped_steps,
         stats.preemptions,
         stats.tokens_run,
     );
+    match stepping {
+        Stepping::OneAtATime => assert_eq!(stats.overlapped_steps, 0),
+        // The pool is still tight enough that many steps read back first (one might preempt).
+        Stepping::Overlapped => assert!(
+            stats.overlapped_steps * 4 > stats.steps,
+            "{} of {} steps overlapped",
+            stats.overlapped_steps,
+            stats.steps
+        ),
+    }
     assert!(cancelled >= 30, "only {cancelled} cancellations");
-    assert!(demand > 100 * config.num_blocks * config.block_size);
+    assert!(demand > 50 * config.num_blocks * config.block_size);
     assert!(stats.preemptions > 0, "the pool should force preemption");
     assert!(hits > 0, "no prompt reused cached KV");
     assert_eq!((stats.running, stats.waiting), (0, 0));
@@ -657,7 +720,7 @@ fn stress_random_requests_on_a_tiny_model() {
         }
     }
     println!(
-        "vs alone: greedy {greedy_matched}/{greedy} equal token for token, sampled \
+        "{stepping:?} vs alone: greedy {greedy_matched}/{greedy} equal token for token, sampled \
          {sampled_matched}/{sampled}; {preempted} of these were preempted at least once"
     );
     assert!(greedy > 100 && preempted > 50);

@@ -12,6 +12,7 @@ pub use q8dot::CpuActivations;
 
 use crate::backend::{
     Backend, BackendError, BatchLayout, BatchRows, KvCompaction, KvScoring, OwnedSpans, Result,
+    CARRIED_TOKEN,
 };
 use crate::comm::{CpuGroupMember, RankInfo};
 use crate::sampling::{sample_row, PenaltyLists, SampleParams};
@@ -217,8 +218,26 @@ impl Backend for CpuBackend {
         layout.check()?;
         let n = layout.ids.len();
         let logits = std::mem::take(batch.logits.get_mut().map_err(poisoned)?);
+        // Tokens the last step sampled stand in for the ids that name them.
+        let sampled = batch.tokens.get_mut().map_err(poisoned)?;
+        let ids = layout
+            .ids
+            .iter()
+            .map(|&id| match id & CARRIED_TOKEN {
+                0 => Ok(id),
+                _ => {
+                    let row = (id & !CARRIED_TOKEN) as usize;
+                    sampled.get(row).copied().ok_or_else(|| {
+                        BackendError::Unsupported(format!(
+                            "a carried token of output row {row}, of a step that sampled {}",
+                            sampled.len()
+                        ))
+                    })
+                }
+            })
+            .collect::<Result<Vec<u32>>>()?;
         *batch = CpuBatch {
-            ids: layout.ids.to_vec(),
+            ids,
             positions: layout.positions.to_vec(),
             slots: layout.slots.to_vec(),
             spans: OwnedSpans::new(layout.spans),

@@ -4,7 +4,7 @@
 use super::check;
 use crate::device::CudaDevice;
 use crate::error::Result;
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 use turbo_attention::KvDtype;
 use turbo_core::cpu::KvCacheSpec;
@@ -364,6 +364,40 @@ pub fn embed(
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
     gather(dev, "embed", table, ids, n, dim, out)
+}
+
+/// Replaces each of the first `n` ids that carries [`CARRIED_TOKEN`] by the token `sampled`
+/// holds at the row it names (an id no vocabulary holds when the row is past `sampled`), in
+/// place: the tokens of the previous step, which the host does not know yet.
+///
+/// [`CARRIED_TOKEN`]: turbo_core::backend::CARRIED_TOKEN
+pub fn resolve_carried_tokens(
+    dev: &CudaDevice,
+    ids: &mut CudaViewMut<'_, u32>,
+    sampled: &CudaSlice<u32>,
+    n: usize,
+) -> Result<()> {
+    check(ids.len() >= n && fits_i32(n) && fits_i32(sampled.len()), || {
+        format!(
+            "resolve_carried_tokens: {} ids for n={n}, {} sampled",
+            ids.len(),
+            sampled.len()
+        )
+    })?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (n_i, sampled_len) = (n as i32, sampled.len() as i32);
+    let f = dev.function("elementwise", "resolve_carried_tokens")?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(ids);
+    b.arg(sampled);
+    b.arg(&n_i);
+    b.arg(&sampled_len);
+    // SAFETY: the arguments match the kernel's signature; it touches ids[..n] (checked) and
+    // reads sampled only below sampled_len.
+    unsafe { b.launch(config((n.div_ceil(THREADS as usize) as u32, 1, 1))) }?;
+    Ok(())
 }
 
 /// `out[i] = x[rows[i]]` for `i < n`, rows of `cols` elements. A row index out of range yields a
