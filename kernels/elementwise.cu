@@ -425,6 +425,23 @@ extern "C" __global__ void compact_kv_quant(const unsigned long long* layers, co
 // out[r, c] = silu(gate[r, c]) * up[r, c]. Grid-stride over rows * cols.
 extern "C" __global__ void swiglu_bf16(__nv_bfloat16* out, const __nv_bfloat16* gu, long long rows,
                                        long long cols) {
+    // Rows of a multiple of 8 values on 16-byte boundaries: 8 values per thread in one vector load
+    // of the gate, one of the up part and one store (the same arithmetic per value).
+    if ((cols & 7) == 0 && (((unsigned long long)out | (unsigned long long)gu) & 15) == 0) {
+        const long long vcols = cols >> 3, vn = rows * vcols;
+        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < vn;
+             i += (long long)gridDim.x * blockDim.x) {
+            const long long r = i / vcols, c = i - r * vcols;
+            const uint4* row = reinterpret_cast<const uint4*>(gu + r * 2 * cols);
+            float g[8], u[8], o[8];
+            bf16x8_unpack(row[c], g);
+            bf16x8_unpack(row[vcols + c], u);
+#pragma unroll
+            for (int k = 0; k < 8; k++) o[k] = g[k] / (1.f + __expf(-g[k])) * u[k];
+            reinterpret_cast<uint4*>(out + r * cols)[c] = bf16x8_pack(o);
+        }
+        return;
+    }
     const long long n = rows * cols;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {

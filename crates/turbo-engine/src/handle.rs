@@ -263,7 +263,13 @@ impl Engine {
     /// The steps timed since the last call, oldest first, when the engine was started with
     /// [`EngineConfig::profile_steps`] (empty otherwise).
     pub fn take_step_profile(&self) -> Vec<StepTiming> {
-        std::mem::take(&mut *self.shared.profile.lock().unwrap_or_else(PoisonError::into_inner))
+        std::mem::take(
+            &mut *self
+                .shared
+                .profile
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        )
     }
 
     /// Queues a request; its events arrive on the returned stream. Refused at once when it can
@@ -572,7 +578,10 @@ fn serve<B: Backend>(batch: &mut PersistentBatch<B>, inbox: &Receiver<Command>, 
         };
         let steps = batch.take_step_profile();
         if !steps.is_empty() {
-            let mut profile = shared.profile.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut profile = shared
+                .profile
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
             let room = MAX_PROFILED_STEPS.saturating_sub(profile.len());
             profile.extend(steps.into_iter().take(room));
         }

@@ -356,6 +356,18 @@ fn bench(c: &mut Criterion) {
                 })
             })
         });
+        // The SwiGLU of a batched decode step's gate/up product (1024 rows of 2 x 14336).
+        let swiglu_rows = 1024;
+        let gate_up = random_bf16(&s, swiglu_rows * 2 * ffn, 13);
+        let mut act = s.alloc_zeros::<bf16>(swiglu_rows * ffn).unwrap();
+        g.throughput(Throughput::Bytes((3 * swiglu_rows * ffn * 2) as u64));
+        g.bench_function("swiglu_1024x14336", |b| {
+            b.iter_custom(|iters| {
+                time_gpu(&dev, iters, || {
+                    elementwise::swiglu(&dev, &gate_up, swiglu_rows, ffn, &mut act).unwrap()
+                })
+            })
+        });
     }
     g.finish();
 }

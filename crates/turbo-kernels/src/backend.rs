@@ -316,7 +316,6 @@ impl CudaBackend {
         }
     }
 
-
     pub fn graph_stats(&self) -> GraphStats {
         GraphStats {
             recorded: self.recorded.load(Ordering::Relaxed),
@@ -1153,7 +1152,9 @@ impl Backend for CudaBackend {
             let data = host.as_slice().map_err(CudaError::from)?;
             let tokens = data
                 .get(..n)
-                .ok_or_else(|| BackendError::Device(format!("{n} tokens read from {}", data.len())))?
+                .ok_or_else(|| {
+                    BackendError::Device(format!("{n} tokens read from {}", data.len()))
+                })?
                 .to_vec();
             let device_micros = events
                 .and_then(|(start, end)| start.elapsed_ms(&end).ok())

@@ -513,7 +513,13 @@ fn argmax_f32_lowest_index_of_max() {
 fn swiglu_matches_reference() {
     let Some(dev) = device() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(21);
-    for (rows, cols) in [(1usize, 1536usize), (3, 577), (37, 14336)] {
+    for (rows, cols) in [
+        (1usize, 1536usize),
+        (3, 577),
+        (37, 14336),
+        (1024, 14336),
+        (5, 8),
+    ] {
         let what = format!("swiglu {rows}x{cols}");
         let gu = random_bf16(&mut rng, rows * 2 * cols, 4.0);
         let gu_d = upload(&dev, &gu);

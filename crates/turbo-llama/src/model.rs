@@ -496,11 +496,7 @@ impl<B: Backend> Llama<B> {
 
 impl<B: Backend> RankModel<B> {
     /// A forward pass of this rank; a failure releases peers waiting in a collective.
-    pub(crate) fn forward(
-        &self,
-        pass: Pass,
-        cache: &mut B::KvCache,
-    ) -> Result<Outputs> {
+    pub(crate) fn forward(&self, pass: Pass, cache: &mut B::KvCache) -> Result<Outputs> {
         let result = self.forward_inner(pass, cache);
         if result.is_err() {
             self.backend.abort_collectives();
@@ -590,10 +586,7 @@ impl<B: Backend> RankModel<B> {
         let batch_layout = &*batch_layout;
         let eps = c.rms_norm_eps;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let sample = matches!(
-            output,
-            Output::Tokens | Output::Both | Output::TokensLater
-        );
+        let sample = matches!(output, Output::Tokens | Output::Both | Output::TokensLater);
         b.run_step(batch_layout, &mut || {
             b.embed(&self.embed, batch_layout, x)?;
             for (i, layer) in self.layers.iter().enumerate() {

@@ -45,8 +45,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc::channel;
 use std::time::Instant;
 use thiserror::Error;
-use turbo_core::sampling::{PenaltyLists, PenaltyRow, SampleParams};
 use turbo_core::backend::CARRIED_TOKEN;
+use turbo_core::sampling::{PenaltyLists, PenaltyRow, SampleParams};
 use turbo_core::Backend;
 use turbo_kv::{KvError, KvManager, SeqId, SeqState};
 use turbo_llama::{Llama, LlamaError, SequenceChunk};
@@ -449,7 +449,9 @@ impl<B: Backend> PersistentBatch<B> {
 
     /// Whether nothing is waiting or running.
     pub fn is_idle(&self) -> bool {
-        self.waiting.is_empty() && self.slots.iter().all(Option::is_none) && self.in_flight.is_none()
+        self.waiting.is_empty()
+            && self.slots.iter().all(Option::is_none)
+            && self.in_flight.is_none()
     }
 
     /// Queues a request. An invalid one, or one too large for the KV cache even alone, gets its
@@ -653,8 +655,7 @@ impl<B: Backend> PersistentBatch<B> {
             *tokens += report.tokens as u64;
             *micros += clock.started().elapsed().as_micros() as u64;
         }
-        let (sequences, tokens, prefill) =
-            (report.sequences, report.tokens, report.prefill_tokens);
+        let (sequences, tokens, prefill) = (report.sequences, report.tokens, report.prefill_tokens);
         self.profile.record(clock, sequences, tokens, prefill);
         Ok(report)
     }

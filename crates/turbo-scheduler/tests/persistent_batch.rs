@@ -492,7 +492,10 @@ fn stress(stepping: Stepping) {
     };
     let mut batch =
         PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config.clone()).unwrap();
-    assert!(!batch.overlaps(), "the CPU backend runs steps one at a time by default");
+    assert!(
+        !batch.overlaps(),
+        "the CPU backend runs steps one at a time by default"
+    );
     batch.set_overlap(overlapped);
     let mut rng = ChaCha8Rng::seed_from_u64(if overlapped { 2025 } else { 2024 });
     let system = random_tokens(&spec, 24, 1);

@@ -377,13 +377,16 @@ pub fn resolve_carried_tokens(
     sampled: &CudaSlice<u32>,
     n: usize,
 ) -> Result<()> {
-    check(ids.len() >= n && fits_i32(n) && fits_i32(sampled.len()), || {
-        format!(
-            "resolve_carried_tokens: {} ids for n={n}, {} sampled",
-            ids.len(),
-            sampled.len()
-        )
-    })?;
+    check(
+        ids.len() >= n && fits_i32(n) && fits_i32(sampled.len()),
+        || {
+            format!(
+                "resolve_carried_tokens: {} ids for n={n}, {} sampled",
+                ids.len(),
+                sampled.len()
+            )
+        },
+    )?;
     if n == 0 {
         return Ok(());
     }
@@ -683,8 +686,13 @@ pub fn swiglu(
     b.arg(gate_up);
     b.arg(&rows_i);
     b.arg(&cols_i);
+    // Rows of a multiple of 8 go 8 values per thread.
+    let units = match cols % 8 {
+        0 => rows * cols / 8,
+        _ => rows * cols,
+    };
     // SAFETY: the arguments match the kernel's signature and the buffer sizes were checked.
-    unsafe { b.launch(config((grid_for(rows * cols), 1, 1))) }?;
+    unsafe { b.launch(config((grid_for(units), 1, 1))) }?;
     Ok(())
 }
 

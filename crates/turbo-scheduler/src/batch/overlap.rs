@@ -30,10 +30,19 @@ use turbo_core::backend::{TokensLater, CARRIED_TOKEN};
 use turbo_core::Backend;
 use turbo_kv::KvError;
 
-/// A step issued and not yet read back.
+/// A step issued and not yet read back. Dropped unread (the batch dropped mid-step), it still
+/// waits for the step, whose device work writes into the buffers the tokens come back in.
 pub(super) struct InFlight {
     rows: Vec<IssuedRow>,
-    tokens: TokensLater,
+    tokens: Option<TokensLater>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(tokens) = self.tokens.take() {
+            let _ = tokens.wait();
+        }
+    }
 }
 
 /// One row of a step in flight: its work, whose it is (the slot may hold another request when
@@ -151,7 +160,11 @@ impl<B: Backend> PersistentBatch<B> {
         }
         self.tokens_run += report.tokens as u64;
         self.steps += 1;
-        if let Some(previous) = self.in_flight.replace(InFlight { rows, tokens }) {
+        let issued = InFlight {
+            rows,
+            tokens: Some(tokens),
+        };
+        if let Some(previous) = self.in_flight.replace(issued) {
             self.overlapped_steps += 1;
             self.finish_in_flight(previous, report, clock)?;
         }
@@ -163,11 +176,12 @@ impl<B: Backend> PersistentBatch<B> {
     /// in the next step count as computed), streamed, and checked for the request's end.
     pub(super) fn finish_in_flight(
         &mut self,
-        f: InFlight,
+        mut f: InFlight,
         report: &mut StepReport,
         clock: &mut StepClock,
     ) -> Result<(), BatchError> {
-        let sampled = match f.tokens.wait() {
+        let tokens = f.tokens.take().expect("a step in flight is read back once");
+        let sampled = match tokens.wait() {
             Ok(sampled) => sampled,
             Err(e) => {
                 let error = BatchError::Model(e.into());

@@ -156,7 +156,11 @@ impl StepProfile {
         self.phases.add(&t);
         if let Some(origin) = self.origin {
             if self.steps.len() < MAX_PROFILED_STEPS {
-                t.at_micros = clock.started.saturating_duration_since(origin).as_secs_f64() * 1e6;
+                t.at_micros = clock
+                    .started
+                    .saturating_duration_since(origin)
+                    .as_secs_f64()
+                    * 1e6;
                 self.steps.push(t);
             }
         }
