@@ -162,6 +162,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             kv: args.kv,
             json: args.json,
             model: path.display().to_string(),
+            overlap: !args.model.no_overlap,
         });
     }
     if let Some(requests) = args.shared_prefix {
@@ -177,6 +178,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             kv: args.kv,
             json: args.json,
             model: path.display().to_string(),
+            overlap: !args.model.no_overlap,
         });
     }
     anyhow::ensure!(

@@ -30,6 +30,8 @@ pub struct MultiRound {
     pub kv: KvArgs,
     pub json: bool,
     pub model: String,
+    /// Overlap steps where the backend runs ahead (off with `--no-overlap`).
+    pub overlap: bool,
 }
 
 /// One round of one conversation.
@@ -103,6 +105,7 @@ impl ModelTask for MultiRound {
         let device = model.backend().name();
 
         let mut batch = PersistentBatch::new(model, tokenizer, cached_config.clone())?;
+        batch.set_overlap(batch.overlaps() && self.overlap);
         warm_up(&mut batch)?;
         let mut replies: Option<Vec<String>> = None;
         let mut cached = Vec::new();
@@ -114,6 +117,7 @@ impl ModelTask for MultiRound {
         }
         let (model, tokenizer) = batch.into_parts();
         let mut batch = PersistentBatch::new(model, tokenizer, uncached_config)?;
+        batch.set_overlap(batch.overlaps() && self.overlap);
         warm_up(&mut batch)?;
         let mut uncached = Vec::new();
         for r in 0..self.repeats {

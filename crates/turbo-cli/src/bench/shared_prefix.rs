@@ -30,6 +30,8 @@ pub struct SharedPrefix {
     pub kv: KvArgs,
     pub json: bool,
     pub model: String,
+    /// Overlap steps where the backend runs ahead (off with `--no-overlap`).
+    pub overlap: bool,
 }
 
 /// One configuration's run.
@@ -114,6 +116,7 @@ impl ModelTask for SharedPrefix {
             let mut runs = Vec::new();
             for _ in 0..self.repeats {
                 let mut batch = PersistentBatch::new(parts.0, parts.1, config(sharing))?;
+                batch.set_overlap(batch.overlaps() && self.overlap);
                 runs.push(self.run_once(&mut batch, &prompts)?);
                 parts = batch.into_parts();
             }
