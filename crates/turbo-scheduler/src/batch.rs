@@ -306,6 +306,9 @@ impl Live {
 
 /// A model, its KV cache and the requests running on it; see the [module docs](self).
 pub struct PersistentBatch<B: Backend> {
+    /// The step issued and not yet read back, when stepping overlaps. First, so that it is
+    /// dropped (waiting for its device work) before the model and cache it writes into.
+    in_flight: Option<overlap::InFlight>,
     model: Llama<B>,
     tokenizer: TextTokenizer,
     cache: B::KvCache,
@@ -332,8 +335,6 @@ pub struct PersistentBatch<B: Backend> {
     profile: StepProfile,
     /// Issue each step before taking the previous step's tokens (see [`overlap`]).
     overlap: bool,
-    /// The step issued and not yet read back, when stepping overlaps.
-    in_flight: Option<overlap::InFlight>,
     overlapped_steps: u64,
 }
 
@@ -577,9 +578,15 @@ impl<B: Backend> PersistentBatch<B> {
         Ok(false)
     }
 
-    /// Cancels every request in the batch, running or waiting (e.g. at a shutdown deadline);
-    /// returns how many there were.
+    /// Cancels every request in the batch, running or waiting (e.g. at a shutdown deadline),
+    /// once the tokens of a step in flight have reached their requests; returns how many were
+    /// cancelled.
     pub fn cancel_all(&mut self) -> Result<usize, BatchError> {
+        // Tokens already computed reach their requests first (one may end them as finished).
+        let mut report = StepReport::default();
+        if let Err(e) = self.drain(&mut report, &mut StepClock::start()) {
+            self.abandon_in_flight(&e)?;
+        }
         let ids: Vec<RequestId> = self
             .slots
             .iter()
@@ -614,8 +621,9 @@ impl<B: Backend> PersistentBatch<B> {
         let mut clock = StepClock::start();
         let mut report = StepReport::default();
         let overlap = self.overlap && self.model.world() == 1;
-        if self.in_flight.is_some() && (!overlap || self.must_drain()?) {
-            self.drain(&mut report, &mut clock)?;
+        let read_back = self.in_flight.is_some();
+        if read_back && (!overlap || self.must_drain()?) {
+            self.drain_or_abandon(&mut report, &mut clock)?;
         }
         let mut work = self.schedule(&mut report)?;
         self.kv_blocks_peak = self.kv_blocks_peak.max(self.kv.num_used());
@@ -624,18 +632,25 @@ impl<B: Backend> PersistentBatch<B> {
         if !overlapped && self.in_flight.is_some() {
             // This step runs alone: the tokens in flight come back first. Rows that named one
             // now know it, and rows of requests that just ended go.
-            self.drain(&mut report, &mut clock)?;
+            self.drain_or_abandon(&mut report, &mut clock)?;
             work.retain(|w| self.slots[w.slot].is_some());
             for w in &mut work {
                 w.carried = None;
             }
         }
         if work.is_empty() {
-            self.drain(&mut report, &mut clock)?;
+            self.drain_or_abandon(&mut report, &mut clock)?;
+            if read_back {
+                // A step that only read back the one in flight: its wait and output processing.
+                self.profile.record(clock, 0, 0, 0);
+            }
             return Ok(report);
         }
         if overlapped {
-            self.issue(&work, &mut report, &mut clock)?;
+            if let Err(e) = self.issue(&work, &mut report, &mut clock) {
+                self.abandon_in_flight(&e)?;
+                return Err(e);
+            }
         } else {
             let sampled = match self.run(&work) {
                 Ok(sampled) => sampled,

@@ -1111,3 +1111,46 @@ fn quantized_kv_caches_serve_the_batch() {
         }
     }
 }
+
+/// Under overlapped stepping, cancelling everything (a shutdown's deadline) first reads back
+/// the step in flight: a request whose last token is already computed ends finished with it,
+/// not cancelled without it.
+#[test]
+fn cancel_all_reads_back_the_step_in_flight() {
+    let (spec, loaded, _dir) = tiny_model();
+    let config = BatchConfig {
+        max_batch: 4,
+        max_batched_tokens: 64,
+        block_size: 8,
+        num_blocks: 64,
+        prefill_chunk: 32,
+        prefix_caching: true,
+    };
+    let mut batch =
+        PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config).unwrap();
+    batch.set_overlap(true);
+    let handles: Vec<RequestHandle> = (0..3)
+        .map(|i| {
+            batch.submit(Request {
+                max_tokens: 2,
+                ignore_eos: true,
+                ..Request::new(random_tokens(&spec, 10 + i, 300 + i as u64))
+            })
+        })
+        .collect();
+    // Step 1 issues the prompts (first tokens in flight); step 2 issues the second, last tokens
+    // and reads the first ones back.
+    batch.step().unwrap();
+    batch.step().unwrap();
+    assert_eq!(batch.stats().overlapped_steps, 1);
+    assert!(!batch.is_idle(), "the last tokens are still in flight");
+    assert_eq!(batch.cancel_all().unwrap(), 0, "every request had ended");
+    assert!(batch.is_idle());
+    for h in &handles {
+        let c = outcome(h);
+        assert_eq!(c.finish_reason, FinishReason::Length);
+        assert_eq!(c.token_ids.len(), 2);
+    }
+    assert_eq!(batch.stats().kv_blocks_used, 0);
+    batch.kv().check().unwrap();
+}

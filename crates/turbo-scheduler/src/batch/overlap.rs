@@ -74,7 +74,7 @@ impl<B: Backend> PersistentBatch<B> {
         self.slots[slot].as_ref().is_some_and(|l| {
             l.eviction.is_some()
                 || l.logprobs.is_some()
-                || !l.forced.is_empty()
+                || l.generated.len() < l.forced.len()
                 || l.sampler.has_penalties()
         })
     }
@@ -234,6 +234,48 @@ impl<B: Backend> PersistentBatch<B> {
     /// Whether `slot` still holds request `id`.
     fn holds(&self, slot: usize, id: RequestId) -> bool {
         self.slots[slot].as_ref().is_some_and(|l| l.id == id)
+    }
+
+    /// [`Self::drain`]; on a failure, the requests whose state it left uncertain fail too.
+    pub(super) fn drain_or_abandon(
+        &mut self,
+        report: &mut StepReport,
+        clock: &mut StepClock,
+    ) -> Result<(), BatchError> {
+        match self.drain(report, clock) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                report.ended += self.abandon_in_flight(&e)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// After a failure while steps were in flight: fails every request with a row in the step
+    /// still in flight (its KV counts as computed but the device reported an error) and every
+    /// request still waiting for a token, since their bookkeeping may be part-way; the others go
+    /// on. Returns how many requests it ended.
+    pub(super) fn abandon_in_flight(&mut self, error: &BatchError) -> Result<usize, KvError> {
+        let mut ended = 0;
+        let message = error.to_string();
+        if let Some(f) = self.in_flight.take() {
+            for r in &f.rows {
+                if self.holds(r.work.slot, r.id) {
+                    self.fail(r.work.slot, RequestError::Model(message.clone()))?;
+                    ended += 1;
+                }
+            }
+        }
+        for slot in 0..self.slots.len() {
+            let uncertain = self.slots[slot]
+                .as_ref()
+                .is_some_and(|l| l.in_flight > 0 || l.commit_when_known.is_some());
+            if uncertain {
+                self.fail(slot, RequestError::Model(message.clone()))?;
+                ended += 1;
+            }
+        }
+        Ok(ended)
     }
 
     /// Reads back the step in flight, if any (before a step that cannot overlap, or when

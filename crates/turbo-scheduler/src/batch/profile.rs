@@ -25,7 +25,9 @@ pub struct StepTiming {
     pub forward_micros: f64,
     /// Waiting for the sampled tokens (or logits) to come back.
     pub wait_micros: f64,
-    /// The device's time for the step, when the backend measures it.
+    /// The device's time for the step, when the backend measures it. Under overlapped stepping
+    /// a call issues one step and reads back the one before it, so this is the device time of
+    /// the step read back during the call (the previous one), and `wait_micros` the wait for it.
     pub device_micros: Option<f64>,
     /// Committing KV, streaming tokens and text, stop checks, ends, KV compaction.
     pub postprocess_micros: f64,
