@@ -852,6 +852,59 @@ fn bench_all_reduce(c: &mut Criterion) {
     g.finish();
 }
 
+/// The algorithms cuBLASLt's heuristic offers for the 8B shape's decode products at 16-256
+/// rows, each timed: the first is what the products use. Prints a table (no criterion samples);
+/// runs only when its name is in the filter (`--bench lt_candidates`).
+fn bench_lt_candidates(_c: &mut Criterion) {
+    use turbo_kernels::ops::linear::{candidates, linear_with_candidate};
+    if !std::env::args().any(|a| a.contains("lt_candidates")) || !turbo_kernels::cuda_available() {
+        return;
+    }
+    let dev = CudaDevice::new(0).expect("CUDA device");
+    let s = dev.stream.clone();
+    let shapes = [
+        ("qkv", 6144usize, 4096usize),
+        ("o", 4096, 4096),
+        ("gate_up", 28672, 4096),
+        ("down", 4096, 14336),
+    ];
+    println!(
+        "lt_candidates: shape rows | candidates | first choice µs (TB/s) | best µs (TB/s), index"
+    );
+    for (name, m, k) in shapes {
+        let w = random_bf16(&s, m * k, 21);
+        for n in [16usize, 32, 64, 128, 256] {
+            let x = random_bf16(&s, n * k, 22);
+            let mut out = s.alloc_zeros::<bf16>(n * m).unwrap();
+            let count = candidates(&dev, n, k, m).unwrap();
+            let bytes = ((m * k + n * k + n * m) * 2) as f64;
+            let mut times = Vec::new();
+            for c in 0..count {
+                let run = |out: &mut _| linear_with_candidate(&dev, &x, &w, n, k, m, c, out);
+                if run(&mut out).is_err() {
+                    continue;
+                }
+                let t = time_gpu(&dev, 50, || run(&mut out).unwrap());
+                times.push((c, t.as_secs_f64() / 50.0 * 1e6));
+            }
+            let first = times
+                .iter()
+                .find(|(c, _)| *c == 0)
+                .map_or(f64::NAN, |t| t.1);
+            let (best_c, best) = times
+                .iter()
+                .copied()
+                .min_by(|a, b| a.1.total_cmp(&b.1))
+                .unwrap_or((0, f64::NAN));
+            println!(
+                "lt_candidates: {name} {n} | {count} | {first:.1} ({:.2}) | {best:.1} ({:.2}), {best_c}",
+                bytes / first / 1e6,
+                bytes / best / 1e6
+            );
+        }
+    }
+}
+
 criterion_group!(
     benches,
     bench_all_reduce,
@@ -860,6 +913,7 @@ criterion_group!(
     bench_merge,
     bench_cascade,
     bench_sampling,
-    bench_gemv
+    bench_gemv,
+    bench_lt_candidates
 );
 criterion_main!(benches);

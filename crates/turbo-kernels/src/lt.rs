@@ -24,13 +24,16 @@ pub struct Shape {
     pub out_f32: bool,
 }
 
-/// A shape's descriptors and algorithm.
+/// Algorithms asked of cuBLASLt's heuristic per shape; the first is the one used.
+const CANDIDATES: usize = 16;
+
+/// A shape's descriptors and the algorithms the heuristic offers for it, best first.
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     a: sys::cublasLtMatrixLayout_t,
     b: sys::cublasLtMatrixLayout_t,
     d: sys::cublasLtMatrixLayout_t,
-    algo: sys::cublasLtMatmulAlgo_t,
+    algos: Vec<sys::cublasLtMatmulAlgo_t>,
 }
 
 // SAFETY: the descriptors are plain host objects that cuBLASLt only reads during a call; they
@@ -69,7 +72,7 @@ impl Plan {
             a: std::ptr::null_mut(),
             b: std::ptr::null_mut(),
             d: std::ptr::null_mut(),
-            algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+            algos: Vec::new(),
         };
         // A is stored [k, m] (column-major, ld k) and used transposed; B is [k, n] (ld k); D is
         // [m, n] (ld m).
@@ -99,20 +102,55 @@ impl Plan {
         .map_err(blas)?;
         let pref = lt::create_matmul_pref().map_err(blas)?;
         let bytes = workspace_bytes as u64;
+        let mut results: [std::mem::MaybeUninit<sys::cublasLtMatmulHeuristicResult_t>; CANDIDATES] =
+            [std::mem::MaybeUninit::uninit(); CANDIDATES];
+        let mut count = 0i32;
         // SAFETY: the preference is an u64 byte count, passed by pointer and size; the layouts
-        // and descriptor are valid (made above); the preference is destroyed right after.
-        let heuristic = unsafe {
+        // and descriptor are valid (made above); the heuristic writes at most CANDIDATES results
+        // and says how many; the preference is destroyed right after.
+        let status = unsafe {
             let r = lt::set_matmul_pref_attribute(
                 pref,
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 (&bytes) as *const u64 as *const c_void,
                 std::mem::size_of::<u64>(),
             )
-            .and_then(|()| lt::get_matmul_algo_heuristic(handle, desc, p.a, p.b, p.d, p.d, pref));
+            .and_then(|()| {
+                sys::cublasLtMatmulAlgoGetHeuristic(
+                    handle,
+                    desc,
+                    p.a,
+                    p.b,
+                    p.d,
+                    p.d,
+                    pref,
+                    CANDIDATES as i32,
+                    results.as_mut_ptr().cast(),
+                    &mut count,
+                )
+                .result()
+            });
             let _ = lt::destroy_matmul_pref(pref);
-            r.map_err(blas)?
+            r
         };
-        p.algo = heuristic.algo;
+        status.map_err(blas)?;
+        for r in results
+            .iter()
+            .take(count.clamp(0, CANDIDATES as i32) as usize)
+        {
+            // SAFETY: the heuristic filled the first `count` results.
+            let r = unsafe { r.assume_init() };
+            if r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                && r.workspaceSize <= workspace_bytes
+            {
+                p.algos.push(r.algo);
+            }
+        }
+        if p.algos.is_empty() {
+            return Err(blas(lt::CublasError(
+                sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
+            )));
+        }
         Ok(p)
     }
 }
@@ -140,16 +178,42 @@ impl LtMatmul {
         })
     }
 
-    /// `d = a_op · b + beta · d` for `shape` (see [`Shape`]), alpha 1, on `stream`.
+    /// How many algorithms the heuristic offers for `shape` (at most 16), for benchmarks that
+    /// compare them ([`LtMatmul::matmul_with`]).
+    pub fn candidates(&self, shape: Shape, workspace_bytes: usize) -> Result<usize> {
+        let mut plans = self.plans.lock().unwrap();
+        Ok(Self::plan(&mut plans, self.handle, shape, workspace_bytes)?
+            .algos
+            .len())
+    }
+
+    fn plan(
+        plans: &mut HashMap<Shape, Plan>,
+        handle: sys::cublasLtHandle_t,
+        shape: Shape,
+        workspace_bytes: usize,
+    ) -> Result<&Plan> {
+        Ok(match plans.entry(shape) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(Plan::new(handle, shape, workspace_bytes)?)
+            }
+        })
+    }
+
+    /// `d = a_op · b + beta · d` for `shape` (see [`Shape`]), alpha 1, on `stream`, with the
+    /// heuristic's `candidate`-th algorithm (0: its first choice, what the products use; others
+    /// for benchmarks comparing them).
     ///
     /// # Safety
     /// `a`, `b` and `d` must point to device buffers holding at least `m·k`, `k·n` and `m·n`
     /// elements of the shape's types, and `workspace` to `workspace_bytes` bytes, all valid until
     /// the stream has run the product; nothing else may use the workspace meanwhile.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn matmul(
+    pub unsafe fn matmul_with(
         &self,
         shape: Shape,
+        candidate: usize,
         a: u64,
         b: u64,
         d: u64,
@@ -159,12 +223,13 @@ impl LtMatmul {
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<()> {
         let mut plans = self.plans.lock().unwrap();
-        let p = match plans.entry(shape) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(Plan::new(self.handle, shape, workspace_bytes)?)
-            }
-        };
+        let p = Self::plan(&mut plans, self.handle, shape, workspace_bytes)?;
+        let algo = p.algos.get(candidate).ok_or_else(|| {
+            CudaError::BlasLt(format!(
+                "{shape:?}: candidate {candidate} of {} algorithms",
+                p.algos.len()
+            ))
+        })?;
         let alpha = 1.0f32;
         lt::matmul(
             self.handle,
@@ -179,7 +244,7 @@ impl LtMatmul {
             p.d,
             d as *mut c_void,
             p.d,
-            &p.algo,
+            algo,
             workspace as *mut c_void,
             workspace_bytes,
             stream as sys::cudaStream_t,

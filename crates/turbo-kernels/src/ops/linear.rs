@@ -23,6 +23,33 @@ pub fn linear(
     gemm(dev, x, w, n, k, m, 0.0, out)
 }
 
+/// How many algorithms cuBLASLt's heuristic offers for the bf16 product of `n` rows of `k` by a
+/// `[m, k]` weight: for benchmarks comparing them with [`linear_with_candidate`].
+pub fn candidates(dev: &CudaDevice, n: usize, k: usize, m: usize) -> Result<usize> {
+    let shape = Shape {
+        m: m as u64,
+        n: n as u64,
+        k: k as u64,
+        out_f32: false,
+    };
+    dev.blas.candidates(shape, BLAS_WORKSPACE_BYTES)
+}
+
+/// [`linear`] with the heuristic's `candidate`-th algorithm (0: the one [`linear`] uses).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_with_candidate(
+    dev: &CudaDevice,
+    x: &CudaSlice<bf16>,
+    w: &CudaSlice<bf16>,
+    n: usize,
+    k: usize,
+    m: usize,
+    candidate: usize,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    gemm_with(dev, x, w, (n, k, m), candidate, 0.0, out)
+}
+
 /// [`linear`] added to `out`: `out += x · Wᵀ` (the residual step; cuBLASLt may round the product
 /// to bf16 before the add, as an unfused product then add would).
 pub fn linear_add(
@@ -73,6 +100,18 @@ fn gemm<T: GemmOut>(
     beta: f32,
     out: &mut CudaSlice<T>,
 ) -> Result<()> {
+    gemm_with(dev, x, w, (n, k, m), 0, beta, out)
+}
+
+fn gemm_with<T: GemmOut>(
+    dev: &CudaDevice,
+    x: &CudaSlice<bf16>,
+    w: &CudaSlice<bf16>,
+    (n, k, m): (usize, usize, usize),
+    candidate: usize,
+    beta: f32,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
     check(
         x.len() >= n * k
             && w.len() >= m * k
@@ -105,8 +144,9 @@ fn gemm<T: GemmOut>(
     // buffers outlive the stream's use of them (the caller's borrows); the workspace is the
     // device's, used only by products, which the one stream orders.
     unsafe {
-        dev.blas.matmul(
+        dev.blas.matmul_with(
             shape,
+            candidate,
             w_ptr,
             x_ptr,
             out_ptr,
