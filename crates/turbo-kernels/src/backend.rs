@@ -133,6 +133,12 @@ pub struct CudaBatch {
     pinned_turn: AtomicUsize,
 }
 
+/// Microseconds between a step's timing events (waiting for the end one).
+fn step_micros(events: Option<(CudaEvent, CudaEvent)>) -> Option<f64> {
+    let (start, end) = events?;
+    Some(start.elapsed_ms(&end).ok()? as f64 * 1e3)
+}
+
 /// A page-locked buffer of sampled tokens, shared with the [`TokensLater`] reading it.
 type PinnedTokens = Mutex<Option<Arc<Mutex<PinnedHostSlice<u32>>>>>;
 
@@ -829,8 +835,7 @@ impl Backend for CudaBackend {
     }
 
     fn step_device_micros(&self, batch: &CudaBatch) -> Option<f64> {
-        let (start, end) = batch.step_events.lock().ok()?.take()?;
-        Some(start.elapsed_ms(&end).ok()? as f64 * 1e3)
+        step_micros(batch.step_events.lock().ok()?.take())
     }
 
     fn forget_steps(&self, batch: &CudaBatch) {
@@ -1156,12 +1161,9 @@ impl Backend for CudaBackend {
                     BackendError::Device(format!("{n} tokens read from {}", data.len()))
                 })?
                 .to_vec();
-            let device_micros = events
-                .and_then(|(start, end)| start.elapsed_ms(&end).ok())
-                .map(|ms| ms as f64 * 1e3);
             Ok(SampledTokens {
                 tokens,
-                device_micros,
+                device_micros: step_micros(events),
             })
         }))
     }

@@ -24,6 +24,18 @@ pub struct Shape {
     pub out_f32: bool,
 }
 
+impl Shape {
+    /// `n` rows of `k` activations by a `[m, k]` weight, out in f32 or bf16.
+    pub fn new(n: usize, k: usize, m: usize, out_f32: bool) -> Self {
+        Shape {
+            m: m as u64,
+            n: n as u64,
+            k: k as u64,
+            out_f32,
+        }
+    }
+}
+
 /// Algorithms asked of cuBLASLt's heuristic per shape; the first is the one used.
 const CANDIDATES: usize = 16;
 

@@ -26,13 +26,8 @@ pub fn linear(
 /// How many algorithms cuBLASLt's heuristic offers for the bf16 product of `n` rows of `k` by a
 /// `[m, k]` weight: for benchmarks comparing them with [`linear_with_candidate`].
 pub fn candidates(dev: &CudaDevice, n: usize, k: usize, m: usize) -> Result<usize> {
-    let shape = Shape {
-        m: m as u64,
-        n: n as u64,
-        k: k as u64,
-        out_f32: false,
-    };
-    dev.blas.candidates(shape, BLAS_WORKSPACE_BYTES)
+    dev.blas
+        .candidates(Shape::new(n, k, m, false), BLAS_WORKSPACE_BYTES)
 }
 
 /// [`linear`] with the heuristic's `candidate`-th algorithm (0: the one [`linear`] uses).
@@ -129,12 +124,7 @@ fn gemm_with<T: GemmOut>(
     if n == 0 {
         return Ok(());
     }
-    let shape = Shape {
-        m: m as u64,
-        n: n as u64,
-        k: k as u64,
-        out_f32: T::F32,
-    };
+    let shape = Shape::new(n, k, m, T::F32);
     let (w_ptr, _w_sync) = w.device_ptr(&dev.stream);
     let (x_ptr, _x_sync) = x.device_ptr(&dev.stream);
     let (out_ptr, _out_sync) = out.device_ptr_mut(&dev.stream);
