@@ -39,12 +39,28 @@ fn nvcc() -> PathBuf {
     }
 }
 
-/// SHA-256 of a kernel source together with the shared header, as recorded in the manifest.
-pub fn source_hash(source: &str, header: &str) -> String {
+/// SHA-256 of a kernel source together with the shared header (and a variant's `MACRO=value`),
+/// as recorded in the manifest.
+pub fn source_hash(source: &str, header: &str, variant: Option<&str>) -> String {
     let mut h = Sha256::new();
     h.update(source.as_bytes());
     h.update(header.as_bytes());
+    if let Some(v) = variant {
+        h.update(v.as_bytes());
+    }
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The macro and values of a source's `// kernel-variants MACRO: A B ...` line.
+fn variants(source: &str) -> Option<(String, Vec<String>)> {
+    let line = source
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("// kernel-variants "))?;
+    let (mac, values) = line.split_once(':')?;
+    Some((
+        mac.trim().to_string(),
+        values.split_whitespace().map(str::to_string).collect(),
+    ))
 }
 
 pub fn compile() -> Result<()> {
@@ -60,29 +76,51 @@ pub fn compile() -> Result<()> {
     let nvcc = nvcc();
     let mut manifest = String::new();
     for src in &sources {
-        let name = src.file_stem().unwrap().to_string_lossy().to_string();
-        let ptx = out.join(format!("{name}.ptx"));
-        let status = Command::new(&nvcc)
-            .args([
+        let stem = src.file_stem().unwrap().to_string_lossy().to_string();
+        let text = std::fs::read_to_string(src)?;
+        // A source may be built several times, once per value of a macro it names on a line
+        // `// kernel-variants MACRO: A B ...`, into `<stem>_<value in lower case>.ptx`.
+        let builds: Vec<(String, Option<(String, String)>)> = match variants(&text) {
+            Some((mac, values)) => values
+                .into_iter()
+                .map(|v| {
+                    let name = format!("{stem}_{}", v.to_lowercase());
+                    (name, Some((mac.clone(), v)))
+                })
+                .collect(),
+            None => vec![(stem.clone(), None)],
+        };
+        for (name, variant) in builds {
+            let ptx = out.join(format!("{name}.ptx"));
+            let mut cmd = Command::new(&nvcc);
+            cmd.args([
                 "-ptx",
                 &format!("-arch={}", ptx_arch(&name)),
                 "-O3",
                 "-std=c++17",
                 "-lineinfo",
-            ])
-            .arg("-I")
-            .arg(&dir)
-            .arg("-o")
-            .arg(&ptx)
-            .arg(src)
-            .status()
-            .with_context(|| format!("cannot run {} (set NVCC)", nvcc.display()))?;
-        if !status.success() {
-            bail!("nvcc failed on {}", src.display());
+            ]);
+            if let Some((mac, value)) = &variant {
+                cmd.arg(format!("-D{mac}={value}"));
+            }
+            let status = cmd
+                .arg("-I")
+                .arg(&dir)
+                .arg("-o")
+                .arg(&ptx)
+                .arg(src)
+                .status()
+                .with_context(|| format!("cannot run {} (set NVCC)", nvcc.display()))?;
+            if !status.success() {
+                bail!("nvcc failed on {} ({name})", src.display());
+            }
+            let tag = variant.map(|(m, v)| format!("{m}={v}"));
+            manifest.push_str(&format!(
+                "{name} {}\n",
+                source_hash(&text, &header, tag.as_deref())
+            ));
+            println!("{} -> {}", src.display(), ptx.display());
         }
-        let text = std::fs::read_to_string(src)?;
-        manifest.push_str(&format!("{name} {}\n", source_hash(&text, &header)));
-        println!("{} -> {}", src.display(), ptx.display());
     }
     std::fs::write(out.join("manifest.txt"), manifest)?;
     Ok(())

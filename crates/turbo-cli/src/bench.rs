@@ -79,6 +79,8 @@ enum BenchTarget {
 struct Report {
     device: String,
     model: String,
+    /// Bytes the weight matrices take on the device.
+    weight_bytes: usize,
     prompt_tokens: usize,
     gen_tokens: usize,
     decode_context: usize,
@@ -231,6 +233,7 @@ impl ModelTask for Bench {
             prefill_chunk: chunk,
             prefix_caching: false,
         };
+        let weight_bytes = model.weight_bytes();
         let mut batch = PersistentBatch::new(model, tokenizer, config)?;
         batch.set_overlap(batch.overlaps() && !args.model.no_overlap);
         let mut run_once = |prompt: &[u32], max_tokens: usize| -> Result<Completion> {
@@ -258,6 +261,7 @@ impl ModelTask for Bench {
         let report = Report {
             device: batch.model().backend().name(),
             model: path.display().to_string(),
+            weight_bytes,
             prompt_tokens: args.prompt_tokens,
             gen_tokens,
             decode_context: args.decode_context,
@@ -271,6 +275,11 @@ impl ModelTask for Bench {
         } else {
             outln!("device   {}", report.device)?;
             outln!("model    {}", report.model)?;
+            outln!(
+                "weights  {:.3} GB on the device (the file: {:.3} GB)",
+                report.weight_bytes as f64 / 1e9,
+                std::fs::metadata(&path).map_or(0, |m| m.len()) as f64 / 1e9
+            )?;
             outln!(
                 "pp{:<6} {:8.1} tok/s (median of {}; runs {:?})",
                 report.prompt_tokens,

@@ -80,6 +80,15 @@ pub struct EvalKvArgs {
     /// to print or plot them again (the model, text and run options are not used).
     #[arg(long, value_name = "FILE.jsonl")]
     from_json: Option<PathBuf>,
+    /// Write full attention's greedy tokens of each text to this JSON file (text name -> token
+    /// ids), for `--greedy-ref` on another device, dtype or build.
+    #[arg(long, value_name = "FILE.json", conflicts_with = "from_json")]
+    greedy_out: Option<PathBuf>,
+    /// Measure `agree` against the greedy tokens of an earlier `--greedy-out` (e.g. the CPU's
+    /// exact f32 run) instead of this run's full attention: teacher-forced top-1 agreement
+    /// between two runs of the same model and texts.
+    #[arg(long, value_name = "FILE.json", conflicts_with = "from_json")]
+    greedy_ref: Option<PathBuf>,
 }
 
 /// One (text, policy, budget) result: a line of `--json`'s output, read back by
@@ -225,6 +234,18 @@ fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
             "budgets are fractions in (0, 1], not {b}"
         );
     }
+    // A reference read (and its bound checked) before the model loads.
+    let greedy_ref: Option<std::collections::HashMap<String, Vec<u32>>> = match &args.greedy_ref {
+        Some(path) => {
+            let text = turbo_engine::limits::read_file_bounded(path, 64 << 20)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            Some(serde_json::from_str(&text).with_context(|| {
+                format!("{}: not a file of `eval-kv --greedy-out`", path.display())
+            })?)
+        }
+        None => None,
+    };
+    let mut greedy_out = std::collections::BTreeMap::new();
     let configs: Vec<(PolicyKind, f64)> = args
         .policies
         .iter()
@@ -302,6 +323,20 @@ fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
             .map(|&(p, b)| Ok(engine.submit(request(p, Some(b))?)?))
             .collect::<Result<Vec<_>>>()?;
         let full = collect(full)?;
+        greedy_out.insert(name.clone(), full.greedy.clone());
+        let reference = match &greedy_ref {
+            Some(r) => r
+                .get(&name)
+                .cloned()
+                .with_context(|| format!("the --greedy-ref file has no tokens for {name}"))?,
+            None => full.greedy.clone(),
+        };
+        anyhow::ensure!(
+            reference.len() == full.greedy.len(),
+            "the --greedy-ref tokens of {name} are {} steps, this run's {}",
+            reference.len(),
+            full.greedy.len()
+        );
         let mut results = vec![(PolicyKind::Full, 1.0, full.clone())];
         for (&(p, b), s) in configs.iter().zip(streams) {
             results.push((p, b, collect(s)?));
@@ -310,10 +345,10 @@ fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
             let agree = o
                 .greedy
                 .iter()
-                .zip(&full.greedy)
+                .zip(&reference)
                 .filter(|(a, b)| a == b)
                 .count() as f64
-                / full.greedy.len().max(1) as f64;
+                / reference.len().max(1) as f64;
             let row = Row {
                 text: name.clone(),
                 task: match args.task {
@@ -334,6 +369,10 @@ fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
         }
     }
     engine.shutdown(std::time::Duration::ZERO);
+    if let Some(path) = &args.greedy_out {
+        std::fs::write(path, serde_json::to_string(&greedy_out)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
     Ok(rows)
 }
 

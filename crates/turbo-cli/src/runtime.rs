@@ -71,6 +71,19 @@ pub struct ModelArgs {
     /// slightly different logits: docs/perf/cpu.md).
     #[arg(long, default_value = "f32", value_parser = parse_cpu_activations)]
     pub cpu_activations: CpuActivations,
+    /// On a GPU: native keeps GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+    /// Q6_K) as the file's blocks, decoded inside the products (the file's size in memory, and
+    /// its exact values); bf16 decodes them to bf16 at load (about 4x the memory of a Q4 file).
+    /// Other types are bf16 either way.
+    #[arg(long, value_enum, default_value_t = WeightsDtype::Native)]
+    pub weights_dtype: WeightsDtype,
+}
+
+/// How a GPU holds quantized weights (`--weights-dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum WeightsDtype {
+    Native,
+    Bf16,
 }
 
 fn parse_cpu_activations(s: &str) -> Result<CpuActivations, String> {
@@ -148,6 +161,7 @@ impl ModelArgs {
             tensor_parallel: self.tensor_parallel,
             kv_dtype: self.kv_dtype,
             cpu_activations: self.cpu_activations,
+            native_weights: self.weights_dtype == WeightsDtype::Native,
         })
     }
 

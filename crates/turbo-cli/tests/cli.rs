@@ -948,6 +948,101 @@ fn eval_kv_plots_a_run() {
     assert_eq!(png_size(&png), (1500, 620));
 }
 
+/// `--greedy-out` writes full attention's greedy tokens per text; `--greedy-ref` measures
+/// agreement against them (here the same run: every step agrees), and a reference that lacks a
+/// text or has other lengths is refused in one line.
+#[test]
+fn eval_kv_greedy_tokens_round_trip_as_a_reference() {
+    let (dir, path) = gguf_fixture(128);
+    let text_path = dir.path().join("story.txt");
+    let story = "A small fox walked through the quiet forest and met an owl. ".repeat(20);
+    std::fs::write(&text_path, story).unwrap();
+    let greedy = dir.path().join("greedy.json");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "eval-kv",
+            "--model",
+            p(&path),
+            "--text",
+            p(&text_path),
+            "--prompt-tokens",
+            "40",
+            "--eval-tokens",
+            "6",
+            "--policies",
+            "full",
+            "--block-size",
+            "8",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        turbo(&args, None)
+    };
+    let out = run(&["--greedy-out", p(&greedy)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&greedy).unwrap()).unwrap();
+    assert_eq!(
+        saved["story.txt"].as_array().map(Vec::len),
+        Some(6),
+        "{saved}"
+    );
+    let out = run(&["--greedy-ref", p(&greedy)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let row: serde_json::Value =
+        serde_json::from_str(text(&out.stdout).lines().next().unwrap()).unwrap();
+    assert_eq!(row["greedy_agree"], 1.0, "{row}");
+
+    let other = dir.path().join("other.json");
+    std::fs::write(&other, r#"{"another.txt": [1, 2, 3, 4, 5, 6]}"#).unwrap();
+    let out = run(&["--greedy-ref", p(&other)]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("no tokens for story.txt"),
+        "{}",
+        text(&out.stderr)
+    );
+    std::fs::write(&other, r#"{"story.txt": [1, 2]}"#).unwrap();
+    let out = run(&["--greedy-ref", p(&other)]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("are 2 steps"),
+        "{}",
+        text(&out.stderr)
+    );
+    std::fs::write(&other, "not json").unwrap();
+    let out = run(&["--greedy-ref", p(&other)]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("not a file of"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+/// `--weights-dtype` takes native or bf16 (the CPU keeps its own weights either way); anything
+/// else is a usage error.
+#[test]
+fn weights_dtype_is_accepted_and_checked() {
+    let (_dir, path) = gguf_fixture(128);
+    let args = [
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "3",
+        "--ignore-eos",
+        "--json",
+        "--weights-dtype",
+        "bf16",
+    ];
+    let out = turbo(&generate_args(p(&path), &args), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    expect_usage_error(&generate_args(
+        p(&path),
+        &["--device", "cpu", "--weights-dtype", "q4"],
+    ));
+}
+
 /// `--tensor-parallel` on the CPU: a model that splits gives the same greedy text split over 2
 /// ranks as whole (the library tests compare logits); `info` shows the split; one that does not
 /// split is refused in one line naming why.

@@ -282,6 +282,9 @@ pub trait Backend: Send + Sync {
     /// One matrix holding the rows of `parts` in order (e.g. fused W_q, W_k, W_v), so a single
     /// product computes all of them.
     fn upload_stacked(&self, parts: &[&WeightMatrix]) -> Result<Self::Matrix>;
+    /// Bytes of memory `m`'s values take on this backend (quantized weights kept as blocks
+    /// take their file's bytes; decoded ones, their decoded type's).
+    fn matrix_bytes(&self, m: &Self::Matrix) -> usize;
     /// A `[rows, cols]` tensor filled from host data.
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// A `[rows, cols]` tensor whose contents are unspecified until written.

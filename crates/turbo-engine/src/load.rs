@@ -46,6 +46,10 @@ pub struct ModelOptions {
     /// host's scheduling and output processing run while the device works (steps that need
     /// each token first still run one at a time).
     pub overlap_steps: bool,
+    /// On a GPU, keep GGUF-quantized weights as the file's blocks (Q4_0, Q4_1, Q5_0, Q5_1,
+    /// Q8_0, Q4_K, Q5_K, Q6_K) and decode them inside the products; off, they are decoded to
+    /// bf16 at load (about 4x the memory of a Q4 file).
+    pub native_weights: bool,
 }
 
 impl Default for ModelOptions {
@@ -64,6 +68,7 @@ impl Default for ModelOptions {
             tensor_parallel: 1,
             kv_dtype: KvDtype::Full,
             cpu_activations: CpuActivations::F32,
+            native_weights: true,
         }
     }
 }
@@ -192,6 +197,7 @@ impl ModelOptions {
                     b.set_graphs(self.cuda_graphs);
                     b.set_peer_all_reduce(self.peer_all_reduce);
                     b.set_kv_chunk_blocks(self.kv_alloc_chunk);
+                    b.set_native_weights(self.native_weights);
                 }
                 let mut model = Llama::new_parallel(backends, &loaded.config, &loaded.weights)?;
                 model.set_kv_dtype(self.kv_dtype);

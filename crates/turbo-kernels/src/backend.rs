@@ -7,6 +7,7 @@ use crate::ops;
 use crate::ops::attention::{AttentionPlan, KvLayout, KvSplit, LogitScoring, PlanOptions};
 use crate::ops::elementwise::{CompactShape, QuantGeometry};
 use crate::ops::gemv::{gemv_fits, GemvNorm, GemvOut, QkvRopeOut};
+use crate::ops::quant::QGEMV_MAX_TOKENS;
 use crate::ops::scores::{self, FixedScoring, ScoreGeometry, ScorePlan};
 use crate::p2p::PeerRank;
 use cudarc::driver::sys::CUstreamCaptureMode;
@@ -37,12 +38,8 @@ pub struct CudaTensor {
     pub cols: usize,
 }
 
-/// A weight matrix on the device, in bf16 (quantized GGUF weights are decoded at upload).
-pub struct CudaMatrix {
-    pub data: CudaSlice<bf16>,
-    pub rows: usize,
-    pub cols: usize,
-}
+pub use crate::matrix::CudaMatrix;
+use crate::matrix::{MatrixStore, ProductOut};
 
 /// bf16 values of weights decoded and copied up at a time (64 MiB).
 const UPLOAD_CHUNK_ELEMS: usize = 32 << 20;
@@ -207,6 +204,11 @@ pub struct CudaBackend {
     /// The host buffer weights are decoded into on their way up, reused so that loading a
     /// large model faults its pages in once (at most [`UPLOAD_CHUNK_ELEMS`] values).
     upload_staging: Arc<Mutex<Vec<bf16>>>,
+    /// Whether quantized weights stay as their blocks (the default) rather than bf16.
+    native_weights: Arc<AtomicBool>,
+    /// Where larger steps' products decode bands of quantized weights to bf16; sized at
+    /// upload for the widest band, so that no recorded step allocates.
+    decode_scratch: Arc<Mutex<Option<CudaSlice<bf16>>>>,
 }
 
 impl CudaBackend {
@@ -225,6 +227,8 @@ impl CudaBackend {
             nccl: None,
             peer: None,
             upload_staging: Arc::new(Mutex::new(Vec::new())),
+            native_weights: Arc::new(AtomicBool::new(true)),
+            decode_scratch: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -356,17 +360,60 @@ impl CudaBackend {
         Some(self.kv_chunk_blocks.load(Ordering::Relaxed)).filter(|&n| n > 0)
     }
 
-    /// A product of few tokens by the stream kernels of [`ops::gemv`].
+    /// Whether matrices uploaded from now on keep GGUF blocks of the types the kernels decode
+    /// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) as they are (the default), or are
+    /// decoded to bf16 at upload.
+    pub fn set_native_weights(&self, enabled: bool) {
+        self.native_weights.store(enabled, Ordering::Relaxed);
+    }
+
+    /// A product of few tokens by the stream kernels of [`ops::gemv`] (bf16 weights).
     fn gemv(
         &self,
         x: &CudaTensor,
-        w: &CudaMatrix,
+        w: &CudaSlice<bf16>,
+        (rows, cols): (usize, usize),
         norm: Option<GemvNorm>,
         out: GemvOut,
     ) -> Result<()> {
         Ok(ops::gemv::gemv(
-            &self.dev, &x.data, x.rows, &w.data, w.rows, w.cols, norm, out,
+            &self.dev, &x.data, x.rows, w, rows, cols, norm, out,
         )?)
+    }
+
+    /// A product with a matrix of blocks ([`crate::matrix::product`]).
+    fn quant_product(
+        &self,
+        x: &CudaTensor,
+        w: &CudaMatrix,
+        norm: Option<GemvNorm>,
+        out: ProductOut,
+    ) -> Result<()> {
+        Ok(crate::matrix::product(
+            &self.dev,
+            &self.decode_scratch,
+            x,
+            w,
+            norm,
+            out,
+        )?)
+    }
+
+    /// Makes the decode scratch hold at least what `m`'s larger products need.
+    fn reserve_decode_scratch(&self, m: &CudaMatrix) -> Result<()> {
+        let need = crate::matrix::scratch_elems(m);
+        if need == 0 {
+            return Ok(());
+        }
+        let mut scratch = lock(&self.decode_scratch)?;
+        if scratch.as_ref().is_none_or(|s| s.len() < need) {
+            // The old scratch goes first, so that the two never hold memory together.
+            *scratch = None;
+            // SAFETY: the scratch is written by a decode before every read.
+            *scratch =
+                Some(unsafe { self.dev.stream.alloc::<bf16>(need) }.map_err(CudaError::from)?);
+        }
+        Ok(())
     }
 
     /// The padded rows, key ranges per row and KV eviction scoring of a step that can be
@@ -465,12 +512,21 @@ impl Backend for CudaBackend {
         self.upload_stacked(&[w])
     }
 
+    fn matrix_bytes(&self, m: &CudaMatrix) -> usize {
+        m.device_bytes()
+    }
+
     fn upload_stacked(&self, parts: &[&WeightMatrix]) -> Result<CudaMatrix> {
         let cols = parts.first().map_or(0, |p| p.cols);
         if parts.iter().any(|p| p.cols != cols) {
             return Err(turbo_core::BackendError::Unsupported(
                 "stacked matrices must have the same number of columns".into(),
             ));
+        }
+        if self.native_weights.load(Ordering::Relaxed) && crate::matrix::keeps_blocks(parts) {
+            let m = crate::matrix::upload_blocks(&self.dev, parts)?;
+            self.reserve_decode_scratch(&m)?;
+            return Ok(m);
         }
         let rows: usize = parts.iter().map(|p| p.rows).sum();
         // SAFETY: every element is written below before the matrix is returned.
@@ -512,7 +568,11 @@ impl Backend for CudaBackend {
             }
             first_row += w.rows;
         }
-        Ok(CudaMatrix { data, rows, cols })
+        Ok(CudaMatrix {
+            rows,
+            cols,
+            store: MatrixStore::Bf16(data),
+        })
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
@@ -845,10 +905,20 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaMatrix, batch: &CudaBatch, out: &mut CudaTensor) -> Result<()> {
+        let ids = batch.view(&batch.sections.ids);
+        let Some(data) = table.bf16() else {
+            return Ok(crate::matrix::embed(
+                &self.dev,
+                table,
+                &ids,
+                batch.tokens,
+                &mut out.data,
+            )?);
+        };
         Ok(ops::elementwise::embed(
             &self.dev,
-            &table.data,
-            &batch.view(&batch.sections.ids),
+            data,
+            &ids,
             batch.tokens,
             table.cols,
             &mut out.data,
@@ -874,13 +944,22 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &CudaTensor, w: &CudaMatrix, out: &mut CudaTensor) -> Result<()> {
+        let Some(data) = w.bf16() else {
+            return self.quant_product(x, w, None, ProductOut::Bf16(&mut out.data));
+        };
         if gemv_fits(x.rows, w.cols) {
-            return self.gemv(x, w, None, GemvOut::Bf16(&mut out.data));
+            return self.gemv(
+                x,
+                data,
+                (w.rows, w.cols),
+                None,
+                GemvOut::Bf16(&mut out.data),
+            );
         }
         Ok(ops::linear::linear(
             &self.dev,
             &x.data,
-            &w.data,
+            data,
             x.rows,
             w.cols,
             w.rows,
@@ -897,12 +976,24 @@ impl Backend for CudaBackend {
         w: &CudaMatrix,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        if gemv_fits(x.rows, w.cols) {
-            let norm = GemvNorm {
-                weight: &weight.data,
-                eps,
-            };
-            return self.gemv(x, w, Some(norm), GemvOut::Bf16(&mut out.data));
+        let norm = GemvNorm {
+            weight: &weight.data,
+            eps,
+        };
+        match w.bf16() {
+            Some(data) if gemv_fits(x.rows, w.cols) => {
+                return self.gemv(
+                    x,
+                    data,
+                    (w.rows, w.cols),
+                    Some(norm),
+                    GemvOut::Bf16(&mut out.data),
+                );
+            }
+            None if x.rows <= QGEMV_MAX_TOKENS => {
+                return self.quant_product(x, w, Some(norm), ProductOut::Bf16(&mut out.data));
+            }
+            _ => {}
         }
         self.rms_norm(x, weight, eps, normed)?;
         self.linear(normed, w, out)
@@ -918,12 +1009,26 @@ impl Backend for CudaBackend {
         gate_up: &mut CudaTensor,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        if gemv_fits(x.rows, w_gate_up.cols) {
-            let norm = GemvNorm {
-                weight: &weight.data,
-                eps,
-            };
-            return self.gemv(x, w_gate_up, Some(norm), GemvOut::SwiGlu(&mut out.data));
+        let norm = GemvNorm {
+            weight: &weight.data,
+            eps,
+        };
+        match w_gate_up.bf16() {
+            Some(data) if gemv_fits(x.rows, w_gate_up.cols) => {
+                let shape = (w_gate_up.rows, w_gate_up.cols);
+                return self.gemv(x, data, shape, Some(norm), GemvOut::SwiGlu(&mut out.data));
+            }
+            None if crate::matrix::swiglu_product(
+                &self.dev,
+                x,
+                w_gate_up,
+                norm,
+                &mut out.data,
+            )? =>
+            {
+                return Ok(());
+            }
+            _ => {}
         }
         self.norm_linear(x, weight, eps, normed, w_gate_up, gate_up)?;
         self.swiglu(gate_up, out)
@@ -936,13 +1041,22 @@ impl Backend for CudaBackend {
         _product: &mut CudaTensor,
         x: &mut CudaTensor,
     ) -> Result<()> {
+        let Some(data) = w.bf16() else {
+            return self.quant_product(input, w, None, ProductOut::AddTo(&mut x.data));
+        };
         if gemv_fits(input.rows, w.cols) {
-            return self.gemv(input, w, None, GemvOut::AddTo(&mut x.data));
+            return self.gemv(
+                input,
+                data,
+                (w.rows, w.cols),
+                None,
+                GemvOut::AddTo(&mut x.data),
+            );
         }
         Ok(ops::linear::linear_add(
             &self.dev,
             &input.data,
-            &w.data,
+            data,
             input.rows,
             w.cols,
             w.rows,
@@ -1055,13 +1169,22 @@ impl Backend for CudaBackend {
             )));
         }
         let mut logits = lock(&batch.logits)?;
+        let Some(data) = head.bf16() else {
+            return self.quant_product(x, head, None, ProductOut::F32(&mut logits));
+        };
         if gemv_fits(x.rows, head.cols) {
-            return self.gemv(x, head, None, GemvOut::F32(&mut logits));
+            return self.gemv(
+                x,
+                data,
+                (head.rows, head.cols),
+                None,
+                GemvOut::F32(&mut logits),
+            );
         }
         Ok(ops::linear::linear_f32_out(
             &self.dev,
             &x.data,
-            &head.data,
+            data,
             x.rows,
             head.cols,
             head.rows,
@@ -1445,13 +1568,15 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         // A quantized row's scale needs the whole row, which no warp of the fused product holds:
         // quantized caches take the product, then the quantizing RoPE and KV write.
-        if !gemv_fits(x.rows, wqkv.cols)
-            || wqkv.rows != q.cols + 2 * k.cols
-            || cache.spec().dtype.is_quantized()
-        {
+        let fused = wqkv.bf16().filter(|_| {
+            gemv_fits(x.rows, wqkv.cols)
+                && wqkv.rows == q.cols + 2 * k.cols
+                && !cache.spec().dtype.is_quantized()
+        });
+        let Some(wqkv_data) = fused else {
             self.norm_linear(x, weight, eps, normed, wqkv, qkv)?;
             return self.qkv_rope_write(qkv, q, k, v, head_dim, cache, layer, batch);
-        }
+        };
         batch.check_cache(cache)?;
         let widths = (q.cols, k.cols, head_dim);
         let (k_cache, v_cache) = cache.layer_mut(layer);
@@ -1459,7 +1584,7 @@ impl Backend for CudaBackend {
             &self.dev,
             &x.data,
             x.rows,
-            &wqkv.data,
+            wqkv_data,
             wqkv.cols,
             GemvNorm {
                 weight: &weight.data,

@@ -155,7 +155,10 @@ impl CudaDevice {
 
     /// Loads every kernel module this device supports now instead of at its first use.
     pub fn load_modules(&self) -> Result<()> {
-        for m in MODULES.iter().filter(|m| self.supports_module(m.name)) {
+        for m in MODULES
+            .iter()
+            .filter(|m| m.variant.is_none() && self.supports_module(m.name))
+        {
             self.module(m.name)?;
         }
         Ok(())
@@ -232,7 +235,7 @@ impl CudaDevice {
             let module = self.ctx.load_module(Ptx::from_src(ptx));
             return module.map(Some).map_err(|e| fail(e.to_string()));
         }
-        let Ok(source) = read(&format!("{name}.cu")) else {
+        let Ok(source) = read(&format!("{}.cu", spec.file)) else {
             return Ok(None);
         };
         let header = read("common.cuh").map_err(|e| fail(format!("common.cuh: {e}")))?;
@@ -266,7 +269,9 @@ impl CudaDevice {
              typedef int int32_t; typedef long long int64_t; typedef unsigned long long uintptr_t;\n\
              #ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif",
         );
-        let source = source.replace("#include \"common.cuh\"", &header);
+        let source = spec
+            .source_with_variant(source)
+            .replace("#include \"common.cuh\"", &header);
         let opts = cudarc::nvrtc::CompileOptions {
             arch: Some(Box::leak(
                 format!("compute_{major}{minor}{suffix}").into_boxed_str(),

@@ -10,6 +10,7 @@ pub mod device;
 mod error;
 mod kv;
 mod lt;
+pub mod matrix;
 mod nccl;
 pub mod ops;
 mod p2p;

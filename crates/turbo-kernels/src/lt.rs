@@ -22,6 +22,9 @@ pub struct Shape {
     pub n: u64,
     pub k: u64,
     pub out_f32: bool,
+    /// Elements between the starts of D's columns (the output's rows): `m`, or more when the
+    /// product writes a band of a wider output.
+    pub ld_out: u64,
 }
 
 impl Shape {
@@ -32,6 +35,15 @@ impl Shape {
             n: n as u64,
             k: k as u64,
             out_f32,
+            ld_out: m as u64,
+        }
+    }
+
+    /// This shape writing into an output whose rows are `ld` elements apart (`ld >= m`).
+    pub fn with_ld_out(self, ld: usize) -> Self {
+        Shape {
+            ld_out: ld as u64,
+            ..self
         }
     }
 }
@@ -87,10 +99,10 @@ impl Plan {
             algos: Vec::new(),
         };
         // A is stored [k, m] (column-major, ld k) and used transposed; B is [k, n] (ld k); D is
-        // [m, n] (ld m).
+        // [m, n] (ld ld_out, m unless a band of a wider output).
         p.a = lt::create_matrix_layout(bf16, s.k, s.m, s.k as i64).map_err(blas)?;
         p.b = lt::create_matrix_layout(bf16, s.k, s.n, s.k as i64).map_err(blas)?;
-        p.d = lt::create_matrix_layout(out, s.m, s.n, s.m as i64).map_err(blas)?;
+        p.d = lt::create_matrix_layout(out, s.m, s.n, s.ld_out as i64).map_err(blas)?;
         let set_op = |attr, op: i32| {
             // SAFETY: the attribute is an i32 cublasOperation_t, passed by pointer and size.
             unsafe {

@@ -11,6 +11,24 @@ pub struct KernelModule {
     /// The one compute capability whose devices load this module (architecture-specific
     /// instructions, e.g. Hopper's wgmma); `None`: every device from Ampere on.
     pub only_on: Option<(i32, i32)>,
+    /// The source file (`kernels/<file>.cu`): the module's name, or the file a variant was built from.
+    pub file: &'static str,
+    /// A variant's macro and value: the source compiled with `-D<macro>=<value>`. Variants load
+    /// at their first use, not with the rest ([`CudaDevice::load_modules`]), so that a process
+    /// compiles only the ones its weights need.
+    ///
+    /// [`CudaDevice::load_modules`]: crate::device::CudaDevice::load_modules
+    pub variant: Option<(&'static str, &'static str)>,
+}
+
+impl KernelModule {
+    /// The source with its variant's macro defined first (as `-D` would define it).
+    pub fn source_with_variant(&self, source: &str) -> String {
+        match self.variant {
+            Some((name, value)) => format!("#define {name} {value}\n{source}"),
+            None => source.to_string(),
+        }
+    }
 }
 
 macro_rules! module {
@@ -33,6 +51,32 @@ macro_rules! module {
                 ".cu"
             )),
             only_on: $only_on,
+            file: $name,
+            variant: None,
+        }
+    };
+}
+
+/// A variant module `$name` of `kernels/$file.cu`, compiled with `-D$macro=$value`.
+macro_rules! variant {
+    ($name:literal, $file:literal, $macro:literal, $value:literal) => {
+        KernelModule {
+            name: $name,
+            ptx: include_str!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../kernels/ptx/",
+                $name,
+                ".ptx"
+            )),
+            source: include_str!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../kernels/",
+                $file,
+                ".cu"
+            )),
+            only_on: None,
+            file: $file,
+            variant: Some(($macro, $value)),
         }
     };
 }
@@ -47,6 +91,14 @@ pub const MODULES: &[KernelModule] = &[
     module!("scores"),
     module!("comm"),
     module!("attention_sm90a", Some((9, 0))),
+    variant!("quant_q4_0", "quant", "QUANT_TYPE", "Q4_0"),
+    variant!("quant_q4_1", "quant", "QUANT_TYPE", "Q4_1"),
+    variant!("quant_q5_0", "quant", "QUANT_TYPE", "Q5_0"),
+    variant!("quant_q5_1", "quant", "QUANT_TYPE", "Q5_1"),
+    variant!("quant_q8_0", "quant", "QUANT_TYPE", "Q8_0"),
+    variant!("quant_q4_k", "quant", "QUANT_TYPE", "Q4_K"),
+    variant!("quant_q5_k", "quant", "QUANT_TYPE", "Q5_K"),
+    variant!("quant_q6_k", "quant", "QUANT_TYPE", "Q6_K"),
 ];
 
 /// `kernels/ptx/manifest.txt`: `name sha256` per line.
@@ -61,12 +113,16 @@ pub const COMMON_HEADER: &str = include_str!(concat!(
     "/../../kernels/common.cuh"
 ));
 
-/// The SHA-256 of a kernel source together with the shared header, as the manifest records it.
-pub fn source_hash(source: &str) -> String {
+/// The SHA-256 of a module's source together with the shared header (and its variant's
+/// `macro=value`), as the manifest records it.
+pub fn source_hash(module: &KernelModule) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
-    h.update(source.as_bytes());
+    h.update(module.source.as_bytes());
     h.update(COMMON_HEADER.as_bytes());
+    if let Some((name, value)) = module.variant {
+        h.update(format!("{name}={value}").as_bytes());
+    }
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -81,5 +137,5 @@ pub fn recorded_hash(name: &str) -> Option<&'static str> {
 
 /// Whether `module`'s committed PTX was built from its current source.
 pub fn is_current(module: &KernelModule) -> bool {
-    recorded_hash(module.name) == Some(source_hash(module.source).as_str())
+    recorded_hash(module.name) == Some(source_hash(module).as_str())
 }

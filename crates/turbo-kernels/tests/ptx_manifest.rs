@@ -10,8 +10,9 @@ fn committed_ptx_matches_the_kernel_sources() {
             .unwrap_or_else(|| panic!("kernels/ptx/manifest.txt has no entry for {}", module.name));
         assert_eq!(
             recorded,
-            source_hash(module.source),
-            "kernels/{}.cu changed since its PTX was built: run `cargo xtask kernels`",
+            source_hash(module),
+            "kernels/{}.cu changed since the PTX of {} was built: run `cargo xtask kernels`",
+            module.file,
             module.name
         );
         assert!(is_current(module));

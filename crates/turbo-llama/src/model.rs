@@ -253,7 +253,33 @@ impl<B: Backend> RankModel<B> {
     }
 }
 
+impl<B: Backend> RankModel<B> {
+    /// Bytes this rank's weight matrices take on its backend.
+    fn weight_bytes(&self) -> usize {
+        let b = &self.backend;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                b.matrix_bytes(&l.wqkv)
+                    + b.matrix_bytes(&l.wo)
+                    + b.matrix_bytes(&l.w_gate_up)
+                    + b.matrix_bytes(&l.w_down)
+            })
+            .sum();
+        layers
+            + b.matrix_bytes(&self.embed)
+            + self.lm_head.as_ref().map_or(0, |h| b.matrix_bytes(h))
+    }
+}
+
 impl<B: Backend> Llama<B> {
+    /// Bytes the weight matrices take on the first rank's backend: the whole model's unless it
+    /// is split (the norms' vectors are left out: a few KB a layer).
+    pub fn weight_bytes(&self) -> usize {
+        self.rank.weight_bytes()
+    }
+
     /// Places host weights on the backend.
     pub fn new(backend: B, config: &LlamaConfig, host: &HostWeights) -> Result<Self> {
         if backend.rank_info().world != 1 {

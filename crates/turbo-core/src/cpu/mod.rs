@@ -157,6 +157,10 @@ impl Backend for CpuBackend {
         Ok(w.clone())
     }
 
+    fn matrix_bytes(&self, m: &WeightMatrix) -> usize {
+        m.data.len()
+    }
+
     fn upload_stacked(&self, parts: &[&WeightMatrix]) -> Result<WeightMatrix> {
         WeightMatrix::stack(parts).map_err(BackendError::Unsupported)
     }

@@ -73,8 +73,75 @@ pub fn linear_f32_out(
     gemm(dev, x, w, n, k, m, 0.0, out)
 }
 
-/// Output element types of [`gemm`].
-trait GemmOut: DeviceRepr {
+/// Where [`linear_band`] writes: the output's first element written (a column offset), the
+/// distance between its rows, and what it adds (`out = beta · out + product`).
+#[derive(Clone, Copy, Debug)]
+pub struct Band {
+    pub offset: usize,
+    pub ld: usize,
+    pub beta: f32,
+}
+
+/// `x · wᵀ` for `x` `[n, k]` and `w` `[m, k]` into columns `offset .. offset + m` of an output
+/// whose rows are `ld` apart (`out[i · ld + offset + j]`): products of a matrix's bands of rows,
+/// as quantized matrices decode them a band at a time.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_band<T: GemmOut>(
+    dev: &CudaDevice,
+    x: &CudaSlice<bf16>,
+    w: &CudaSlice<bf16>,
+    n: usize,
+    k: usize,
+    m: usize,
+    band: Band,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    let end = n.checked_sub(1).map_or(Some(0), |last| {
+        last.checked_mul(band.ld)
+            .and_then(|v| v.checked_add(band.offset + m))
+    });
+    check(
+        x.len() >= n * k
+            && w.len() >= m * k
+            && band.ld >= m
+            && end.is_some_and(|e| out.len() >= e)
+            && n.max(k).max(band.ld) <= i32::MAX as usize,
+        || {
+            format!(
+                "linear_band: x {} / w {} / out {} elements for n={n} k={k} m={m} {band:?}",
+                x.len(),
+                w.len(),
+                out.len()
+            )
+        },
+    )?;
+    if n == 0 || m == 0 {
+        return Ok(());
+    }
+    let shape = Shape::new(n, k, m, T::F32).with_ld_out(band.ld);
+    let (w_ptr, _w_sync) = w.device_ptr(&dev.stream);
+    let (x_ptr, _x_sync) = x.device_ptr(&dev.stream);
+    let (out_ptr, _out_sync) = out.device_ptr_mut(&dev.stream);
+    let out_ptr = out_ptr + (band.offset * std::mem::size_of::<T>()) as u64;
+    let (ws_ptr, _ws_sync) = dev.blas_workspace.device_ptr(&dev.stream);
+    // SAFETY: as in `gemm_with`; the band's last element lies inside `out` (checked above).
+    unsafe {
+        dev.blas.matmul_with(
+            shape,
+            0,
+            w_ptr,
+            x_ptr,
+            out_ptr,
+            band.beta,
+            ws_ptr,
+            BLAS_WORKSPACE_BYTES,
+            dev.stream.cu_stream(),
+        )
+    }
+}
+
+/// Output element types of the products: bf16, or f32 for logits.
+pub trait GemmOut: DeviceRepr {
     const F32: bool;
 }
 impl GemmOut for bf16 {

@@ -6,6 +6,7 @@ pub mod gemv;
 pub mod linear;
 pub mod merge;
 pub mod norm;
+pub mod quant;
 pub mod sampling;
 pub mod scores;
 

@@ -1,0 +1,342 @@
+//! Products with GGUF-quantized weights kept on the device as the file's blocks
+//! (`kernels/quant.cu`): decode-step products that decode the blocks in registers, the
+//! decoding of rows to bf16 that feeds cuBLASLt for larger steps, and token embedding from a
+//! quantized table.
+
+use super::check;
+use super::gemv::GemvNorm;
+use crate::device::CudaDevice;
+use crate::error::Result;
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+use turbo_core::DType;
+
+/// The most tokens a decode-step product takes; larger steps decode the weights to bf16 first.
+pub const QGEMV_MAX_TOKENS: usize = 8;
+/// Bytes a quantized buffer holds past its last block: kernels read whole aligned words, which
+/// can pass the end of a 2-byte aligned block by up to 3 bytes.
+pub const PADDING_BYTES: usize = 16;
+/// Warps per block of the decode-step products; each computes a few output units.
+const WARPS: usize = 4;
+
+/// Whether the GPU keeps weights of `dtype` as blocks and decodes them in its kernels.
+pub fn supports(dtype: DType) -> bool {
+    names(dtype).is_some()
+}
+
+/// Rows of a quantized matrix on the device: `rows` rows of `cols` values, each
+/// `dtype.row_bytes(cols)` bytes of blocks, followed by [`PADDING_BYTES`].
+pub struct QuantRows<'a> {
+    pub dtype: DType,
+    pub bytes: &'a CudaSlice<u8>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl QuantRows<'_> {
+    /// The checks every kernel needs: a supported type, whole blocks, 16-byte aligned rows of
+    /// activations, and the bytes (with padding) present.
+    fn check(&self, what: &str) -> Result<(&'static KernelNames, usize)> {
+        let names = names(self.dtype);
+        let row_bytes = self.dtype.row_bytes(self.cols);
+        let ok = names.is_some()
+            && self.cols > 0
+            && self.cols.is_multiple_of(32)
+            && self.cols <= i32::MAX as usize
+            && self.rows <= i32::MAX as usize
+            && row_bytes.is_some_and(|n| {
+                n.checked_mul(self.rows)
+                    .and_then(|b| b.checked_add(PADDING_BYTES))
+                    .is_some_and(|b| self.bytes.len() >= b)
+            });
+        check(ok, || {
+            format!(
+                "{what}: {} bytes for {}x{} {} (the GPU decodes {})",
+                self.bytes.len(),
+                self.rows,
+                self.cols,
+                self.dtype,
+                SUPPORTED
+            )
+        })?;
+        Ok((names.expect("checked"), row_bytes.expect("checked")))
+    }
+}
+
+const SUPPORTED: &str = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K";
+
+/// What happens to each `(token, unit)` product of [`qgemv`]; outputs are `[tokens, ld]`, the
+/// views starting at the first unit this call writes.
+pub enum QuantOut<'a, 'b> {
+    /// `out[t, j] = bf16(p)`.
+    Bf16(&'a mut CudaViewMut<'b, bf16>),
+    /// `out[t, j] = p` in f32 (logits).
+    F32(&'a mut CudaViewMut<'b, f32>),
+    /// `out[t, j] = bf16(out[t, j] + p)`: the residual stream, updated in place.
+    AddTo(&'a mut CudaViewMut<'b, bf16>),
+    /// The rows are a `[gate; up]` pair of `2 · units`: `out[t, j] = silu(gate) · up`.
+    SwiGlu(&'a mut CudaViewMut<'b, bf16>),
+}
+
+/// `out ← x · wᵀ` for `x` `[tokens, cols]` (1 to [`QGEMV_MAX_TOKENS`] tokens) and quantized `w`,
+/// f32 accumulation, with `norm` applied to `x` first when given (SwiGLU needs it, as
+/// [`super::gemv::gemv`]). `ld` is the distance between tokens' rows of `out`.
+pub fn qgemv(
+    dev: &CudaDevice,
+    x: &CudaSlice<bf16>,
+    tokens: usize,
+    w: &QuantRows,
+    norm: Option<GemvNorm>,
+    out: QuantOut,
+    ld: usize,
+) -> Result<()> {
+    let (names, row_bytes) = w.check("qgemv")?;
+    let swiglu = matches!(out, QuantOut::SwiGlu(_));
+    let units = if swiglu { w.rows / 2 } else { w.rows };
+    let out_len = match &out {
+        QuantOut::Bf16(o) | QuantOut::AddTo(o) | QuantOut::SwiGlu(o) => o.len(),
+        QuantOut::F32(o) => o.len(),
+    };
+    check(
+        (1..=QGEMV_MAX_TOKENS).contains(&tokens)
+            && units > 0
+            && ld >= units
+            && ld <= i32::MAX as usize
+            && (!swiglu || (w.rows.is_multiple_of(2) && norm.is_some()))
+            && x.len() >= tokens * w.cols
+            && out_len >= (tokens - 1) * ld + units
+            && norm.as_ref().is_none_or(|n| n.weight.len() >= w.cols),
+        || {
+            format!(
+                "qgemv: x {} / out {out_len} elements for tokens={tokens} rows={} cols={} ld={ld} \
+                 (1 to {QGEMV_MAX_TOKENS} tokens, SwiGLU with a norm)",
+                x.len(),
+                w.rows,
+                w.cols
+            )
+        },
+    )?;
+    let kind = match (&norm, swiglu) {
+        (None, _) => 0,
+        (Some(_), false) => 1,
+        (Some(_), true) => 2,
+    };
+    // The kernels for at most 1, 2, 4 and 8 tokens; a warp takes 4 output units (rows, or
+    // SwiGLU's pairs of rows count 2) with at most 2 tokens, else 2 (kernels/quant.cu's
+    // WarpUnits).
+    let (variant, rows_per_warp) = match tokens {
+        1 => (0, 4),
+        2 => (1, 4),
+        3..=4 => (2, 2),
+        _ => (3, 2),
+    };
+    let units_per_warp = if swiglu {
+        rows_per_warp / 2
+    } else {
+        rows_per_warp
+    };
+    let f = dev.function(names.module, names.gemv[kind][variant])?;
+    let (g, eps) = match &norm {
+        Some(n) => (n.weight, n.eps),
+        None => (x, 0.0),
+    };
+    let row_bytes_i = row_bytes as i64;
+    let (tokens_i, units_i, k_i, ld_i) = (tokens as i32, units as i32, w.cols as i32, ld as i32);
+    let mode: i32 = match out {
+        QuantOut::F32(_) => 1,
+        QuantOut::AddTo(_) => 2,
+        QuantOut::Bf16(_) | QuantOut::SwiGlu(_) => 0,
+    };
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(w.bytes);
+    b.arg(&row_bytes_i);
+    b.arg(x);
+    b.arg(g);
+    b.arg(&eps);
+    match out {
+        QuantOut::Bf16(o) | QuantOut::AddTo(o) | QuantOut::SwiGlu(o) => b.arg(o),
+        QuantOut::F32(o) => b.arg(o),
+    };
+    b.arg(&tokens_i);
+    b.arg(&units_i);
+    b.arg(&k_i);
+    b.arg(&ld_i);
+    b.arg(&mode);
+    let cfg = LaunchConfig {
+        grid_dim: (units.div_ceil(WARPS * units_per_warp) as u32, 1, 1),
+        block_dim: ((WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; the sizes were checked, the blocks'
+    // buffer holds its padding, and device allocations are 256-byte aligned, so with cols % 32 == 0
+    // every 16-byte load of x and g is aligned.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Rows `first_row .. first_row + rows` of `w` decoded to bf16 into `out` (`[rows, cols]`), each
+/// value as GGML's reference dequantizer computes it in f32, rounded once.
+pub fn dequant(
+    dev: &CudaDevice,
+    w: &QuantRows,
+    first_row: usize,
+    rows: usize,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    let (names, row_bytes) = w.check("dequant")?;
+    check(
+        first_row.checked_add(rows).is_some_and(|end| end <= w.rows) && out.len() >= rows * w.cols,
+        || {
+            format!(
+                "dequant: rows {first_row}+{rows} of {}, out {} elements for {} columns",
+                w.rows,
+                out.len(),
+                w.cols
+            )
+        },
+    )?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let chunk = if w.dtype.block_len() == 256 { 64 } else { 32 };
+    let threads = rows * (w.cols / chunk);
+    let f = dev.function(names.module, names.dequant)?;
+    let from = w.bytes.slice(first_row * row_bytes..);
+    let (row_bytes_i, rows_i, k_i) = (row_bytes as i64, rows as i32, w.cols as i32);
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(&from);
+    b.arg(&row_bytes_i);
+    b.arg(&rows_i);
+    b.arg(&k_i);
+    b.arg(out);
+    // SAFETY: the arguments match the kernel's signature; the rows lie inside the checked
+    // buffer and `out` holds rows x cols values (16-byte aligned rows: cols % 32 == 0).
+    let cfg = LaunchConfig {
+        grid_dim: (threads.div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// `out[i] = table[ids[i]]` for `i < n`, decoded to bf16 as [`dequant`] decodes; an id past the
+/// table gives a row of NaN.
+pub fn embed(
+    dev: &CudaDevice,
+    table: &QuantRows,
+    ids: &CudaView<'_, u32>,
+    n: usize,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    let (names, row_bytes) = table.check("embed")?;
+    check(
+        ids.len() >= n && n <= i32::MAX as usize && out.len() >= n * table.cols,
+        || {
+            format!(
+                "embed: {} ids / out {} elements for n={n} cols={}",
+                ids.len(),
+                out.len(),
+                table.cols
+            )
+        },
+    )?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = dev.function(names.module, names.embed)?;
+    let (row_bytes_i, rows_i, n_i, k_i) = (
+        row_bytes as i64,
+        table.rows as i64,
+        n as i32,
+        table.cols as i32,
+    );
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(table.bytes);
+    b.arg(&row_bytes_i);
+    b.arg(&rows_i);
+    b.arg(ids);
+    b.arg(&n_i);
+    b.arg(&k_i);
+    b.arg(out);
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; sizes were checked and the kernel
+    // bounds every id by the table's rows.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Loads the module of `dtype`'s kernels now (the driver compiles it at its first load), so a
+/// first step does not pay for it, and no recorded step does.
+pub fn load(dev: &CudaDevice, dtype: DType) -> Result<()> {
+    if let Some(names) = names(dtype) {
+        dev.function(names.module, names.dequant)?;
+    }
+    Ok(())
+}
+
+/// The kernels of one block type.
+struct KernelNames {
+    module: &'static str,
+    /// `[plain, norm, norm + SwiGLU][1, 2, 4, 8 tokens]`.
+    gemv: [[&'static str; 4]; 3],
+    dequant: &'static str,
+    embed: &'static str,
+}
+
+macro_rules! kernel_names {
+    ($module:literal, $t:literal) => {
+        KernelNames {
+            module: $module,
+            gemv: [
+                [
+                    concat!("qgemv_", $t, "_m1"),
+                    concat!("qgemv_", $t, "_m2"),
+                    concat!("qgemv_", $t, "_m4"),
+                    concat!("qgemv_", $t, "_m8"),
+                ],
+                [
+                    concat!("qgemv_norm_", $t, "_m1"),
+                    concat!("qgemv_norm_", $t, "_m2"),
+                    concat!("qgemv_norm_", $t, "_m4"),
+                    concat!("qgemv_norm_", $t, "_m8"),
+                ],
+                [
+                    concat!("qgemv_norm_swiglu_", $t, "_m1"),
+                    concat!("qgemv_norm_swiglu_", $t, "_m2"),
+                    concat!("qgemv_norm_swiglu_", $t, "_m4"),
+                    concat!("qgemv_norm_swiglu_", $t, "_m8"),
+                ],
+            ],
+            dequant: concat!("dequant_", $t),
+            embed: concat!("embed_", $t),
+        }
+    };
+}
+
+static Q4_0: KernelNames = kernel_names!("quant_q4_0", "Q4_0");
+static Q4_1: KernelNames = kernel_names!("quant_q4_1", "Q4_1");
+static Q5_0: KernelNames = kernel_names!("quant_q5_0", "Q5_0");
+static Q5_1: KernelNames = kernel_names!("quant_q5_1", "Q5_1");
+static Q8_0: KernelNames = kernel_names!("quant_q8_0", "Q8_0");
+static Q4_K: KernelNames = kernel_names!("quant_q4_k", "Q4_K");
+static Q5_K: KernelNames = kernel_names!("quant_q5_k", "Q5_K");
+static Q6_K: KernelNames = kernel_names!("quant_q6_k", "Q6_K");
+
+fn names(dtype: DType) -> Option<&'static KernelNames> {
+    Some(match dtype {
+        DType::Q4_0 => &Q4_0,
+        DType::Q4_1 => &Q4_1,
+        DType::Q5_0 => &Q5_0,
+        DType::Q5_1 => &Q5_1,
+        DType::Q8_0 => &Q8_0,
+        DType::Q4_K => &Q4_K,
+        DType::Q5_K => &Q5_K,
+        DType::Q6_K => &Q6_K,
+        _ => return None,
+    })
+}

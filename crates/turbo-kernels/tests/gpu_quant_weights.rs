@@ -1,0 +1,466 @@
+//! GGUF-quantized weights kept as blocks on the GPU (`kernels/quant.cu`), against the CPU's
+//! reference decoding (`turbo_core::quant`, bit-exact with GGML's) and f64 products, on fresh
+//! random blocks of every type the kernels decode; then whole models against the CPU backend.
+
+use half::{bf16, f16};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use turbo_core::backend::Backend;
+use turbo_core::cpu::CpuBackend;
+use turbo_core::storage::Bytes;
+use turbo_core::{DType, WeightMatrix};
+use turbo_kernels::ops::gemv::GemvNorm;
+use turbo_kernels::ops::quant::{self, QuantOut, QuantRows, PADDING_BYTES, QGEMV_MAX_TOKENS};
+use turbo_kernels::{CudaBackend, CudaDevice};
+use turbo_llama::{Llama, LoadedModel};
+use turbo_tests::engine::engine_logits;
+use turbo_tests::files::write_gguf;
+use turbo_tests::tiny::{random_tokens, TinySpec, TinyWeights};
+
+const TYPES: [DType; 8] = [
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+];
+
+fn gpu() -> Option<CudaBackend> {
+    if !turbo_kernels::cuda_available() {
+        eprintln!("skipping: no CUDA device");
+        return None;
+    }
+    Some(CudaBackend::new(0).expect("CUDA device 0"))
+}
+
+/// Byte offsets of a block's f16 fields (scales and minimums): every other byte is random.
+fn f16_fields(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q6_K => &[208],
+        _ => unreachable!(),
+    }
+}
+
+/// A matrix of random blocks: every code and packed scale byte random, the f16 fields small
+/// finite values of either sign (so that products stay in range, as trained weights do).
+fn random_matrix(dtype: DType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> WeightMatrix {
+    let row_bytes = dtype.row_bytes(cols).expect("whole blocks");
+    let mut bytes: Vec<u8> = (0..rows * row_bytes).map(|_| rng.random()).collect();
+    let scale = if dtype.block_len() == 256 { 2e-4 } else { 4e-3 };
+    for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
+        for &at in f16_fields(dtype) {
+            let v = f16::from_f32(rng.random_range(-scale..scale));
+            block[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    WeightMatrix::new(dtype, rows, cols, Bytes::owned(bytes)).expect("valid matrix")
+}
+
+fn upload_rows(dev: &CudaDevice, w: &WeightMatrix) -> cudarc::driver::CudaSlice<u8> {
+    let mut host = w.data.as_slice().to_vec();
+    host.extend([0u8; PADDING_BYTES]);
+    dev.stream.clone_htod(&host).unwrap()
+}
+
+fn bf16_values(rng: &mut ChaCha8Rng, n: usize) -> Vec<bf16> {
+    (0..n)
+        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+        .collect()
+}
+
+fn to_f64(v: &[bf16]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+/// `Σ w·x` in f64 per (token, row), and `Σ |w·x|` (the f32 accumulation's error scale).
+fn reference(w: &[f32], x: &[f64], tokens: usize, rows: usize, k: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut out = vec![0.0; tokens * rows];
+    let mut mag = vec![0.0; tokens * rows];
+    for t in 0..tokens {
+        for r in 0..rows {
+            let (mut s, mut a) = (0.0, 0.0);
+            for i in 0..k {
+                let p = w[r * k + i] as f64 * x[t * k + i];
+                s += p;
+                a += p.abs();
+            }
+            out[t * rows + r] = s;
+            mag[t * rows + r] = a;
+        }
+    }
+    (out, mag)
+}
+
+#[test]
+fn decoded_rows_equal_the_reference_dequantizer() {
+    let Some(gpu) = gpu() else { return };
+    let dev = gpu.device();
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for dtype in TYPES {
+        for (rows, cols) in [(7, 256), (33, 768), (5, 4096)] {
+            let w = random_matrix(dtype, rows, cols, &mut rng);
+            let bytes = upload_rows(dev, &w);
+            let q = QuantRows {
+                dtype,
+                bytes: &bytes,
+                rows,
+                cols,
+            };
+            // Rows 1.. only: the band starts inside the matrix.
+            let mut out = dev.stream.alloc_zeros::<bf16>((rows - 1) * cols).unwrap();
+            quant::dequant(dev, &q, 1, rows - 1, &mut out).unwrap();
+            let got = dev.stream.clone_dtoh(&out).unwrap();
+            let want = w.to_f32();
+            for (i, (g, v)) in got.iter().zip(&want[cols..]).enumerate() {
+                assert_eq!(
+                    g.to_f32(),
+                    bf16::from_f32(*v).to_f32(),
+                    "{dtype} {rows}x{cols}: value {i} decodes to {g}, the reference to {v}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn decode_products_match_f64_on_every_type_and_token_count() {
+    let Some(gpu) = gpu() else { return };
+    let dev = gpu.device();
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    for dtype in TYPES {
+        let (rows, cols) = (40, if dtype.block_len() == 256 { 1024 } else { 576 });
+        let w = random_matrix(dtype, rows, cols, &mut rng);
+        let wf = w.to_f32();
+        let bytes = upload_rows(dev, &w);
+        let q = QuantRows {
+            dtype,
+            bytes: &bytes,
+            rows,
+            cols,
+        };
+        for tokens in 1..=QGEMV_MAX_TOKENS {
+            let x = bf16_values(&mut rng, tokens * cols);
+            let g = bf16_values(&mut rng, cols);
+            let x_dev = dev.stream.clone_htod(&x).unwrap();
+            let g_dev = dev.stream.clone_htod(&g).unwrap();
+            let xf = to_f64(&x);
+            let (want, mag) = reference(&wf, &xf, tokens, rows, cols);
+
+            // f32 out: only the f32 accumulation's rounding.
+            let ld = rows + 3;
+            let mut out = dev.stream.alloc_zeros::<f32>(tokens * ld).unwrap();
+            let mut view = out.slice_mut(0..);
+            quant::qgemv(dev, &x_dev, tokens, &q, None, QuantOut::F32(&mut view), ld).unwrap();
+            let got = dev.stream.clone_dtoh(&out).unwrap();
+            for t in 0..tokens {
+                for r in 0..rows {
+                    let (g, w) = (got[t * ld + r] as f64, want[t * rows + r]);
+                    let tol = 2e-6 * mag[t * rows + r] + 1e-30;
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "{dtype} tokens {tokens}: out[{t},{r}] = {g}, f64 {w} (tolerance {tol})"
+                    );
+                }
+                for r in rows..ld {
+                    assert_eq!(got[t * ld + r], 0.0, "{dtype}: wrote past the rows");
+                }
+            }
+
+            // Added to a residual stream in bf16: rounded once.
+            let resid = bf16_values(&mut rng, tokens * rows);
+            let mut out = dev.stream.clone_htod(&resid).unwrap();
+            let mut view = out.slice_mut(0..);
+            quant::qgemv(
+                dev,
+                &x_dev,
+                tokens,
+                &q,
+                None,
+                QuantOut::AddTo(&mut view),
+                rows,
+            )
+            .unwrap();
+            let got = dev.stream.clone_dtoh(&out).unwrap();
+            for i in 0..tokens * rows {
+                let w = want[i] + resid[i].to_f64();
+                let tol = 2e-6 * mag[i] + w.abs() * 2f64.powi(-8);
+                assert!(
+                    (got[i].to_f64() - w).abs() <= tol,
+                    "{dtype} tokens {tokens}: residual {i} = {}, f64 {w}",
+                    got[i]
+                );
+            }
+
+            // With the RMSNorm first (the normalized x is not rounded to bf16).
+            let eps = 1e-5;
+            let mut xn = xf.clone();
+            for t in 0..tokens {
+                let row = &mut xn[t * cols..(t + 1) * cols];
+                let ms = row.iter().map(|v| v * v).sum::<f64>() / cols as f64;
+                let inv = 1.0 / (ms + eps as f64).sqrt();
+                for (v, gv) in row.iter_mut().zip(&g) {
+                    *v *= gv.to_f64() * inv;
+                }
+            }
+            let (want_n, mag_n) = reference(&wf, &xn, tokens, rows, cols);
+            let mut out = dev.stream.alloc_zeros::<bf16>(tokens * rows).unwrap();
+            let mut view = out.slice_mut(0..);
+            let norm = GemvNorm {
+                weight: &g_dev,
+                eps,
+            };
+            quant::qgemv(
+                dev,
+                &x_dev,
+                tokens,
+                &q,
+                Some(norm),
+                QuantOut::Bf16(&mut view),
+                rows,
+            )
+            .unwrap();
+            let got = dev.stream.clone_dtoh(&out).unwrap();
+            for i in 0..tokens * rows {
+                let tol = 1e-5 * mag_n[i] + want_n[i].abs() * 2f64.powi(-8);
+                assert!(
+                    (got[i].to_f64() - want_n[i]).abs() <= tol,
+                    "{dtype} tokens {tokens}: normed {i} = {}, f64 {}",
+                    got[i],
+                    want_n[i]
+                );
+            }
+
+            // SwiGLU over [gate; up] (rows / 2 units), each rounded to bf16 first.
+            let units = rows / 2;
+            let mut out = dev.stream.alloc_zeros::<bf16>(tokens * units).unwrap();
+            let mut view = out.slice_mut(0..);
+            let norm = GemvNorm {
+                weight: &g_dev,
+                eps,
+            };
+            quant::qgemv(
+                dev,
+                &x_dev,
+                tokens,
+                &q,
+                Some(norm),
+                QuantOut::SwiGlu(&mut view),
+                units,
+            )
+            .unwrap();
+            let got = dev.stream.clone_dtoh(&out).unwrap();
+            for t in 0..tokens {
+                for u in 0..units {
+                    let (gate, up) = (want_n[t * rows + u], want_n[t * rows + units + u]);
+                    let w = gate / (1.0 + (-gate).exp()) * up;
+                    // A bf16 rounding of gate, of up and of the result, plus accumulation.
+                    let scale = (gate.abs() + mag_n[t * rows + u] * 1e-5)
+                        * (up.abs() + mag_n[t * rows + units + u] * 1e-5);
+                    let tol = 4.0 * 2f64.powi(-8) * scale + 1e-6;
+                    let g = got[t * units + u].to_f64();
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "{dtype} tokens {tokens}: swiglu[{t},{u}] = {g}, f64 {w} (tolerance {tol})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn quantized_embedding_rows_are_the_decoded_rows() {
+    let Some(gpu) = gpu() else { return };
+    let dev = gpu.device();
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for dtype in TYPES {
+        let (rows, cols) = (50, 512);
+        let w = random_matrix(dtype, rows, cols, &mut rng);
+        let wf = w.to_f32();
+        let bytes = upload_rows(dev, &w);
+        let q = QuantRows {
+            dtype,
+            bytes: &bytes,
+            rows,
+            cols,
+        };
+        let ids: Vec<u32> = vec![3, 49, 0, 3, 50, 17];
+        let ids_dev = dev.stream.clone_htod(&ids).unwrap();
+        let mut out = dev.stream.alloc_zeros::<bf16>(ids.len() * cols).unwrap();
+        quant::embed(dev, &q, &ids_dev.slice(0..), ids.len(), &mut out).unwrap();
+        let got = dev.stream.clone_dtoh(&out).unwrap();
+        for (t, &id) in ids.iter().enumerate() {
+            let row = &got[t * cols..(t + 1) * cols];
+            if id as usize >= rows {
+                assert!(
+                    row.iter().all(|v| v.is_nan()),
+                    "{dtype}: id {id} past the table"
+                );
+                continue;
+            }
+            for (i, g) in row.iter().enumerate() {
+                let want = bf16::from_f32(wf[id as usize * cols + i]).to_f32();
+                assert_eq!(g.to_f32(), want, "{dtype}: id {id} value {i}");
+            }
+        }
+    }
+}
+
+/// Stacked matrices of mixed types (bands) through the backend's products: decode steps and
+/// larger steps (decoded to bf16 in bands, then cuBLASLt), against the f64 product.
+#[test]
+fn mixed_type_stacks_through_the_backend() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let cols = 512;
+    let parts = [
+        random_matrix(DType::Q4_K, 64, cols, &mut rng),
+        random_matrix(DType::Q4_K, 32, cols, &mut rng),
+        random_matrix(DType::Q6_K, 32, cols, &mut rng),
+        random_matrix(DType::Q8_0, 16, cols, &mut rng),
+    ];
+    let refs: Vec<&WeightMatrix> = parts.iter().collect();
+    let m = gpu.upload_stacked(&refs).unwrap();
+    assert_eq!(m.block_types(), vec![DType::Q4_K, DType::Q6_K, DType::Q8_0]);
+    let file_bytes: usize = parts.iter().map(|p| p.data.len()).sum();
+    assert_eq!(m.device_bytes(), file_bytes + 3 * PADDING_BYTES);
+    let wf: Vec<f32> = parts.iter().flat_map(|p| p.to_f32()).collect();
+    let rows = m.rows;
+    for tokens in [1, 5, 8, 9, 40] {
+        let x: Vec<f32> = (0..tokens * cols)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let xb: Vec<f64> = x.iter().map(|v| bf16::from_f32(*v).to_f64()).collect();
+        let xt = gpu.upload(&x, tokens, cols).unwrap();
+        let mut out = gpu.tensor(tokens, rows).unwrap();
+        gpu.linear(&xt, &m, &mut out).unwrap();
+        let got = gpu.download(&out).unwrap();
+        // Larger steps multiply bf16 roundings of the weights.
+        let wr: Vec<f32> = if tokens > QGEMV_MAX_TOKENS {
+            wf.iter().map(|v| bf16::from_f32(*v).to_f32()).collect()
+        } else {
+            wf.clone()
+        };
+        let (want, mag) = reference(&wr, &xb, tokens, rows, cols);
+        for i in 0..tokens * rows {
+            let tol = 1e-5 * mag[i] + want[i].abs() * 2f64.powi(-8);
+            assert!(
+                (got[i] as f64 - want[i]).abs() <= tol,
+                "tokens {tokens}: out {i} = {}, f64 {}",
+                got[i],
+                want[i]
+            );
+        }
+    }
+}
+
+/// Whole random models whose matrices are random blocks of each type (and a Q4_K_M-like mix),
+/// GPU (blocks kept) against the CPU (exact f32), with the tolerance of the bf16 model tests.
+#[test]
+fn quantized_models_match_cpu() {
+    let Some(gpu) = gpu() else { return };
+    const TOL: f32 = 4e-2;
+    let spec = TinySpec {
+        heads: 4,
+        kv_heads: 2,
+        hidden: 256,
+        ffn: 512,
+        layers: 2,
+        seed: 7,
+        ..Default::default()
+    };
+    let mixes: [(&str, [DType; 3]); 4] = [
+        ("Q4_K", [DType::Q4_K; 3]),
+        ("Q5_K", [DType::Q5_K; 3]),
+        ("Q6_K/Q5_0", [DType::Q6_K, DType::Q5_0, DType::Q6_K]),
+        ("Q4_K_M-like", [DType::Q4_K, DType::Q6_K, DType::Q8_0]),
+    ];
+    for (name, [main, v_and_down, embed]) in mixes {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.gguf");
+        write_gguf(&path, &spec, &TinyWeights::random(&spec), DType::F32);
+        let mut loaded = LoadedModel::load(&path).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
+        let mut requant =
+            |m: &WeightMatrix, dtype: DType| random_matrix(dtype, m.rows, m.cols, &mut rng);
+        let w = &mut loaded.weights;
+        w.embed = requant(&w.embed, embed);
+        for l in &mut w.layers {
+            l.wq = requant(&l.wq, main);
+            l.wk = requant(&l.wk, main);
+            l.wv = requant(&l.wv, v_and_down);
+            l.wo = requant(&l.wo, main);
+            l.w_gate = requant(&l.w_gate, main);
+            l.w_up = requant(&l.w_up, main);
+            l.w_down = requant(&l.w_down, v_and_down);
+        }
+        if let Some(head) = &mut w.lm_head {
+            *head = requant(head, v_and_down);
+        }
+        let cpu_model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
+        let gpu_model = Llama::new(gpu.clone(), &loaded.config, &loaded.weights).unwrap();
+        let tokens = random_tokens(&spec, 40, spec.seed + 10);
+        let cpu = engine_logits(&cpu_model, &tokens);
+        let got = engine_logits(&gpu_model, &tokens);
+        let scale = cpu.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = got
+            .iter()
+            .flatten()
+            .zip(cpu.iter().flatten())
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let d = diff / (1.0 + scale);
+        eprintln!("{name}: max relative logit difference {d:.2e} (logits up to {scale:.2})");
+        assert!(
+            got.iter().flatten().all(|x| x.is_finite()),
+            "{name}: non-finite"
+        );
+        assert!(d <= TOL, "{name}: GPU logits differ from CPU by {d}");
+    }
+}
+
+#[test]
+fn bad_quantized_shapes_are_refused() {
+    let Some(gpu) = gpu() else { return };
+    let dev = gpu.device();
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let w = random_matrix(DType::Q4_K, 4, 256, &mut rng);
+    // No padding: refused rather than read past the end.
+    let bytes = dev.stream.clone_htod(w.data.as_slice()).unwrap();
+    let q = QuantRows {
+        dtype: DType::Q4_K,
+        bytes: &bytes,
+        rows: 4,
+        cols: 256,
+    };
+    let x = dev.stream.alloc_zeros::<bf16>(256).unwrap();
+    let mut out = dev.stream.alloc_zeros::<f32>(4).unwrap();
+    let mut view = out.slice_mut(0..);
+    let err = quant::qgemv(dev, &x, 1, &q, None, QuantOut::F32(&mut view), 4).unwrap_err();
+    assert!(err.to_string().contains("qgemv"), "{err}");
+    // A type the kernels do not decode.
+    let padded = upload_rows(dev, &w);
+    let q = QuantRows {
+        dtype: DType::Q3_K,
+        bytes: &padded,
+        rows: 4,
+        cols: 256,
+    };
+    let mut view = out.slice_mut(0..);
+    assert!(quant::qgemv(dev, &x, 1, &q, None, QuantOut::F32(&mut view), 4).is_err());
+    // Too many tokens for a decode product.
+    let q = QuantRows {
+        dtype: DType::Q4_K,
+        bytes: &padded,
+        rows: 4,
+        cols: 256,
+    };
+    let x9 = dev.stream.alloc_zeros::<bf16>(9 * 256).unwrap();
+    let mut out9 = dev.stream.alloc_zeros::<f32>(9 * 4).unwrap();
+    let mut view = out9.slice_mut(0..);
+    assert!(quant::qgemv(dev, &x9, 9, &q, None, QuantOut::F32(&mut view), 4).is_err());
+}
