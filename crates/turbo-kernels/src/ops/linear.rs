@@ -42,7 +42,12 @@ pub fn linear_with_candidate(
     candidate: usize,
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
-    gemm_with(dev, x, w, (n, k, m), candidate, 0.0, out)
+    let band = Band {
+        offset: 0,
+        ld: m,
+        beta: 0.0,
+    };
+    gemm_with(dev, x, w, (n, k, m), candidate, band, out)
 }
 
 /// [`linear`] added to `out`: `out += x · Wᵀ` (the residual step; cuBLASLt may round the product
@@ -96,48 +101,7 @@ pub fn linear_band<T: GemmOut>(
     band: Band,
     out: &mut CudaSlice<T>,
 ) -> Result<()> {
-    let end = n.checked_sub(1).map_or(Some(0), |last| {
-        last.checked_mul(band.ld)
-            .and_then(|v| v.checked_add(band.offset + m))
-    });
-    check(
-        x.len() >= n * k
-            && w.len() >= m * k
-            && band.ld >= m
-            && end.is_some_and(|e| out.len() >= e)
-            && n.max(k).max(band.ld) <= i32::MAX as usize,
-        || {
-            format!(
-                "linear_band: x {} / w {} / out {} elements for n={n} k={k} m={m} {band:?}",
-                x.len(),
-                w.len(),
-                out.len()
-            )
-        },
-    )?;
-    if n == 0 || m == 0 {
-        return Ok(());
-    }
-    let shape = Shape::new(n, k, m, T::F32).with_ld_out(band.ld);
-    let (w_ptr, _w_sync) = w.device_ptr(&dev.stream);
-    let (x_ptr, _x_sync) = x.device_ptr(&dev.stream);
-    let (out_ptr, _out_sync) = out.device_ptr_mut(&dev.stream);
-    let out_ptr = out_ptr + (band.offset * std::mem::size_of::<T>()) as u64;
-    let (ws_ptr, _ws_sync) = dev.blas_workspace.device_ptr(&dev.stream);
-    // SAFETY: as in `gemm_with`; the band's last element lies inside `out` (checked above).
-    unsafe {
-        dev.blas.matmul_with(
-            shape,
-            0,
-            w_ptr,
-            x_ptr,
-            out_ptr,
-            band.beta,
-            ws_ptr,
-            BLAS_WORKSPACE_BYTES,
-            dev.stream.cu_stream(),
-        )
-    }
+    gemm_with(dev, x, w, (n, k, m), 0, band, out)
 }
 
 /// Output element types of the products: bf16, or f32 for logits.
@@ -162,7 +126,12 @@ fn gemm<T: GemmOut>(
     beta: f32,
     out: &mut CudaSlice<T>,
 ) -> Result<()> {
-    gemm_with(dev, x, w, (n, k, m), 0, beta, out)
+    let band = Band {
+        offset: 0,
+        ld: m,
+        beta,
+    };
+    gemm_with(dev, x, w, (n, k, m), 0, band, out)
 }
 
 fn gemm_with<T: GemmOut>(
@@ -171,33 +140,41 @@ fn gemm_with<T: GemmOut>(
     w: &CudaSlice<bf16>,
     (n, k, m): (usize, usize, usize),
     candidate: usize,
-    beta: f32,
+    band: Band,
     out: &mut CudaSlice<T>,
 ) -> Result<()> {
+    // The last element written: row n - 1's band.
+    let end = n.checked_sub(1).map_or(Some(0), |last| {
+        last.checked_mul(band.ld)
+            .and_then(|v| v.checked_add(band.offset + m))
+    });
     check(
         x.len() >= n * k
             && w.len() >= m * k
-            && out.len() >= n * m
-            && n.max(k).max(m) <= i32::MAX as usize,
+            && band.ld >= m
+            && end.is_some_and(|e| out.len() >= e)
+            && n.max(k).max(band.ld) <= i32::MAX as usize,
         || {
             format!(
-                "linear: x {} / w {} / out {} elements for n={n} k={k} m={m}",
+                "linear: x {} / w {} / out {} elements for n={n} k={k} m={m} {band:?}",
                 x.len(),
                 w.len(),
                 out.len()
             )
         },
     )?;
-    if n == 0 {
+    if n == 0 || m == 0 {
         return Ok(());
     }
-    let shape = Shape::new(n, k, m, T::F32);
+    let shape = Shape::new(n, k, m, T::F32).with_ld_out(band.ld);
     let (w_ptr, _w_sync) = w.device_ptr(&dev.stream);
     let (x_ptr, _x_sync) = x.device_ptr(&dev.stream);
     let (out_ptr, _out_sync) = out.device_ptr_mut(&dev.stream);
+    let out_ptr = out_ptr + (band.offset * std::mem::size_of::<T>()) as u64;
     let (ws_ptr, _ws_sync) = dev.blas_workspace.device_ptr(&dev.stream);
-    // SAFETY: column-major outᵀ[m, n] = Wᵀ[m, k] · xᵀ[k, n] over buffers whose sizes were checked
-    // above, of the shape's types; the pointers' guards are held until the call returns and the
+    // SAFETY: column-major outᵀ[m, n] (columns ld apart, from the band's offset) = Wᵀ[m, k] ·
+    // xᵀ[k, n] over buffers whose sizes were checked above (the band's last element lies inside
+    // `out`), of the shape's types; the pointers' guards are held until the call returns and the
     // buffers outlive the stream's use of them (the caller's borrows); the workspace is the
     // device's, used only by products, which the one stream orders.
     unsafe {
@@ -207,7 +184,7 @@ fn gemm_with<T: GemmOut>(
             w_ptr,
             x_ptr,
             out_ptr,
-            beta,
+            band.beta,
             ws_ptr,
             BLAS_WORKSPACE_BYTES,
             dev.stream.cu_stream(),
