@@ -25,7 +25,7 @@
 // kernel-variants QUANT_TYPE: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
 //
 // Buffers are the file's bytes followed by at least 16 bytes of padding (loads of 2-byte aligned
-// blocks read whole aligned words, up to 3 bytes past a block).
+// blocks read whole aligned words, up to 4 bytes past a block).
 #include "common.cuh"
 
 #define QGEMV_WARPS 4
@@ -42,7 +42,7 @@ __device__ __forceinline__ float half_at(const uint8_t* p) {
 }
 
 // N little-endian words of the bytes at p, which is 2-byte aligned: whole aligned words are read and
-// shifted into place (the last read may pass the block's end by up to 3 bytes: the padding).
+// shifted into place (the last read may pass the block's end by up to 4 bytes: the padding).
 template <int N>
 __device__ __forceinline__ void words_at2(const uint8_t* p, uint32_t (&w)[N]) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);

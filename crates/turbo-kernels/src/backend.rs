@@ -206,9 +206,9 @@ pub struct CudaBackend {
     upload_staging: Arc<Mutex<Vec<bf16>>>,
     /// Whether quantized weights stay as their blocks (the default) rather than bf16.
     native_weights: Arc<AtomicBool>,
-    /// Where larger steps' products decode bands of quantized weights to bf16; sized at
-    /// upload for the widest band, so that no recorded step allocates.
-    decode_scratch: Arc<Mutex<Option<CudaSlice<bf16>>>>,
+    /// Where larger steps' products decode bands of quantized weights to bf16
+    /// ([`crate::matrix::DecodeScratch`]).
+    decode_scratch: Arc<Mutex<crate::matrix::DecodeScratch>>,
 }
 
 impl CudaBackend {
@@ -228,7 +228,7 @@ impl CudaBackend {
             peer: None,
             upload_staging: Arc::new(Mutex::new(Vec::new())),
             native_weights: Arc::new(AtomicBool::new(true)),
-            decode_scratch: Arc::new(Mutex::new(None)),
+            decode_scratch: Arc::new(Mutex::new(Default::default())),
         })
     }
 
@@ -401,19 +401,7 @@ impl CudaBackend {
 
     /// Makes the decode scratch hold at least what `m`'s larger products need.
     fn reserve_decode_scratch(&self, m: &CudaMatrix) -> Result<()> {
-        let need = crate::matrix::scratch_elems(m);
-        if need == 0 {
-            return Ok(());
-        }
-        let mut scratch = lock(&self.decode_scratch)?;
-        if scratch.as_ref().is_none_or(|s| s.len() < need) {
-            // The old scratch goes first, so that the two never hold memory together.
-            *scratch = None;
-            // SAFETY: the scratch is written by a decode before every read.
-            *scratch =
-                Some(unsafe { self.dev.stream.alloc::<bf16>(need) }.map_err(CudaError::from)?);
-        }
-        Ok(())
+        Ok(lock(&self.decode_scratch)?.reserve_for(&self.dev, m)?)
     }
 
     /// The padded rows, key ranges per row and KV eviction scoring of a step that can be

@@ -131,13 +131,18 @@ pub fn upload_blocks(dev: &CudaDevice, parts: &[&WeightMatrix]) -> Result<CudaMa
 /// of more rows go through in parts.
 pub const DECODE_SCRATCH_ELEMS: usize = 32 << 20;
 
-/// The rows of a `cols`-wide matrix decoded at a time for a larger step's product.
+/// Rows a band's part starts on: 128 rows keep every part's output columns 256-byte aligned
+/// (bf16 or f32), the alignment cuBLASLt's algorithms assume by default.
+const TILE_ALIGN_ROWS: usize = 128;
+
+/// The rows of a `cols`-wide matrix decoded at a time for a larger step's product: as many as
+/// the scratch holds, a multiple of [`TILE_ALIGN_ROWS`].
 fn tile_rows(cols: usize) -> usize {
-    (DECODE_SCRATCH_ELEMS / cols.max(1)).max(1)
+    (DECODE_SCRATCH_ELEMS / cols.max(1) / TILE_ALIGN_ROWS).max(1) * TILE_ALIGN_ROWS
 }
 
 /// The scratch a matrix's larger products need: the most rows decoded at a time, times `cols`.
-pub fn scratch_elems(m: &CudaMatrix) -> usize {
+fn scratch_elems(m: &CudaMatrix) -> usize {
     match &m.store {
         MatrixStore::Bf16(_) => 0,
         MatrixStore::Blocks(bands) => bands
@@ -145,6 +150,29 @@ pub fn scratch_elems(m: &CudaMatrix) -> usize {
             .map(|b| b.rows.min(tile_rows(m.cols)) * m.cols)
             .max()
             .unwrap_or(0),
+    }
+}
+
+/// Where larger steps' products decode bands of quantized weights to bf16. It is sized at
+/// upload for the widest band, so that no step allocates. A scratch outgrown by a later upload
+/// is kept rather than freed: steps recorded as CUDA graphs before it hold its address.
+#[derive(Default)]
+pub struct DecodeScratch {
+    current: Option<CudaSlice<bf16>>,
+    retired: Vec<CudaSlice<bf16>>,
+}
+
+impl DecodeScratch {
+    /// Makes the scratch hold at least what `m`'s larger products need.
+    pub fn reserve_for(&mut self, dev: &CudaDevice, m: &CudaMatrix) -> Result<()> {
+        let need = scratch_elems(m);
+        if need == 0 || self.current.as_ref().is_some_and(|s| s.len() >= need) {
+            return Ok(());
+        }
+        // SAFETY: the scratch is written by a decode before every read.
+        let grown = unsafe { dev.stream.alloc::<bf16>(need) }?;
+        self.retired.extend(self.current.replace(grown));
+        Ok(())
     }
 }
 
@@ -162,7 +190,7 @@ pub enum ProductOut<'a> {
 /// cuBLASLt, and take no `norm` (the caller normalizes first).
 pub fn product(
     dev: &CudaDevice,
-    scratch: &Mutex<Option<CudaSlice<bf16>>>,
+    scratch: &Mutex<DecodeScratch>,
     x: &CudaTensor,
     w: &CudaMatrix,
     norm: Option<GemvNorm>,
@@ -175,21 +203,27 @@ pub fn product(
     };
     if x.rows <= QGEMV_MAX_TOKENS {
         let mut out = out;
+        let short = || {
+            CudaError::Shape(format!(
+                "a quantized product's output is shorter than {} rows",
+                w.rows
+            ))
+        };
         for band in bands {
             let rows = band.rows(w.cols);
             match &mut out {
                 ProductOut::Bf16(o) => {
-                    let mut view = o.slice_mut(band.first_row..);
+                    let mut view = o.try_slice_mut(band.first_row..).ok_or_else(short)?;
                     let out = QuantOut::Bf16(&mut view);
                     ops::quant::qgemv(dev, &x.data, x.rows, &rows, norm_of(&norm), out, w.rows)?;
                 }
                 ProductOut::AddTo(o) => {
-                    let mut view = o.slice_mut(band.first_row..);
+                    let mut view = o.try_slice_mut(band.first_row..).ok_or_else(short)?;
                     let out = QuantOut::AddTo(&mut view);
                     ops::quant::qgemv(dev, &x.data, x.rows, &rows, norm_of(&norm), out, w.rows)?;
                 }
                 ProductOut::F32(o) => {
-                    let mut view = o.slice_mut(band.first_row..);
+                    let mut view = o.try_slice_mut(band.first_row..).ok_or_else(short)?;
                     let out = QuantOut::F32(&mut view);
                     ops::quant::qgemv(dev, &x.data, x.rows, &rows, norm_of(&norm), out, w.rows)?;
                 }
@@ -204,7 +238,7 @@ pub fn product(
         )));
     }
     let mut guard = scratch.lock().unwrap_or_else(|e| e.into_inner());
-    let scratch = guard.as_mut().ok_or_else(|| {
+    let scratch = guard.current.as_mut().ok_or_else(|| {
         CudaError::Shape("a quantized product before its matrix's scratch was made".into())
     })?;
     match out {
@@ -264,7 +298,7 @@ pub fn swiglu_product(
     let [band] = bands.as_slice() else {
         return Ok(false);
     };
-    if x.rows > QGEMV_MAX_TOKENS {
+    if x.rows == 0 || x.rows > QGEMV_MAX_TOKENS {
         return Ok(false);
     }
     let mut view = out.slice_mut(0..);

@@ -146,7 +146,7 @@ fn gemm_with<T: GemmOut>(
     // The last element written: row n - 1's band.
     let end = n.checked_sub(1).map_or(Some(0), |last| {
         last.checked_mul(band.ld)
-            .and_then(|v| v.checked_add(band.offset + m))
+            .and_then(|v| v.checked_add(band.offset.checked_add(m)?))
     });
     check(
         x.len() >= n * k

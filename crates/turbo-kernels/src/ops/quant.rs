@@ -14,7 +14,7 @@ use turbo_core::DType;
 /// The most tokens a decode-step product takes; larger steps decode the weights to bf16 first.
 pub const QGEMV_MAX_TOKENS: usize = 8;
 /// Bytes a quantized buffer holds past its last block: kernels read whole aligned words, which
-/// can pass the end of a 2-byte aligned block by up to 3 bytes.
+/// can pass the end of a 2-byte aligned block by up to 4 bytes.
 pub const PADDING_BYTES: usize = 16;
 /// Warps per block of the decode-step products; each computes a few output units.
 const WARPS: usize = 4;
