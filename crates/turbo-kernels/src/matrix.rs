@@ -215,17 +215,17 @@ pub fn product(
                 ProductOut::Bf16(o) => {
                     let mut view = o.try_slice_mut(band.first_row..).ok_or_else(short)?;
                     let out = QuantOut::Bf16(&mut view);
-                    ops::quant::qgemv(dev, &x.data, x.rows, &rows, norm_of(&norm), out, w.rows)?;
+                    ops::quant::qgemv(dev, &x.data, x.rows, &rows, norm, out, w.rows)?;
                 }
                 ProductOut::AddTo(o) => {
                     let mut view = o.try_slice_mut(band.first_row..).ok_or_else(short)?;
                     let out = QuantOut::AddTo(&mut view);
-                    ops::quant::qgemv(dev, &x.data, x.rows, &rows, norm_of(&norm), out, w.rows)?;
+                    ops::quant::qgemv(dev, &x.data, x.rows, &rows, norm, out, w.rows)?;
                 }
                 ProductOut::F32(o) => {
                     let mut view = o.try_slice_mut(band.first_row..).ok_or_else(short)?;
                     let out = QuantOut::F32(&mut view);
-                    ops::quant::qgemv(dev, &x.data, x.rows, &rows, norm_of(&norm), out, w.rows)?;
+                    ops::quant::qgemv(dev, &x.data, x.rows, &rows, norm, out, w.rows)?;
                 }
             }
         }
@@ -246,14 +246,6 @@ pub fn product(
         ProductOut::AddTo(o) => decoded_product(dev, scratch, x, w, bands, 1.0, o),
         ProductOut::F32(o) => decoded_product(dev, scratch, x, w, bands, 0.0, o),
     }
-}
-
-/// A [`GemvNorm`] borrowed again for one band's launch.
-fn norm_of<'a>(norm: &Option<GemvNorm<'a>>) -> Option<GemvNorm<'a>> {
-    norm.as_ref().map(|n| GemvNorm {
-        weight: n.weight,
-        eps: n.eps,
-    })
 }
 
 fn decoded_product<T: GemmOut>(

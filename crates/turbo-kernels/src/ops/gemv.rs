@@ -28,6 +28,7 @@ pub enum GemvOut<'a> {
 }
 
 /// The RMSNorm applied to `x` before the product: `rms_norm(x) · weight`.
+#[derive(Clone, Copy)]
 pub struct GemvNorm<'a> {
     pub weight: &'a CudaSlice<bf16>,
     pub eps: f32,

@@ -42,12 +42,7 @@ pub fn linear_with_candidate(
     candidate: usize,
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
-    let band = Band {
-        offset: 0,
-        ld: m,
-        beta: 0.0,
-    };
-    gemm_with(dev, x, w, (n, k, m), candidate, band, out)
+    gemm_with(dev, x, w, (n, k, m), candidate, Band::whole(m, 0.0), out)
 }
 
 /// [`linear`] added to `out`: `out += x · Wᵀ` (the residual step; cuBLASLt may round the product
@@ -85,6 +80,17 @@ pub struct Band {
     pub offset: usize,
     pub ld: usize,
     pub beta: f32,
+}
+
+impl Band {
+    /// The whole output of an `m`-row weight: columns `0 .. m` of rows `m` apart.
+    pub fn whole(m: usize, beta: f32) -> Self {
+        Band {
+            offset: 0,
+            ld: m,
+            beta,
+        }
+    }
 }
 
 /// `x · wᵀ` for `x` `[n, k]` and `w` `[m, k]` into columns `offset .. offset + m` of an output
@@ -126,12 +132,7 @@ fn gemm<T: GemmOut>(
     beta: f32,
     out: &mut CudaSlice<T>,
 ) -> Result<()> {
-    let band = Band {
-        offset: 0,
-        ld: m,
-        beta,
-    };
-    gemm_with(dev, x, w, (n, k, m), 0, band, out)
+    gemm_with(dev, x, w, (n, k, m), 0, Band::whole(m, beta), out)
 }
 
 fn gemm_with<T: GemmOut>(
