@@ -12,9 +12,12 @@
 //
 // Kernels (one template per type, the type in the name):
 // - qgemv_<type>_m<M>: decode steps of up to M = 1, 2, 4, 8 tokens, a warp per 2-4 output units
-//   (each load of x serves all of them, each decoded code all tokens), with the same
+//   (each read of x serves all of them, each decoded code all tokens), with the same
 //   options as gemv.cu's bf16 kernels: the RMSNorm before (NORM), and the epilogues store bf16,
-//   store f32, add to the residual stream, or SwiGLU over a [gate; up] pair of rows.
+//   store f32, add to the residual stream, or SwiGLU over a [gate; up] pair of rows. The block
+//   stages x (times the norm's weights) in shared memory as f32: read from global memory at the
+//   lanes' chunk strides, x took most of the L1 traffic. 4- and 5-bit codes are decoded as
+//   1 + c / 128 (one permute per value; see code_unit).
 // - dequant_<type>: rows decoded to bf16 (the feed of the cuBLASLt products for larger steps),
 //   each value computed as GGML's reference dequantiser computes it (quant.rs on the host), then
 //   rounded once to bf16.
@@ -35,6 +38,12 @@ enum : int { QGEMV_STORE_BF16 = 0, QGEMV_STORE_F32 = 1, QGEMV_ADD_RESIDUAL = 2 }
 // Exact small integers: a byte under 2^23's exponent, minus 2^23 and the code's offset.
 __device__ __forceinline__ float code_float(uint32_t word, int byte, float offset) {
     return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (unsigned)byte)) - (8388608.f + offset);
+}
+
+// A code c < 128 as 1 + c / 128 by one byte permute: the byte (with its top bit set) becomes the
+// top of the mantissa under 1.0's exponent. Sums of (1 + c / 128) x give Σ c x = 128 (Σ - Σ x).
+__device__ __forceinline__ float code_unit(uint32_t word_with_top_bits, int byte) {
+    return __int_as_float(__byte_perm(word_with_top_bits, 0x3F000000u, 0x7044u | ((unsigned)byte << 8)));
 }
 
 __device__ __forceinline__ float half_at(const uint8_t* p) {
@@ -66,23 +75,27 @@ __device__ __forceinline__ void words_at4(const uint8_t* p, uint32_t (&w)[N]) {
 __device__ __forceinline__ uint32_t spread_bits4(uint32_t b) { return ((b * 0x00204081u) & 0x01010101u) << 4; }
 
 // Eight codes from two words of nibbles (low or high), each ORed with `extra` (fifth or sixth bits
-// already in place, or 0), minus `offset`.
+// already in place, or 0): with UNIT as 1 + c / 128, else as c - offset.
+template <bool UNIT>
 __device__ __forceinline__ void nibbles8(uint32_t w0, uint32_t w1, bool high, uint32_t e0, uint32_t e1, float offset,
                                          float* q) {
-    const uint32_t v0 = ((high ? w0 >> 4 : w0) & 0x0F0F0F0Fu) | e0;
-    const uint32_t v1 = ((high ? w1 >> 4 : w1) & 0x0F0F0F0Fu) | e1;
+    const uint32_t top = UNIT ? 0x80808080u : 0u;
+    const uint32_t v0 = ((high ? w0 >> 4 : w0) & 0x0F0F0F0Fu) | e0 | top;
+    const uint32_t v1 = ((high ? w1 >> 4 : w1) & 0x0F0F0F0Fu) | e1 | top;
 #pragma unroll
     for (int b = 0; b < 4; b++) {
-        q[b] = code_float(v0, b, offset);
-        q[4 + b] = code_float(v1, b, offset);
+        q[b] = UNIT ? code_unit(v0, b) : code_float(v0, b, offset);
+        q[4 + b] = UNIT ? code_unit(v1, b) : code_float(v1, b, offset);
     }
 }
 
 // -- the types: geometry, a chunk's loads, and its sub-blocks' decoding ---------------------------
 //
-// T::load(row, c, raw) issues every load of chunk c of a row; T::scales(raw, s, scale, bias) gives
-// sub-block s's scale and bias, T::codes8(raw, s, h, q) its codes 8h .. 8h + 7 (exact integers, the
-// type's offset applied), so that only eight codes of a row are live at a time.
+// T::load(row, c, raw) issues every load of chunk c of a row; T::scales(raw, s, scale, bias)
+// gives sub-block s's scale and bias, T::codes8<false>(raw, s, h, q) its codes 8h .. 8h + 7 (exact
+// integers, the type's OFFSET taken off), so that only eight codes of a row are live at a time;
+// T::codes8<true> gives them as 1 + c / 128 before the offset (types with UNIT_CODES: codes < 128).
+// A value is scale * (c - OFFSET) + bias.
 
 // Legacy blocks of 32 (chunk c is block c of the row), one sub-block each: 16 bytes of nibbles
 // (value j the low nibble of byte j, value j + 16 its high nibble), with Q5's fifth bits in qh
@@ -90,7 +103,8 @@ __device__ __forceinline__ void nibbles8(uint32_t w0, uint32_t w1, bool high, ui
 template <int BYTES, bool MIN, bool FIVE, int OFFSET>
 struct Legacy4 {
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = BYTES, CHUNK = 32, SUBS = 1, SUB = 32, SUB_STRIDE = 32;
-    static constexpr bool HAS_BIAS = MIN;
+    static constexpr bool HAS_BIAS = MIN, UNIT_CODES = true;
+    static constexpr int OFFSET_CODE = OFFSET, X_PAD_SHIFT = 3;  // a chunk reads 8 words of x
     struct Raw {
         uint32_t w[4];
         uint32_t qh;
@@ -117,6 +131,7 @@ struct Legacy4 {
         scale = raw.d;
         bias = raw.m;
     }
+    template <bool UNIT>
     __device__ static void codes8(const Raw& raw, int, int h, float* q) {
         const int i = 2 * (h % 2);
         uint32_t e0 = 0, e1 = 0;
@@ -124,7 +139,7 @@ struct Legacy4 {
             e0 = spread_bits4((raw.qh >> (8 * h)) & 0xFu);
             e1 = spread_bits4((raw.qh >> (8 * h + 4)) & 0xFu);
         }
-        nibbles8(raw.w[i], raw.w[i + 1], h >= 2, e0, e1, (float)OFFSET, q);
+        nibbles8<UNIT>(raw.w[i], raw.w[i + 1], h >= 2, e0, e1, (float)OFFSET, q);
     }
 };
 using Q4_0 = Legacy4<18, false, false, 8>;
@@ -134,7 +149,8 @@ using Q5_1 = Legacy4<24, true, true, 0>;
 
 struct Q8_0 {
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 34, CHUNK = 32, SUBS = 1, SUB = 32, SUB_STRIDE = 32;
-    static constexpr bool HAS_BIAS = false;
+    static constexpr bool HAS_BIAS = false, UNIT_CODES = false;  // 8-bit codes
+    static constexpr int OFFSET_CODE = 0, X_PAD_SHIFT = 3;
     struct Raw {
         uint32_t w[8];
         float d;
@@ -149,6 +165,7 @@ struct Q8_0 {
         scale = raw.d;
         bias = 0.f;
     }
+    template <bool>
     __device__ static void codes8(const Raw& raw, int, int h, float* q) {
         const uint32_t v0 = raw.w[2 * h] ^ 0x80808080u, v1 = raw.w[2 * h + 1] ^ 0x80808080u;  // codes + 128
 #pragma unroll
@@ -161,16 +178,13 @@ struct Q8_0 {
 
 // Scale and minimum j (of 8) of a Q4_K / Q5_K super-block's 12 packed bytes (3 words), by shifts
 // only (an index into the words would put them in local memory).
+// Selects, not a branch: lanes of a warp hold different j.
 __device__ __forceinline__ void scale_min_k4(int j, const uint32_t* s, int& sc, int& m) {
     const unsigned at = 8u * (unsigned)(j & 3);
     const uint32_t a = s[0] >> at, b = s[1] >> at, c = s[2] >> at;
-    if (j < 4) {
-        sc = (int)(a & 63u);
-        m = (int)(b & 63u);
-    } else {
-        sc = (int)((c & 0xFu) | (((a >> 6) & 3u) << 4));
-        m = (int)(((c >> 4) & 0xFu) | (((b >> 6) & 3u) << 4));
-    }
+    const bool low = j < 4;
+    sc = (int)(low ? a & 63u : (c & 0xFu) | (((a >> 6) & 3u) << 4));
+    m = (int)(low ? b & 63u : ((c >> 4) & 0xFu) | (((b >> 6) & 3u) << 4));
 }
 
 // Q4_K / Q5_K: chunk c is the 64 values 64 (c % 4) .. of super-block c / 4; its two sub-blocks of 32
@@ -180,7 +194,8 @@ template <bool FIVE>
 struct QK45 {
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = FIVE ? 176 : 144, CHUNK = 64, SUBS = 2, SUB = 32,
                          SUB_STRIDE = 32;
-    static constexpr bool HAS_BIAS = true;
+    static constexpr bool HAS_BIAS = true, UNIT_CODES = true;
+    static constexpr int OFFSET_CODE = 0, X_PAD_SHIFT = 4;  // 16 words
     struct Raw {
         uint32_t head[4];
         uint32_t ql[8];
@@ -215,6 +230,7 @@ struct QK45 {
         scale = d * (float)sc;
         bias = -(dmin * (float)m);
     }
+    template <bool UNIT>
     __device__ static void codes8(const Raw& raw, int s, int h, float* q) {
         uint32_t e0 = 0, e1 = 0;
         if (FIVE) {
@@ -222,7 +238,7 @@ struct QK45 {
             e0 = ((raw.qh[2 * h] >> bit) & 0x01010101u) << 4;
             e1 = ((raw.qh[2 * h + 1] >> bit) & 0x01010101u) << 4;
         }
-        nibbles8(raw.ql[2 * h], raw.ql[2 * h + 1], s == 1, e0, e1, 0.f, q);
+        nibbles8<UNIT>(raw.ql[2 * h], raw.ql[2 * h + 1], s == 1, e0, e1, 0.f, q);
     }
 };
 using Q4_K = QK45<false>;
@@ -234,7 +250,11 @@ using Q5_K = QK45<true>;
 // qh[32 n + 16 i + l], minus 32.
 struct Q6_K {
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 210, CHUNK = 64, SUBS = 4, SUB = 16, SUB_STRIDE = 32;
-    static constexpr bool HAS_BIAS = false;
+    // Unit codes measured slower here (six-bit codes need their top bits ORed in first).
+    static constexpr bool HAS_BIAS = false, UNIT_CODES = false;
+    // A chunk reads words 4i + 8t + 2h (+1) of its half super-block's 32 (the half's two chunks
+    // alternate i), so runs of 32 words share padding.
+    static constexpr int OFFSET_CODE = 32, X_PAD_SHIFT = 5;
     struct Raw {
         uint32_t qa[4], qb[4], qh[4], sc[2];
         float d;
@@ -257,119 +277,120 @@ struct Q6_K {
         scale = raw.d * (float)(int)(int8_t)((word >> (8 * (at % 4))) & 0xFFu);
         bias = 0.f;
     }
+    template <bool UNIT>
     __device__ static void codes8(const Raw& raw, int t, int h, float* q) {
         const uint32_t* w = t % 2 == 0 ? raw.qa : raw.qb;
         const uint32_t e0 = ((raw.qh[2 * h] >> (2 * t)) & 0x03030303u) << 4;
         const uint32_t e1 = ((raw.qh[2 * h + 1] >> (2 * t)) & 0x03030303u) << 4;
-        nibbles8(w[2 * h], w[2 * h + 1], t >= 2, e0, e1, 32.f, q);
+        nibbles8<UNIT>(w[2 * h], w[2 * h + 1], t >= 2, e0, e1, 32.f, q);
     }
 };
 
 // -- products --------------------------------------------------------------------------------------
 
-// Eight bf16 values of x at `at` (16-byte aligned), times g with NORM (adding their squares to
-// ss), into f.
-template <bool NORM>
-__device__ __forceinline__ void load_x8(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
-                                        int at, float (&f)[8], float& ss) {
-    bf16x8_unpack(__ldg(reinterpret_cast<const uint4*>(x + at)), f);
-    if (NORM) {
-        float gf[8];
-        bf16x8_unpack(__ldg(reinterpret_cast<const uint4*>(g + at)), gf);
-#pragma unroll
-        for (int e = 0; e < 8; e++) {
-            ss = fmaf(f[e], f[e], ss);
-            f[e] *= gf[e];
-        }
-    }
+// x (times g with a norm) in f32, staged in shared memory a tile of X_TILE_VALUES / M values per
+// token at a time. Lanes read the 8-value runs of their own chunks, 64 to 256 bytes apart from
+// their neighbours': from global memory every such load touches 32 lines for 16 bytes each. In the
+// tile, 16-byte word v is kept at v + (v >> T::X_PAD_SHIFT): one word of padding per run of words
+// that a chunk reads from, so the lanes of a read, and the contiguous writes of the staging, are
+// free of bank conflicts, and a chunk's words keep their distances (its reads take immediate
+// offsets from one address).
+constexpr int X_TILE_VALUES = 16384;
+
+// Words of the tile (with padding) for M tokens of `stride` values.
+__host__ __device__ constexpr int x_tile_words(int m, int stride) { return m * stride / 4 + m * stride / 32 + 1; }
+
+template <class T>
+__device__ __forceinline__ int x_word(int v) {
+    return v + (v >> T::X_PAD_SHIFT);
 }
 
-// The warp's ROWS rows times each of the first `tokens` (<= M) tokens: every lane gets dot[m][r]
-// (times token m's 1/rms with NORM). A row that is absent (`present[r]` false) reads row 0 and is
-// not stored. Each lane takes chunks lane, lane + 32, ...; per eight values it loads x once for
-// all rows, and decodes each row's eight codes once for all tokens.
-template <class T, int M, int ROWS, bool NORM>
-__device__ __forceinline__ void qwarp_dots(const uint8_t* const (&row)[ROWS], const __nv_bfloat16* __restrict__ x,
-                                           const __nv_bfloat16* __restrict__ g, float eps, int tokens, int k,
-                                           float (&dot)[M][ROWS]) {
-    const int lane = threadIdx.x % TURBO_WARP;
-    const int chunks = k / T::CHUNK;
-    float ss[M];
+// Chunk c of the warp's ROWS rows (decoded from raw) times each of the M tokens, added into
+// dot[m][r]; x comes from the tile that starts at value t0 (tokens past the step's are zeros there,
+// so the loops have no branches). Per eight values x is read once for all rows, and each row's
+// eight codes are decoded once for all tokens. With UNIT, codes
+// come as 1 + c / 128 (one permute each, no subtraction) and the sub-block's sum of x turns the
+// sums back into Σ (c - OFFSET) x.
+template <class T, int M, int ROWS, bool UNIT>
+__device__ __forceinline__ void chunk_dots(const typename T::Raw (&raw)[ROWS], int c, int t0, const float4* xs,
+                                           int stride, float (&dot)[M][ROWS]) {
+    constexpr bool SUM_X = T::HAS_BIAS || UNIT;
+    // Each token's first word of the chunk; the chunk's words share its padding.
+    const float4* xm[M];
 #pragma unroll
-    for (int m = 0; m < M; m++) {
-        ss[m] = 0.f;
+    for (int m = 0; m < M; m++) xm[m] = xs + x_word<T>((m * stride + T::x_base(c) - t0) / 4);
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) dot[m][r] = 0.f;
-    }
-    for (int c = lane; c < chunks; c += TURBO_WARP) {
-        typename T::Raw raw[ROWS];
+    for (int s = 0; s < T::SUBS; s++) {
+        float sum[M][ROWS], sx[M];
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) T::load(row[r], c, raw[r]);
-        const int base = T::x_base(c);
+        for (int m = 0; m < M; m++) {
+            sx[m] = 0.f;
 #pragma unroll
-        for (int s = 0; s < T::SUBS; s++) {
-            float sum[M][ROWS], sx[M];
+            for (int r = 0; r < ROWS; r++) sum[m][r] = 0.f;
+        }
+#pragma unroll
+        for (int h = 0; h < T::SUB / 8; h++) {
+            float q[ROWS][8];
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) T::template codes8<UNIT>(raw[r], s, h, q[r]);
 #pragma unroll
             for (int m = 0; m < M; m++) {
-                sx[m] = 0.f;
+                const int at = (s * T::SUB_STRIDE + 8 * h) / 4;
+                const float4 a = xm[m][at], b = xm[m][at + 1];
+                const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-                for (int r = 0; r < ROWS; r++) sum[m][r] = 0.f;
-            }
+                for (int e = 0; e < 8; e++) {
+                    if (SUM_X) sx[m] += f[e];
 #pragma unroll
-            for (int h = 0; h < T::SUB / 8; h++) {
-                float q[ROWS][8];
-#pragma unroll
-                for (int r = 0; r < ROWS; r++) T::codes8(raw[r], s, h, q[r]);
-#pragma unroll
-                for (int m = 0; m < M; m++) {
-                    if (m >= tokens) break;  // uniform
-                    float f[8];
-                    load_x8<NORM>(x + (size_t)m * k, g, base + s * T::SUB_STRIDE + 8 * h, f, ss[m]);
-#pragma unroll
-                    for (int e = 0; e < 8; e++) {
-                        if (T::HAS_BIAS) sx[m] += f[e];
-#pragma unroll
-                        for (int r = 0; r < ROWS; r++) sum[m][r] = fmaf(q[r][e], f[e], sum[m][r]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                float scale, bias;
-                T::scales(raw[r], s, scale, bias);
-#pragma unroll
-                for (int m = 0; m < M; m++) {
-                    dot[m][r] = fmaf(scale, sum[m][r], dot[m][r]);
-                    if (T::HAS_BIAS) dot[m][r] = fmaf(bias, sx[m], dot[m][r]);
+                    for (int r = 0; r < ROWS; r++) sum[m][r] = fmaf(q[r][e], f[e], sum[m][r]);
                 }
             }
         }
-    }
 #pragma unroll
-    for (int m = 0; m < M; m++) {
-        const float scale = NORM ? rsqrtf(warp_sum(ss[m]) / (float)k + eps) : 1.f;
+        for (int r = 0; r < ROWS; r++) {
+            float scale, bias;
+            T::scales(raw[r], s, scale, bias);
+            // UNIT: Σ (c - OFFSET) x = 128 Σ - (128 + OFFSET) Σ x.
+            const float on_sum = UNIT ? 128.f * scale : scale;
+            const float on_x = UNIT ? bias - scale * (float)(128 + T::OFFSET_CODE) : bias;
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) dot[m][r] = warp_sum(dot[m][r]) * scale;
+            for (int m = 0; m < M; m++) {
+                dot[m][r] = fmaf(on_sum, sum[m][r], dot[m][r]);
+                if (SUM_X) dot[m][r] = fmaf(on_x, sx[m], dot[m][r]);
+            }
+        }
     }
 }
 
 __device__ __forceinline__ float round_to_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-// Units per warp: more rows share each load of x when few tokens leave registers to spare.
+// Units per warp: more rows share each read of x when few tokens leave registers to spare.
 template <int M, int R>
 struct WarpUnits {
     static constexpr int value = (M <= 2 ? 4 : 2) / R;
 };
 
-// out[m * ld + unit] per token m < tokens, for the warp's G consecutive units; R == 2: unit j is
-// rows j and units + j, stored as SwiGLU.
-template <class T, int M, int R, bool NORM>
+// Values per token of the M-token kernels' tile of x (ops::quant mirrors this for the launch's
+// shared memory: x_tile_words 16-byte words).
+template <int M>
+struct XTile {
+    static constexpr int VALUES = X_TILE_VALUES / M;
+};
+
+// out[m * ld + unit] per token m < tokens, for each warp's G consecutive units; R == 2: unit j is
+// rows j and units + j, stored as SwiGLU. The block stages x a tile at a time (times g and the
+// squares summed with NORM); each warp's lanes then take the tile's chunks lane, lane + 32, ... of
+// its rows. Dynamic shared memory: x_tile_words(M, min(XTile<M>::VALUES, k)) 16-byte words.
+template <class T, int M, int R, bool NORM, int G = WarpUnits<M, R>::value, bool UNIT = true>
 __device__ __forceinline__ void qgemv(const uint8_t* __restrict__ w, long long row_bytes,
                                       const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
                                       float eps, void* out, int tokens, int units, int k, int ld, int mode) {
-    constexpr int G = WarpUnits<M, R>::value, ROWS = G * R;
-    const int first = (blockIdx.x * QGEMV_WARPS + threadIdx.x / TURBO_WARP) * G;
-    if (first >= units) return;  // uniform per warp; no barriers follow
+    constexpr int ROWS = G * R, TILE = XTile<M>::VALUES;
+    constexpr bool UNIT_OK = UNIT && T::UNIT_CODES;
+    extern __shared__ float4 qgemv_x[];
+    const int lane = threadIdx.x % TURBO_WARP;
+    const int first = (blockIdx.x * (blockDim.x / TURBO_WARP) + threadIdx.x / TURBO_WARP) * G;
+    const bool active = first < units;  // uniform per warp; an idle warp still stages x
     const uint8_t* row[ROWS];
 #pragma unroll
     for (int u = 0; u < G; u++) {
@@ -377,9 +398,63 @@ __device__ __forceinline__ void qgemv(const uint8_t* __restrict__ w, long long r
 #pragma unroll
         for (int r = 0; r < R; r++) row[u * R + r] = w + (size_t)(unit + r * units) * (size_t)row_bytes;
     }
-    float dot[M][ROWS];
-    qwarp_dots<T, M, ROWS, NORM>(row, x, g, eps, tokens, k, dot);
-    if (threadIdx.x % TURBO_WARP != 0) return;
+    const int stride = k < TILE ? k : TILE;
+    float dot[M][ROWS], ss[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        ss[m] = 0.f;
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) dot[m][r] = 0.f;
+    }
+    for (int t0 = 0; t0 < k; t0 += TILE) {
+        const int tn = k - t0 < TILE ? k - t0 : TILE;
+        __syncthreads();  // the previous tile is read
+        for (int i = threadIdx.x; i < M * (tn / 8); i += blockDim.x) {
+            const int m = i / (tn / 8), e8 = 8 * (i % (tn / 8));
+            float f[8];
+            if (m < tokens) {
+                bf16x8_unpack(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * k + t0 + e8)), f);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; e++) f[e] = 0.f;
+            }
+            if (NORM) {
+                float gf[8];
+                bf16x8_unpack(__ldg(reinterpret_cast<const uint4*>(g + t0 + e8)), gf);
+                float part = 0.f;
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    part = fmaf(f[e], f[e], part);
+                    f[e] *= gf[e];
+                }
+#pragma unroll
+                for (int mm = 0; mm < M; mm++)
+                    if (mm == m) ss[mm] += part;  // registers, not an indexed array
+            }
+            const int v = (m * stride + e8) / 4;
+            qgemv_x[x_word<T>(v)] = make_float4(f[0], f[1], f[2], f[3]);
+            qgemv_x[x_word<T>(v + 1)] = make_float4(f[4], f[5], f[6], f[7]);
+        }
+        __syncthreads();
+        if (active) {
+            for (int c = t0 / T::CHUNK + lane; c < (t0 + tn) / T::CHUNK; c += TURBO_WARP) {
+                typename T::Raw raw[ROWS];
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) T::load(row[r], c, raw[r]);
+                chunk_dots<T, M, ROWS, UNIT_OK>(raw, c, t0, qgemv_x, stride, dot);
+            }
+        }
+    }
+    float scale[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) scale[m] = NORM ? rsqrtf(block_sum(ss[m]) / (float)k + eps) : 1.f;
+    if (!active) return;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) dot[m][r] = warp_sum(dot[m][r]) * scale[m];
+    }
+    if (lane != 0) return;
 #pragma unroll
     for (int m = 0; m < M; m++) {
         if (m >= tokens) break;
@@ -403,11 +478,11 @@ __device__ __forceinline__ void qgemv(const uint8_t* __restrict__ w, long long r
     }
 }
 
-// One chunk of a row decoded to bf16 at out (the row's first value), each value as GGML's reference
-// computes it: fl(fl(scale * q) + bias), no fused multiply-add, the bias only for types with a
-// minimum.
-template <class T>
-__device__ __forceinline__ void dequant_chunk(const uint8_t* row, int c, __nv_bfloat16* out) {
+// Chunk c of a row decoded to bf16, eight values at a time: put(at, word) gets values at .. at + 7
+// of the row. Each value is computed as GGML's reference computes it: fl(fl(scale * q) + bias), no
+// fused multiply-add, the bias only for types with a minimum.
+template <class T, class Put>
+__device__ __forceinline__ void decode_chunk(const uint8_t* row, int c, Put put) {
     typename T::Raw raw;
     T::load(row, c, raw);
     const int base = T::x_base(c);
@@ -418,26 +493,50 @@ __device__ __forceinline__ void dequant_chunk(const uint8_t* row, int c, __nv_bf
 #pragma unroll
         for (int h = 0; h < T::SUB / 8; h++) {
             float q[8], v[8];
-            T::codes8(raw, s, h, q);
+            T::template codes8<false>(raw, s, h, q);
 #pragma unroll
             for (int e = 0; e < 8; e++) {
                 const float p = __fmul_rn(scale, q[e]);
                 v[e] = T::HAS_BIAS ? __fadd_rn(p, bias) : p;
             }
-            *reinterpret_cast<uint4*>(out + base + s * T::SUB_STRIDE + 8 * h) = bf16x8_pack(v);
+            put(base + s * T::SUB_STRIDE + 8 * h, bf16x8_pack(v));
         }
     }
 }
 
-// Grid: ceil(rows * chunks / 256) blocks of 256 threads, one chunk each; out is [rows, k].
+// The 16-byte word a block's tile keeps its logical word v in: the words of eight consecutive
+// chunks' same sub-block land in different banks (a chunk is 4 or 8 words), and eight consecutive
+// words stay within one 128-byte row.
+__device__ __forceinline__ int staged_word(int v) { return v ^ ((v >> 3) & 7); }
+
+constexpr int DEQUANT_THREADS = 256;
+
+// Grid: ceil(rows * chunks / DEQUANT_THREADS) blocks of DEQUANT_THREADS threads; out is [rows, k].
+// Each thread decodes one chunk into the block's tile in shared memory; the block then stores the
+// tile, which is a contiguous run of out (a block's chunks are consecutive, rows are contiguous in
+// out, and a K-quant super-block's four chunks cover its 256 values), in whole 16-byte words by
+// consecutive threads: every warp store writes 512 contiguous bytes. (A thread storing its own
+// chunk writes 16 bytes per 64-128-byte stride: 4x slower for Q4_K, measured.)
 template <class T>
 __device__ __forceinline__ void dequant(const uint8_t* __restrict__ w, long long row_bytes, int rows, int k,
                                         __nv_bfloat16* __restrict__ out) {
+    __shared__ uint4 tile[DEQUANT_THREADS * T::CHUNK / 8];
     const int chunks = k / T::CHUNK;
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)rows * chunks) return;
-    const int r = (int)(i / chunks), c = (int)(i % chunks);
-    dequant_chunk<T>(w + (size_t)r * (size_t)row_bytes, c, out + (size_t)r * (size_t)k);
+    const long long total = (long long)rows * chunks;
+    const long long first = (long long)blockIdx.x * DEQUANT_THREADS;
+    const long long i = first + threadIdx.x;
+    if (i < total) {
+        const int r = (int)(i / chunks), c = (int)(i % chunks);
+        // Values of row r start at r * k - first * CHUNK in the tile.
+        const int row_at = (int)((long long)r * k - first * T::CHUNK);
+        decode_chunk<T>(w + (size_t)r * (size_t)row_bytes, c,
+                        [&](int at, uint4 word) { tile[staged_word((row_at + at) / 8)] = word; });
+    }
+    __syncthreads();
+    const long long held = total - first < DEQUANT_THREADS ? total - first : DEQUANT_THREADS;
+    const int words = (int)(held * T::CHUNK / 8);
+    uint4* dst = reinterpret_cast<uint4*>(out + first * T::CHUNK);
+    for (int v = threadIdx.x; v < words; v += DEQUANT_THREADS) dst[v] = tile[staged_word(v)];
 }
 
 // Grid: n blocks (one per token); out is [n, k]. An id past the table fills its row with NaN.
@@ -453,7 +552,9 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
         for (int i = threadIdx.x; i < k; i += blockDim.x) dst[i] = nan;
         return;
     }
-    for (int c = threadIdx.x; c < k / T::CHUNK; c += blockDim.x) dequant_chunk<T>(w + (size_t)id * (size_t)row_bytes, c, dst);
+    for (int c = threadIdx.x; c < k / T::CHUNK; c += blockDim.x)
+        decode_chunk<T>(w + (size_t)id * (size_t)row_bytes, c,
+                        [&](int at, uint4 word) { *reinterpret_cast<uint4*>(dst + at) = word; });
 }
 
 #define QGEMV_KERNELS(T, M)                                                                                   \

@@ -96,6 +96,40 @@ fn reference(w: &[f32], x: &[f64], tokens: usize, rows: usize, k: usize) -> (Vec
     (out, mag)
 }
 
+/// The extra accumulation error of types whose 4- and 5-bit codes the products sum as
+/// `(1 + c/128)·x` (kernels/quant.cu's `code_unit`): those terms are `|x|` in size, not `|c·x|`,
+/// so a sub-block's f32 sum errs by up to `2⁻²⁴·32` of `128·|scale|·(1.25 + 1 + offset/128)·Σ|x|`.
+/// A row's scales are at most its value range / 15 (random codes reach 0 and 15 in every
+/// sub-block), which bounds it by `2⁻²⁴·32·128·2.4/15·range·Σ|x| < 4e-5·range·Σ|x|`.
+fn unit_code_bound(
+    dtype: DType,
+    w: &[f32],
+    x: &[f64],
+    tokens: usize,
+    rows: usize,
+    k: usize,
+) -> Vec<f64> {
+    let unit = matches!(
+        dtype,
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K
+    );
+    let mut out = vec![0.0; tokens * rows];
+    if !unit {
+        return out;
+    }
+    for r in 0..rows {
+        let row = &w[r * k..(r + 1) * k];
+        let (lo, hi) = row
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        for t in 0..tokens {
+            let sx: f64 = x[t * k..(t + 1) * k].iter().map(|v| v.abs()).sum();
+            out[t * rows + r] = 5e-5 * (hi - lo) as f64 * sx;
+        }
+    }
+    out
+}
+
 #[test]
 fn decoded_rows_equal_the_reference_dequantizer() {
     let Some(gpu) = gpu() else { return };
@@ -133,7 +167,8 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
     let dev = gpu.device();
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     for dtype in TYPES {
-        let (rows, cols) = (40, if dtype.block_len() == 256 { 1024 } else { 576 });
+        // Columns past a tile of x at 5-8 tokens (2048 values), with a short last tile.
+        let (rows, cols) = (40, if dtype.block_len() == 256 { 2560 } else { 2080 });
         let w = random_matrix(dtype, rows, cols, &mut rng);
         let wf = w.to_f32();
         let bytes = upload_rows(dev, &w);
@@ -150,6 +185,7 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
             let g_dev = dev.stream.clone_htod(&g).unwrap();
             let xf = to_f64(&x);
             let (want, mag) = reference(&wf, &xf, tokens, rows, cols);
+            let unit = unit_code_bound(dtype, &wf, &xf, tokens, rows, cols);
 
             // f32 out: only the f32 accumulation's rounding.
             let ld = rows + 3;
@@ -160,7 +196,7 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
             for t in 0..tokens {
                 for r in 0..rows {
                     let (g, w) = (got[t * ld + r] as f64, want[t * rows + r]);
-                    let tol = 2e-6 * mag[t * rows + r] + 1e-30;
+                    let tol = 2e-6 * mag[t * rows + r] + unit[t * rows + r] + 1e-30;
                     assert!(
                         (g - w).abs() <= tol,
                         "{dtype} tokens {tokens}: out[{t},{r}] = {g}, f64 {w} (tolerance {tol})"
@@ -188,7 +224,7 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
             let got = dev.stream.clone_dtoh(&out).unwrap();
             for i in 0..tokens * rows {
                 let w = want[i] + resid[i].to_f64();
-                let tol = 2e-6 * mag[i] + w.abs() * 2f64.powi(-8);
+                let tol = 2e-6 * mag[i] + unit[i] + w.abs() * 2f64.powi(-8);
                 assert!(
                     (got[i].to_f64() - w).abs() <= tol,
                     "{dtype} tokens {tokens}: residual {i} = {}, f64 {w}",
@@ -208,6 +244,7 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
                 }
             }
             let (want_n, mag_n) = reference(&wf, &xn, tokens, rows, cols);
+            let unit_n = unit_code_bound(dtype, &wf, &xn, tokens, rows, cols);
             let mut out = dev.stream.alloc_zeros::<bf16>(tokens * rows).unwrap();
             let mut view = out.slice_mut(0..);
             let norm = GemvNorm {
@@ -226,7 +263,7 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
             .unwrap();
             let got = dev.stream.clone_dtoh(&out).unwrap();
             for i in 0..tokens * rows {
-                let tol = 1e-5 * mag_n[i] + want_n[i].abs() * 2f64.powi(-8);
+                let tol = 1e-5 * mag_n[i] + unit_n[i] + want_n[i].abs() * 2f64.powi(-8);
                 assert!(
                     (got[i].to_f64() - want_n[i]).abs() <= tol,
                     "{dtype} tokens {tokens}: normed {i} = {}, f64 {}",
@@ -259,8 +296,9 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
                     let (gate, up) = (want_n[t * rows + u], want_n[t * rows + units + u]);
                     let w = gate / (1.0 + (-gate).exp()) * up;
                     // A bf16 rounding of gate, of up and of the result, plus accumulation.
-                    let scale = (gate.abs() + mag_n[t * rows + u] * 1e-5)
-                        * (up.abs() + mag_n[t * rows + units + u] * 1e-5);
+                    let (gi, ui) = (t * rows + u, t * rows + units + u);
+                    let scale = (gate.abs() + mag_n[gi] * 1e-5 + unit_n[gi])
+                        * (up.abs() + mag_n[ui] * 1e-5 + unit_n[ui]);
                     let tol = 4.0 * 2f64.powi(-8) * scale + 1e-6;
                     let g = got[t * units + u].to_f64();
                     assert!(

@@ -18,6 +18,16 @@ pub const QGEMV_MAX_TOKENS: usize = 8;
 pub const PADDING_BYTES: usize = 16;
 /// Warps per block of the decode-step products; each computes a few output units.
 const WARPS: usize = 4;
+/// Values of x a decode-step product stages in shared memory at a time, over all its tokens
+/// (`kernels/quant.cu`'s `X_TILE_VALUES`).
+const X_TILE_VALUES: usize = 16384;
+
+/// Shared memory of an `m`-token decode-step product over rows of `cols` values: a tile of x in
+/// f32 with one 16-byte word of padding per 8 (`x_tile_words` in the kernel).
+fn x_tile_bytes(m: usize, cols: usize) -> usize {
+    let stride = cols.min(X_TILE_VALUES / m);
+    (m * stride / 4 + m * stride / 32 + 1) * 16
+}
 
 /// Whether the GPU keeps weights of `dtype` as blocks and decodes them in its kernels.
 pub fn supports(dtype: DType) -> bool {
@@ -124,18 +134,19 @@ pub fn qgemv(
     // The kernels for at most 1, 2, 4 and 8 tokens; a warp takes 4 output units (rows, or
     // SwiGLU's pairs of rows count 2) with at most 2 tokens, else 2 (kernels/quant.cu's
     // WarpUnits).
-    let (variant, rows_per_warp) = match tokens {
-        1 => (0, 4),
-        2 => (1, 4),
-        3..=4 => (2, 2),
-        _ => (3, 2),
+    let (variant, m, rows_per_warp) = match tokens {
+        1 => (0, 1, 4),
+        2 => (1, 2, 4),
+        3..=4 => (2, 4, 2),
+        _ => (3, 8, 2),
     };
     let units_per_warp = if swiglu {
         rows_per_warp / 2
     } else {
         rows_per_warp
     };
-    let f = dev.function(names.module, names.gemv[kind][variant])?;
+    let smem = x_tile_bytes(m, w.cols);
+    let f = dev.function_with_smem(names.module, names.gemv[kind][variant], smem)?;
     let (g, eps) = match &norm {
         Some(n) => (n.weight, n.eps),
         None => (x, 0.0),
@@ -165,11 +176,11 @@ pub fn qgemv(
     let cfg = LaunchConfig {
         grid_dim: (units.div_ceil(WARPS * units_per_warp) as u32, 1, 1),
         block_dim: ((WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem as u32,
     };
     // SAFETY: the arguments match the kernel's signature; the sizes were checked, the blocks'
     // buffer holds its padding, and device allocations are 256-byte aligned, so with cols % 32 == 0
-    // every 16-byte load of x and g is aligned.
+    // every 16-byte load of x and g is aligned; `smem` holds the kernel's tile of x.
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
