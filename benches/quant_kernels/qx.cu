@@ -1,0 +1,173 @@
+// Kernel bench of kernels/quant.cu at Llama-3-8B shapes on random blocks: the decode-step products
+// (qgemv) per type, token count, units per warp G and code form (exact integers or 1 + c/128), and
+// the decode-to-bf16 kernel. Weights cycle through copies of at least 256 MB, so every launch reads
+// them from memory. Each variant's output is compared with the first variant's (max |difference|).
+// Build and run on the GPU machine (docs/perf/h100.md has figures):
+//   nvcc -O3 -arch=sm_90 -std=c++17 -Ikernels benches/quant_kernels/qx.cu -o qx && ./qx [Q4_K|Q6_K|small|Q8_0|Q5_0]
+// Environment: QX_ITERS (launches timed, default 200), QX_SHAPE (a shape name's substring), QX_M.
+#include "../../kernels/quant.cu"
+#include <cstdio>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <cstdlib>
+#include <vector>
+#include <string>
+#include <cuda_runtime.h>
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
+
+template <class T, int M, int R, bool NORM, int G, bool UNIT>
+__global__ void __launch_bounds__(128) kq(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x,
+                                             const __nv_bfloat16* g, float eps, void* out, int tokens, int units,
+                                             int k, int ld, int mode) {
+    qgemv<T, M, R, NORM, G, UNIT>(w, row_bytes, x, g, eps, out, tokens, units, k, ld, mode);
+}
+template <class T>
+__global__ void __launch_bounds__(256) kds(const uint8_t* w, long long rb, int rows, int k, __nv_bfloat16* out) {
+    dequant<T>(w, rb, rows, k, out);
+}
+
+struct Buf { uint8_t* p; size_t bytes; };
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint32_t rnd() { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return (uint32_t)rng; }
+static uint16_t f16(float f) { __half h = __float2half(f); return *reinterpret_cast<uint16_t*>(&h); }
+
+template <class T>
+std::vector<Buf> make_weights(int rows, int k, size_t min_total) {
+    size_t rb = (size_t)k / T::BLOCK_VALUES * T::BLOCK_BYTES, bytes = rb * rows + 16;
+    int copies = (int)((min_total + bytes - 1) / bytes);
+    std::vector<uint8_t> h(bytes);
+    for (auto& b : h) b = (uint8_t)rnd();
+    size_t nb = rb * rows / T::BLOCK_BYTES;
+    for (size_t b = 0; b < nb; b++) {
+        uint8_t* p = h.data() + b * T::BLOCK_BYTES;
+        auto put = [&](int at, float v) { uint16_t x = f16(v); memcpy(p + at, &x, 2); };
+        if (T::BLOCK_BYTES == 210) put(208, 0.001f + (rnd() % 1000) * 1e-5f);
+        else { put(0, 0.001f + (rnd() % 1000) * 1e-5f); if (T::BLOCK_VALUES == 256 || T::HAS_BIAS) put(2, 0.001f + (rnd() % 1000) * 1e-5f); }
+    }
+    std::vector<Buf> out;
+    for (int c = 0; c < copies; c++) { Buf b{nullptr, bytes}; CK(cudaMalloc(&b.p, bytes)); CK(cudaMemcpy(b.p, h.data(), bytes, cudaMemcpyHostToDevice)); out.push_back(b); }
+    return out;
+}
+
+__nv_bfloat16* rand_bf16(size_t n) {
+    std::vector<__nv_bfloat16> h(n);
+    for (auto& v : h) v = __float2bfloat16(((int)(rnd() % 2001) - 1000) / 1000.f);
+    __nv_bfloat16* d; CK(cudaMalloc(&d, n * 2)); CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice)); return d;
+}
+
+template <class F>
+float time_us(int iters, F f) {
+    cudaEvent_t a, b; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
+    for (int i = 0; i < (iters < 5 ? 0 : 5); i++) f(i);
+    CK(cudaEventRecord(a));
+    for (int i = 0; i < iters; i++) f(i);
+    CK(cudaEventRecord(b)); CK(cudaEventSynchronize(b));
+    float ms; CK(cudaEventElapsedTime(&ms, a, b)); CK(cudaGetLastError());
+    return ms * 1000.f / iters;
+}
+
+static float to_f(const uint8_t* p, int mode) {
+    if (mode == QGEMV_STORE_F32) return *reinterpret_cast<const float*>(p);
+    uint32_t b = (uint32_t)*reinterpret_cast<const uint16_t*>(p) << 16; float f; memcpy(&f, &b, 4); return f;
+}
+
+template <class T, int M, int R, bool NORM, int G, bool UNIT>
+void run_variant(const char* type, const char* shape, std::vector<Buf>& ws, int rows, int k, int mode,
+                 const __nv_bfloat16* x, const __nv_bfloat16* g, void* out, void* ref, size_t out_bytes, bool first) {
+    int units = rows / R;
+    long long rb = (long long)k / T::BLOCK_VALUES * T::BLOCK_BYTES;
+    int per_block = 4 * G;
+    dim3 grid((units + per_block - 1) / per_block), block(128);
+    int tile = XTile<M>::VALUES < k ? XTile<M>::VALUES : k;
+    size_t smem = (size_t)x_tile_words(M, tile) * 16;
+    auto kern = kq<T, M, R, NORM, G, UNIT>;
+    if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    auto launch = [&](int i) { kern<<<grid, block, smem>>>(ws[i % ws.size()].p, rb, x, g, 1e-5f, out, M, units, k, units, mode); };
+    CK(cudaMemset(out, 0, out_bytes)); launch(0); CK(cudaDeviceSynchronize()); CK(cudaGetLastError());
+    double err = 0, mag = 0;
+    if (first) CK(cudaMemcpy(ref, out, out_bytes, cudaMemcpyDeviceToDevice));
+    else {
+        std::vector<uint8_t> a(out_bytes), b(out_bytes);
+        CK(cudaMemcpy(a.data(), out, out_bytes, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), ref, out_bytes, cudaMemcpyDeviceToHost));
+        size_t es = mode == QGEMV_STORE_F32 ? 4 : 2, n = (size_t)M * units;
+        for (size_t i = 0; i < n; i++) {
+            float fa = to_f(a.data() + i * es, mode), fb = to_f(b.data() + i * es, mode);
+            err = fmax(err, fabs((double)fa - fb)); mag = fmax(mag, fabs((double)fb));
+            if (!(fa == fa)) err = 1e30;
+        }
+    }
+    static const int iters = getenv("QX_ITERS") ? atoi(getenv("QX_ITERS")) : 200;
+    float us = time_us(iters, launch);
+    double gbs = (double)rb * rows / us / 1e3;
+    printf("%s %-16s m%d G%d %s: %8.2f us  %7.1f GB/s  |diff| %.2e of %.2e\n", type, shape, M, G,
+           UNIT && T::UNIT_CODES ? "unit" : "int ", us, gbs, err, mag);
+}
+
+template <class T, int M, int R, bool NORM>
+void shape_runs(const char* type, const char* shape, int rows, int k, int mode) {
+    if (getenv("QX_SHAPE") && !strstr(shape, getenv("QX_SHAPE"))) return;
+    if (getenv("QX_M") && atoi(getenv("QX_M")) != M) return;
+    auto ws = make_weights<T>(rows, k, 256u << 20);
+    const __nv_bfloat16* x = rand_bf16((size_t)M * k);
+    const __nv_bfloat16* g = rand_bf16(k);
+    size_t out_bytes = (size_t)M * rows * 4;
+    void *out, *ref; CK(cudaMalloc(&out, out_bytes)); CK(cudaMalloc(&ref, out_bytes));
+    constexpr int G2 = R == 1 ? 2 : 1, GD = WarpUnits<M, R>::value;
+#define V(G, UN, F) run_variant<T, M, R, NORM, G, UN>(type, shape, ws, rows, k, mode, x, g, out, ref, out_bytes, F)
+    V(GD, true, true);
+    if (T::UNIT_CODES) V(GD, false, false);
+    if (M <= 2) V(G2, true, false);
+#undef V
+    for (auto& b : ws) CK(cudaFree(b.p));
+    CK(cudaFree(out)); CK(cudaFree(ref));
+}
+
+template <class T>
+void dequant_runs(const char* type, int rows, int k) {
+    if (getenv("QX_SHAPE")) return;
+    auto ws = make_weights<T>(rows, k, 256u << 20);
+    long long rb = (long long)k / T::BLOCK_VALUES * T::BLOCK_BYTES;
+    size_t n = (size_t)rows * k;
+    __nv_bfloat16* out; CK(cudaMalloc(&out, n * 2));
+    long long threads = (long long)rows * (k / T::CHUNK);
+    dim3 grid((unsigned)((threads + DEQUANT_THREADS - 1) / DEQUANT_THREADS));
+    float us = time_us(50, [&](int i) { kds<T><<<grid, DEQUANT_THREADS>>>(ws[i % ws.size()].p, rb, rows, k, out); });
+    double bytes = (double)rb * rows + n * 2.0;
+    printf("%s dequant %dx%d: %8.2f us (%6.1f GB/s read + written)\n", type, rows, k, us, bytes / us / 1e3);
+    for (auto& w : ws) CK(cudaFree(w.p));
+    CK(cudaFree(out));
+}
+
+template <class T>
+void all_shapes(const char* type) {
+    shape_runs<T, 1, 1, true>(type, "qkv_norm", 6144, 4096, QGEMV_STORE_BF16);
+    shape_runs<T, 1, 1, false>(type, "o_residual", 4096, 4096, QGEMV_ADD_RESIDUAL);
+    shape_runs<T, 1, 2, true>(type, "gate_up_swiglu", 28672, 4096, QGEMV_STORE_BF16);
+    shape_runs<T, 1, 1, false>(type, "down_residual", 4096, 14336, QGEMV_ADD_RESIDUAL);
+    shape_runs<T, 2, 2, true>(type, "gate_up_swiglu", 28672, 4096, QGEMV_STORE_BF16);
+    shape_runs<T, 4, 2, true>(type, "gate_up_swiglu", 28672, 4096, QGEMV_STORE_BF16);
+    shape_runs<T, 8, 2, true>(type, "gate_up_swiglu", 28672, 4096, QGEMV_STORE_BF16);
+    shape_runs<T, 8, 1, false>(type, "down_residual", 4096, 14336, QGEMV_ADD_RESIDUAL);
+    dequant_runs<T>(type, 8192, 4096);
+    dequant_runs<T>(type, 2048, 14336);
+}
+
+int main(int argc, char** argv) {
+    cudaDeviceProp p; CK(cudaGetDeviceProperties(&p, 0)); printf("%s\n", p.name);
+    std::string only = argc > 1 ? argv[1] : "";
+    if (only.empty() || only == "Q4_K") all_shapes<Q4_K>("Q4_K");
+    if (only.empty() || only == "Q6_K") {
+        all_shapes<Q6_K>("Q6_K");
+        shape_runs<Q6_K, 1, 1, false>("Q6_K", "lm_head_f32", 128256, 4096, QGEMV_STORE_F32);
+    }
+    if (only.empty() || only == "Q8_0") { shape_runs<Q8_0, 1, 1, false>("Q8_0", "o_residual", 4096, 4096, QGEMV_ADD_RESIDUAL); dequant_runs<Q8_0>("Q8_0", 8192, 4096); }
+    if (only.empty() || only == "small") {
+        shape_runs<Q5_0, 1, 1, false>("Q5_0", "smol_576", 1536, 576, QGEMV_ADD_RESIDUAL);
+        shape_runs<Q8_0, 1, 1, false>("Q8_0", "smol_576", 1536, 576, QGEMV_ADD_RESIDUAL);
+        shape_runs<Q4_0, 4, 2, true>("Q4_0", "smol_576_swiglu", 3072, 576, QGEMV_STORE_BF16);
+    }
+    if (only.empty() || only == "Q5_0") { shape_runs<Q5_0, 1, 1, false>("Q5_0", "o_residual", 4096, 4096, QGEMV_ADD_RESIDUAL); dequant_runs<Q5_0>("Q5_0", 8192, 4096); }
+    return 0;
+}
