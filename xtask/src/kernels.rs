@@ -185,12 +185,15 @@ pub fn gpu_bundle() -> Result<()> {
     }
     std::fs::copy(root.join("target/release/turbo"), bundle.join("turbo"))?;
     let _ = Command::new("strip").arg(bundle.join("turbo")).status();
-    // The random-weight GGUF writer for real-size benchmarks, from the shared tools beside the tree.
-    let tools = root.join("../shared/tools");
-    for f in ["random_llama_gguf.py", "smollm2-tokenizer.json.gz"] {
-        if tools.join(f).is_file() {
-            std::fs::copy(tools.join(f), bundle.join(f))?;
-        }
+    // The random-weight GGUF writer for real-size benchmarks (the tree's, which writes the
+    // quantized mixes), and the tokenizer it takes from the shared tools beside the tree.
+    std::fs::copy(
+        root.join("benches/random_llama_gguf.py"),
+        bundle.join("random_llama_gguf.py"),
+    )?;
+    let tokenizer = root.join("../shared/tools/smollm2-tokenizer.json.gz");
+    if tokenizer.is_file() {
+        std::fs::copy(&tokenizer, bundle.join("smollm2-tokenizer.json.gz"))?;
     }
     let mut script = String::from(
         "#!/usr/bin/env bash\n# Runs every GPU test and bench binary; run from the repository root.\n\
