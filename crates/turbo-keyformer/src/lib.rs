@@ -30,8 +30,8 @@
 //!    position order, and slot order stays position order, which the recent window and sinks rely
 //!    on. [`compact_scores`] does this for the accumulators; an evicted key's score is dropped.
 //! 4. **Selection works for any `n >= k`.** After the prompt the cache grows by one key per step
-//!    and the engine selects when it exceeds the budget by a block, so the recent window then
-//!    covers generated tokens as well.
+//!    and the engine selects when it exceeds the budget by its slack (a block or more), so the
+//!    recent window then covers generated tokens as well.
 //!
 //! Usage per sequence: build a policy once from a [`PolicyKind`] and a [`PolicyConfig`]; resolve a
 //! [`BudgetConfig`] into a [`Budget`] from the prompt length; feed logits rows through

@@ -1063,8 +1063,8 @@ impl<B: Backend> PersistentBatch<B> {
             self.kv.commit(seq, w.start + w.len)?;
             let blocks = self.kv.block_table(seq)?.len();
             live.kv_blocks_peak = live.kv_blocks_peak.max(blocks);
-            // Evicts once the prompt is in, then once per block; while the prompt is still
-            // coming only when asked to evict during it.
+            // Evicts once the prompt is in, then once per slack of growth; while the prompt is
+            // still coming only when asked to evict during it.
             let prefilling = w.start + w.len < self.kv.tokens(seq)?.len();
             let keys = self.kv.keys(seq)?;
             let prompt_done_now = live.generated.is_empty();
