@@ -169,31 +169,67 @@ const CASCADE_CHUNK_COST: usize = 32;
 /// A state slot meaning "write the output directly" (`ATTN_NO_STATE`).
 const NO_STATE: u32 = u32::MAX;
 
-/// The key range [`KvSplit::Auto`] splits row-kernel rows into, if it splits them: `ctas` CTAs
-/// without a split, `key_ctas` their keys summed over CTAs, `max_keys` the longest row's.
+/// What a row-kernel CTA costs beyond its keys, in keys of its walk: its Q load, the pipeline's
+/// fill, its state write and its share of the merge.
+const ROW_CTA_COST: usize = 256;
+
+/// The time of a split, in keys of one CTA's walk: whole waves of `ctas` CTAs over `slots`
+/// resident ones, each as long as a `chunk`. A few CTAs past a wave make a wave of their own,
+/// which costs a whole chunk however few they are.
+fn split_cost(ctas: usize, slots: usize, chunk: usize) -> usize {
+    ctas.div_ceil(slots.max(1)) * (chunk + ROW_CTA_COST)
+}
+
+/// The chunk that fills `AUTO_WAVES` waves of `slots` resident CTAs when `key_ctas` keys (summed
+/// over CTAs) divide evenly.
+fn fill_chunk(key_ctas: usize, slots: usize) -> usize {
+    key_ctas
+        .div_ceil(slots * AUTO_WAVES)
+        .max(MIN_AUTO_CHUNK)
+        .next_multiple_of(CHUNK_ALIGN)
+}
+
+/// The key range [`KvSplit::Auto`] splits row-kernel rows into, if it splits them: `grid_y`
+/// CTAs per range, `row_keys` each row's keys. Rows split only when their CTAs do not fill the
+/// GPU; the chunk is the one of least [`split_cost`] among those that cut the longest row into
+/// at most as many ranges as an even fill of the resident CTAs would (rounding each row up to
+/// whole chunks can otherwise spill a few CTAs into a second wave).
 fn auto_chunk(
     sms: usize,
     grouped: bool,
-    ctas: usize,
-    key_ctas: usize,
-    max_keys: usize,
+    grid_y: usize,
+    row_keys: impl Iterator<Item = usize> + Clone,
 ) -> Option<usize> {
     // Resident CTAs per SM: the grouped kernel is built for 2 (its registers), the per-head one
     // for 4.
     let resident = if grouped { 2 } else { 4 };
-    if ctas >= sms * resident {
+    let slots = sms * resident;
+    if row_keys.clone().count() * grid_y >= slots {
         return None;
     }
-    let c = key_ctas
-        .div_ceil(sms * resident * AUTO_WAVES)
-        .max(MIN_AUTO_CHUNK)
-        .next_multiple_of(CHUNK_ALIGN);
+    let max_keys = row_keys.clone().max().unwrap_or(0);
+    let fill = fill_chunk(row_keys.clone().sum::<usize>() * grid_y, slots);
+    if fill >= max_keys {
+        return None;
+    }
+    let ctas = |c: usize| row_keys.clone().map(|k| k.div_ceil(c)).sum::<usize>() * grid_y;
+    let c = (1..=max_keys.div_ceil(fill))
+        .map(|r| {
+            max_keys
+                .div_ceil(r)
+                .max(MIN_AUTO_CHUNK)
+                .next_multiple_of(CHUNK_ALIGN)
+        })
+        .min_by_key(|&c| split_cost(ctas(c), slots, c))?;
     (c < max_keys).then_some(c)
 }
 
-/// How many key ranges [`KvSplit::Auto`] would split the longest row of a decode step into (1:
-/// none), for a step of `rows` decode rows with the grouped kernel, whose rows hold `total_keys`
-/// keys together and at most `max_keys` each: what a step recorded with [`KvSplit::Fixed`] uses.
+/// How many key ranges [`KvSplit::Auto`]'s even fill would split the longest row of a decode step
+/// into (1: none), for a step of `rows` decode rows with the grouped kernel, whose rows hold
+/// `total_keys` keys together and at most `max_keys` each: what a step recorded with
+/// [`KvSplit::Fixed`] uses (rounded up to a power of two by the caller). Whole-wave choices as
+/// [`auto_chunk`] makes them were measured 2% slower for scored decode steps of 13 rows of 4k
+/// keys (docs/keyformer.md), so recorded steps keep this rule.
 pub fn decode_split(
     dev: &CudaDevice,
     rows: usize,
@@ -203,14 +239,11 @@ pub fn decode_split(
     max_keys: usize,
 ) -> usize {
     let grid_y = n_kv_heads * (n_heads / n_kv_heads.max(1)).div_ceil(GROUPED_ROWS);
-    auto_chunk(
-        dev.sm_count(),
-        true,
-        rows * grid_y,
-        total_keys * grid_y,
-        max_keys,
-    )
-    .map_or(1, |c| max_keys.div_ceil(c))
+    let slots = dev.sm_count() * 2;
+    if rows * grid_y >= slots || max_keys == 0 {
+        return 1;
+    }
+    max_keys.div_ceil(fill_chunk(total_keys * grid_y, slots))
 }
 
 /// Head dimensions with a grouped (tensor-core) decode kernel.
@@ -758,16 +791,12 @@ impl AttentionPlan {
                 check(c >= 1, || "paged_attention: chunks of 0 keys".to_string())?;
                 Some(c)
             }
-            KvSplit::Auto => {
-                let own = row_tokens.iter().map(|&t| own_keys(t));
-                auto_chunk(
-                    sms,
-                    grouped.is_some(),
-                    row_tokens.len() * grid_y,
-                    own.clone().sum::<usize>() * grid_y,
-                    own.max().unwrap_or(0),
-                )
-            }
+            KvSplit::Auto => auto_chunk(
+                sms,
+                grouped.is_some(),
+                grid_y,
+                row_tokens.iter().map(|&t| own_keys(t)),
+            ),
         };
 
         // Work items [row, first key, end key, state slot, table start, first state slot, state
@@ -1302,6 +1331,22 @@ pub fn paged_attention_split(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_splits_do_not_spill_a_few_ctas_into_a_second_wave() {
+        // 4 rows of 32k keys, 8 KV heads, 132 SMs of 2 resident CTAs (264 slots). An even fill
+        // wants chunks of 4032, which cut each row into 9 ranges: 288 CTAs, 24 of them in a
+        // second wave. Eight ranges of 4096 make one wave.
+        assert_eq!(auto_chunk(132, true, 8, [32768usize; 4].into_iter()), Some(4096));
+        // 13 rows of 4000: three ranges would make 312 CTAs; two make one wave of 208.
+        assert_eq!(auto_chunk(132, true, 8, [4000usize; 13].into_iter()), Some(2048));
+        // One row of 32k: 32 ranges of 1024 fill the slots.
+        assert_eq!(auto_chunk(132, true, 8, [32768usize].into_iter()), Some(1024));
+        // Rows that fill the GPU alone are not split, nor rows below MIN_AUTO_CHUNK.
+        assert_eq!(auto_chunk(132, true, 8, [4000usize; 33].into_iter()), None);
+        assert_eq!(auto_chunk(132, true, 8, [200usize; 2].into_iter()), None);
+        assert_eq!(auto_chunk(132, true, 8, [1000usize; 2].into_iter()), Some(256));
+    }
 
     #[test]
     fn cascade_chunks_fill_whole_waves() {
