@@ -229,7 +229,7 @@ fn auto_chunk(
 /// `total_keys` keys together and at most `max_keys` each: what a step recorded with
 /// [`KvSplit::Fixed`] uses (rounded up to a power of two by the caller). Whole-wave choices as
 /// [`auto_chunk`] makes them were measured 2% slower for scored decode steps of 13 rows of 4k
-/// keys (docs/keyformer.md), so recorded steps keep this rule.
+/// keys (docs/perf/h100.md), so recorded steps keep this rule.
 pub fn decode_split(
     dev: &CudaDevice,
     rows: usize,
