@@ -14,10 +14,19 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
 
 fn matrix(dtype: DType, rows: usize, cols: usize) -> WeightMatrix {
     let values = random(rows * cols, 1);
-    let bytes: Vec<u8> = values
-        .chunks(cols)
-        .flat_map(|r| quantize_row(dtype, r))
-        .collect();
+    // Types only read from files (Q5_0: most of a Q4_K_M SmolLM2) as random blocks.
+    let bytes: Vec<u8> = match DType::WRITABLE.contains(&dtype) {
+        true => values
+            .chunks(cols)
+            .flat_map(|r| quantize_row(dtype, r))
+            .collect(),
+        false => {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+            turbo_core::quant::random_blocks(dtype, rows * cols / dtype.block_len(), || {
+                rng.random()
+            })
+        }
+    };
     WeightMatrix::new(dtype, rows, cols, Bytes::owned(bytes)).unwrap()
 }
 
@@ -25,7 +34,13 @@ fn bench_linear(c: &mut Criterion) {
     let mut group = c.benchmark_group("linear");
     // ffn_up of SmolLM2 (1536 x 576) and its LM head (49152 x 576).
     for (rows, cols) in [(1536usize, 576usize), (49152, 576)] {
-        for dtype in [DType::Q4_1, DType::Q8_0, DType::BF16, DType::F32] {
+        for dtype in [
+            DType::Q4_1,
+            DType::Q5_0,
+            DType::Q8_0,
+            DType::BF16,
+            DType::F32,
+        ] {
             let w = matrix(dtype, rows, cols);
             for n in [1usize, 512] {
                 if rows > 2048 && n > 1 {

@@ -138,6 +138,12 @@ macro_rules! row_dots_for {
         $(#[target_feature(enable = $features)])?
         unsafe fn $name(w: &WeightMatrix, rows: Range<usize>, x: &[f32], m: usize, out: *mut f32) {
             match w.dtype {
+                // Q4_1 (the default model's) and Q4_0 have a hand-written AVX2 kernel (same sums,
+                // bit for bit): the generic code below kept its accumulators in memory for them.
+                #[cfg(target_arch = "x86_64")]
+                DType::Q4_1 | DType::Q4_0 if <$isa as Isa>::AVX2 => {
+                    avx2_blocks::rows_by_tokens(w, rows, x, m, out)
+                }
                 DType::Q4_1 => rows_by_tokens::<Q4_1, $isa>(w, rows, x, m, out),
                 DType::Q4_0 => rows_by_tokens::<Q4_0, $isa>(w, rows, x, m, out),
                 DType::Q8_0 => rows_by_tokens::<Q8_0, $isa>(w, rows, x, m, out),
@@ -167,12 +173,15 @@ row_dots_for!(row_dots_portable, Portable);
 /// What the instruction set offers the generic kernel: fused multiply-add and hardware f16
 /// conversion. Only kernels compiled with those features may use an `Isa` that claims them.
 trait Isa {
+    /// Whether kernels of this instruction set may call [`avx2_blocks`].
+    const AVX2: bool;
     fn mul_add(a: f32, b: f32, c: f32) -> f32;
     fn f16_to_f32(bits: u16) -> f32;
 }
 
 struct Portable;
 impl Isa for Portable {
+    const AVX2: bool = false;
     #[inline(always)]
     fn mul_add(a: f32, b: f32, c: f32) -> f32 {
         a * b + c
@@ -187,6 +196,7 @@ impl Isa for Portable {
 struct X86Fma;
 #[cfg(target_arch = "x86_64")]
 impl Isa for X86Fma {
+    const AVX2: bool = true;
     #[inline(always)]
     fn mul_add(a: f32, b: f32, c: f32) -> f32 {
         a.mul_add(b, c)
@@ -501,6 +511,174 @@ fn row_dots<G: Group32, I: Isa, const M: usize>(row: &[u8], x: &[f32], cols: usi
     sums
 }
 
+/// Decode products of Q4_1 and Q4_0 rows in AVX2 intrinsics: the generic
+/// [`row_dots`]'s arithmetic, operation for operation (each group's 32 weights decoded as `code * d (+ m)`, two
+/// FMAs per lane into the even or odd groups' accumulators, the two sets added lane by lane, the
+/// 16 lanes summed in order), so the sums are the same bits; but the accumulators stay in
+/// registers, where the generic code, indexing its two sets by the group's parity, kept them in
+/// memory and made every group's FMAs wait on a store and a reload.
+#[cfg(target_arch = "x86_64")]
+mod avx2_blocks {
+    use super::PREFETCH_ROWS_AHEAD;
+    use crate::{DType, WeightMatrix};
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    /// Computes rows `rows` of `out` (row stride `w.rows`) for `m` (1 to 4) tokens of `x`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `w` is Q4_1 or Q4_0 and `out` holds `m` rows of
+    /// `w.rows`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn rows_by_tokens(
+        w: &WeightMatrix,
+        rows: Range<usize>,
+        x: &[f32],
+        m: usize,
+        out: *mut f32,
+    ) {
+        match (w.dtype, m) {
+            (DType::Q4_1, 1) => rows_for::<Q4_1, 1>(w, rows, x, out),
+            (DType::Q4_1, 2) => rows_for::<Q4_1, 2>(w, rows, x, out),
+            (DType::Q4_1, 3) => rows_for::<Q4_1, 3>(w, rows, x, out),
+            (DType::Q4_1, _) => rows_for::<Q4_1, 4>(w, rows, x, out),
+            (_, 1) => rows_for::<Q4_0, 1>(w, rows, x, out),
+            (_, 2) => rows_for::<Q4_0, 2>(w, rows, x, out),
+            (_, 3) => rows_for::<Q4_0, 3>(w, rows, x, out),
+            (_, _) => rows_for::<Q4_0, 4>(w, rows, x, out),
+        }
+    }
+
+    const Q4_1: u8 = 0;
+    const Q4_0: u8 = 1;
+
+    const fn block_bytes(kind: u8) -> usize {
+        match kind {
+            Q4_1 => 20,
+            _ => 18,
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn rows_for<const KIND: u8, const M: usize>(
+        w: &WeightMatrix,
+        rows: Range<usize>,
+        x: &[f32],
+        out: *mut f32,
+    ) {
+        let data = w.data.as_slice();
+        let row_bytes = w.row_bytes();
+        let groups = w.cols / 32;
+        assert!(
+            row_bytes >= groups * block_bytes(KIND)
+                && data.len() >= rows.end * row_bytes
+                && x.len() >= (M - 1) * w.cols + groups * 32
+        );
+        let end = rows.end;
+        for r in rows {
+            if r + PREFETCH_ROWS_AHEAD < end {
+                let ahead = data.as_ptr().add((r + PREFETCH_ROWS_AHEAD) * row_bytes);
+                for line in (0..row_bytes).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.add(line) as *const i8);
+                }
+            }
+            let sums = row_dots::<KIND, M>(data.as_ptr().add(r * row_bytes), x, w.cols, groups);
+            for (t, s) in sums.iter().enumerate() {
+                *out.add(t * w.rows + r) = *s;
+            }
+        }
+    }
+
+    /// A group's 32 weights as four vectors: lanes 0-7 and 8-15 of the first 16, then of the
+    /// second 16 (the generic code's `lo` and `hi`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn decode<const KIND: u8>(b: *const u8) -> [__m256; 4] {
+        // The block's f16 scale (and Q4_1's minimum) by F16C, as the generic kernel converts.
+        let scales = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned()));
+        let d = _mm256_set1_ps(_mm_cvtss_f32(scales));
+        let widen = |bytes: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+        let at = if KIND == Q4_1 { 4 } else { 2 };
+        let qs = _mm_loadu_si128(b.add(at) as *const __m128i);
+        let mask = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(qs, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), mask);
+        let codes = [
+            widen(lo),
+            widen(_mm_srli_si128::<8>(lo)),
+            widen(hi),
+            widen(_mm_srli_si128::<8>(hi)),
+        ];
+        if KIND == Q4_1 {
+            // code * d + m, rounded twice as the generic code does.
+            let m = _mm256_set1_ps(_mm_cvtss_f32(_mm_movehdup_ps(scales)));
+            codes.map(|c| _mm256_add_ps(_mm256_mul_ps(c, d), m))
+        } else {
+            // (code - 8) * d: the difference is exact in f32.
+            let eight = _mm256_set1_ps(8.0);
+            codes.map(|c| _mm256_mul_ps(_mm256_sub_ps(c, eight), d))
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn group<const KIND: u8, const M: usize>(
+        row: *const u8,
+        x: *const f32,
+        cols: usize,
+        g: usize,
+        acc: &mut [[__m256; 2]; M],
+    ) {
+        let [lo0, lo1, hi0, hi1] = decode::<KIND>(row.add(g * block_bytes(KIND)));
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let xs = x.add(t * cols + g * 32);
+            acc[0] = _mm256_fmadd_ps(
+                hi0,
+                _mm256_loadu_ps(xs.add(16)),
+                _mm256_fmadd_ps(lo0, _mm256_loadu_ps(xs), acc[0]),
+            );
+            acc[1] = _mm256_fmadd_ps(
+                hi1,
+                _mm256_loadu_ps(xs.add(24)),
+                _mm256_fmadd_ps(lo1, _mm256_loadu_ps(xs.add(8)), acc[1]),
+            );
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn row_dots<const KIND: u8, const M: usize>(
+        row: *const u8,
+        x: &[f32],
+        cols: usize,
+        groups: usize,
+    ) -> [f32; M] {
+        let zero = _mm256_setzero_ps();
+        let (mut even, mut odd) = ([[zero; 2]; M], [[zero; 2]; M]);
+        let xp = x.as_ptr();
+        let mut g = 0;
+        while g + 1 < groups {
+            group::<KIND, M>(row, xp, cols, g, &mut even);
+            group::<KIND, M>(row, xp, cols, g + 1, &mut odd);
+            g += 2;
+        }
+        if g < groups {
+            group::<KIND, M>(row, xp, cols, g, &mut even);
+        }
+        let mut sums = [0f32; M];
+        for t in 0..M {
+            let mut lanes = [0f32; 16];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(even[t][0], odd[t][0]));
+            _mm256_storeu_ps(
+                lanes.as_mut_ptr().add(8),
+                _mm256_add_ps(even[t][1], odd[t][1]),
+            );
+            sums[t] = lanes.iter().sum::<f32>();
+        }
+        sums
+    }
+}
+
 thread_local! {
     static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -611,6 +789,59 @@ mod tests {
                             "{dtype} {rows}x{cols} n={n} [{i}]: {a} vs {b}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// The generic kernel for `dtype` with FMA, which the AVX2 block kernels must equal.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn generic_fma(w: &WeightMatrix, x: &[f32], m: usize, out: *mut f32) {
+        let rows = 0..w.rows;
+        match w.dtype {
+            DType::Q4_1 => rows_by_tokens::<Q4_1, X86Fma>(w, rows, x, m, out),
+            DType::Q4_0 => rows_by_tokens::<Q4_0, X86Fma>(w, rows, x, m, out),
+            _ => rows_by_tokens::<Q4_0, X86Fma>(w, rows, x, m, out),
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_block_kernels_give_the_generic_sums_bit_for_bit() {
+        if !(is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        {
+            println!("skipping: this CPU lacks AVX2, FMA or F16C");
+            return;
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for dtype in [DType::Q4_1, DType::Q4_0] {
+            // An odd and an even number of groups, and a long row.
+            for (rows, cols) in [(9usize, 96usize), (6, 128), (3, 8192)] {
+                let values: Vec<f32> = (0..rows * cols)
+                    .map(|_| rng.random_range(-2.0..2.0))
+                    .collect();
+                // Q5_0 and Q5_1 are only read: random blocks (every fifth-bit pattern).
+                let bytes: Vec<u8> = match DType::WRITABLE.contains(&dtype) {
+                    true => values
+                        .chunks(cols)
+                        .flat_map(|r| quantize_row(dtype, r))
+                        .collect(),
+                    false => crate::quant::random_blocks(dtype, rows * cols / 32, || rng.random()),
+                };
+                let w = WeightMatrix::new(dtype, rows, cols, crate::Bytes::owned(bytes)).unwrap();
+                for m in 1..=4 {
+                    let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-3.0..3.0)).collect();
+                    let (mut want, mut got) = (vec![0f32; m * rows], vec![1f32; m * rows]);
+                    // SAFETY: the features were detected above; both write m rows of `rows`.
+                    unsafe {
+                        generic_fma(&w, &x, m, want.as_mut_ptr());
+                        avx2_blocks::rows_by_tokens(&w, 0..rows, &x, m, got.as_mut_ptr());
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{dtype} {rows}x{cols} m={m}");
                 }
             }
         }

@@ -1337,15 +1337,27 @@ mod tests {
         // 4 rows of 32k keys, 8 KV heads, 132 SMs of 2 resident CTAs (264 slots). An even fill
         // wants chunks of 4032, which cut each row into 9 ranges: 288 CTAs, 24 of them in a
         // second wave. Eight ranges of 4096 make one wave.
-        assert_eq!(auto_chunk(132, true, 8, [32768usize; 4].into_iter()), Some(4096));
+        assert_eq!(
+            auto_chunk(132, true, 8, [32768usize; 4].into_iter()),
+            Some(4096)
+        );
         // 13 rows of 4000: three ranges would make 312 CTAs; two make one wave of 208.
-        assert_eq!(auto_chunk(132, true, 8, [4000usize; 13].into_iter()), Some(2048));
+        assert_eq!(
+            auto_chunk(132, true, 8, [4000usize; 13].into_iter()),
+            Some(2048)
+        );
         // One row of 32k: 32 ranges of 1024 fill the slots.
-        assert_eq!(auto_chunk(132, true, 8, [32768usize].into_iter()), Some(1024));
+        assert_eq!(
+            auto_chunk(132, true, 8, [32768usize].into_iter()),
+            Some(1024)
+        );
         // Rows that fill the GPU alone are not split, nor rows below MIN_AUTO_CHUNK.
         assert_eq!(auto_chunk(132, true, 8, [4000usize; 33].into_iter()), None);
         assert_eq!(auto_chunk(132, true, 8, [200usize; 2].into_iter()), None);
-        assert_eq!(auto_chunk(132, true, 8, [1000usize; 2].into_iter()), Some(256));
+        assert_eq!(
+            auto_chunk(132, true, 8, [1000usize; 2].into_iter()),
+            Some(256)
+        );
     }
 
     #[test]
