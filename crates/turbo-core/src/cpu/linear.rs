@@ -392,6 +392,26 @@ unsafe fn rows_by_tokens<G: Group32, I: Isa>(
     }
 }
 
+/// Rows are short (hundreds of bytes): a GEMV at row `r` of `end` asks for a later row early, so
+/// that its loads overlap this row's arithmetic instead of stalling at the start of every row.
+#[inline(always)]
+fn prefetch_ahead(data: &[u8], r: usize, end: usize, row_bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if r + PREFETCH_ROWS_AHEAD < end {
+        let at = (r + PREFETCH_ROWS_AHEAD) * row_bytes;
+        for line in (at..(at + row_bytes).min(data.len())).step_by(64) {
+            // SAFETY: a prefetch of an address inside `data`; it never faults.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    data.as_ptr().add(line) as *const i8,
+                )
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, r, end, row_bytes);
+}
+
 #[inline(always)]
 unsafe fn rows_for<G: Group32, I: Isa, const M: usize>(
     w: &WeightMatrix,
@@ -403,17 +423,7 @@ unsafe fn rows_for<G: Group32, I: Isa, const M: usize>(
     let row_bytes = w.row_bytes();
     let end = rows.end;
     for r in rows {
-        // Rows are short (hundreds of bytes): ask for a later row early so its loads overlap
-        // this row's arithmetic instead of stalling at the start of every row.
-        #[cfg(target_arch = "x86_64")]
-        if r + PREFETCH_ROWS_AHEAD < end {
-            let ahead = data.as_ptr().add((r + PREFETCH_ROWS_AHEAD) * row_bytes);
-            for line in (0..row_bytes).step_by(64) {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                    ahead.add(line) as *const i8,
-                );
-            }
-        }
+        prefetch_ahead(data, r, end, row_bytes);
         let sums = row_dots::<G, I, M>(&data[r * row_bytes..(r + 1) * row_bytes], x, w.cols);
         for (t, s) in sums.iter().enumerate() {
             *out.add(t * w.rows + r) = *s;
@@ -519,7 +529,7 @@ fn row_dots<G: Group32, I: Isa, const M: usize>(row: &[u8], x: &[f32], cols: usi
 /// memory and made every group's FMAs wait on a store and a reload.
 #[cfg(target_arch = "x86_64")]
 mod avx2_blocks {
-    use super::PREFETCH_ROWS_AHEAD;
+    use super::prefetch_ahead;
     use crate::{DType, WeightMatrix};
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -576,12 +586,7 @@ mod avx2_blocks {
         );
         let end = rows.end;
         for r in rows {
-            if r + PREFETCH_ROWS_AHEAD < end {
-                let ahead = data.as_ptr().add((r + PREFETCH_ROWS_AHEAD) * row_bytes);
-                for line in (0..row_bytes).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.add(line) as *const i8);
-                }
-            }
+            prefetch_ahead(data, r, end, row_bytes);
             let sums = row_dots::<KIND, M>(data.as_ptr().add(r * row_bytes), x, w.cols, groups);
             for (t, s) in sums.iter().enumerate() {
                 *out.add(t * w.rows + r) = *s;
@@ -823,15 +828,18 @@ mod tests {
                 let values: Vec<f32> = (0..rows * cols)
                     .map(|_| rng.random_range(-2.0..2.0))
                     .collect();
-                // Q5_0 and Q5_1 are only read: random blocks (every fifth-bit pattern).
-                let bytes: Vec<u8> = match DType::WRITABLE.contains(&dtype) {
-                    true => values
-                        .chunks(cols)
-                        .flat_map(|r| quantize_row(dtype, r))
-                        .collect(),
-                    false => crate::quant::random_blocks(dtype, rows * cols / 32, || rng.random()),
-                };
-                let w = WeightMatrix::new(dtype, rows, cols, crate::Bytes::owned(bytes)).unwrap();
+                let w = WeightMatrix::new(
+                    dtype,
+                    rows,
+                    cols,
+                    crate::Bytes::owned(
+                        values
+                            .chunks(cols)
+                            .flat_map(|r| quantize_row(dtype, r))
+                            .collect(),
+                    ),
+                )
+                .unwrap();
                 for m in 1..=4 {
                     let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-3.0..3.0)).collect();
                     let (mut want, mut got) = (vec![0f32; m * rows], vec![1f32; m * rows]);
