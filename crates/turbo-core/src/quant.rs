@@ -83,6 +83,7 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 /// Decodes one 256-element super-block of a K-quant type, with the arithmetic of llama.cpp's
 /// reference `dequantize_row_q*_K` (each scale times `d` in f32 first, then times the value,
 /// then the minimum's product subtracted), so the values are bit for bit the reference's.
+#[inline(always)]
 pub fn dequantize_superblock(dtype: DType, b: &[u8], y: &mut [f32; 256]) {
     match dtype {
         DType::Q2_K => {

@@ -452,7 +452,15 @@ unsafe fn decoded_rows_by_tokens<I: Isa>(
     let mut scratch = DECODED_ROW.take();
     scratch.resize(w.cols, 0.0);
     for r in rows {
-        w.dequantize_row(r, &mut scratch);
+        // Decoded here, inlined into this kernel's instruction set (a call to the shared
+        // decoder ran it as baseline x86-64 code).
+        for (o, block) in scratch
+            .chunks_exact_mut(256)
+            .zip(w.row(r).chunks_exact(w.dtype.block_bytes()))
+        {
+            let o: &mut [f32; 256] = o.try_into().expect("chunks of 256");
+            crate::quant::dequantize_superblock(w.dtype, block, o);
+        }
         let bytes: &[u8] = bytemuck::cast_slice(&scratch);
         let sums: [f32; 4] = match m {
             1 => pad(row_dots::<F32, I, 1>(bytes, x, w.cols)),
