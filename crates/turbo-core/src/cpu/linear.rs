@@ -537,7 +537,7 @@ fn row_dots<G: Group32, I: Isa, const M: usize>(row: &[u8], x: &[f32], cols: usi
 /// memory and made every group's FMAs wait on a store and a reload.
 #[cfg(target_arch = "x86_64")]
 mod avx2_blocks {
-    use super::prefetch_ahead;
+    use super::{prefetch_ahead, Group32};
     use crate::{DType, WeightMatrix};
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -570,10 +570,11 @@ mod avx2_blocks {
     const Q4_1: u8 = 0;
     const Q4_0: u8 = 1;
 
+    /// The generic kernel's block size for the type.
     const fn block_bytes(kind: u8) -> usize {
         match kind {
-            Q4_1 => 20,
-            _ => 18,
+            Q4_1 => <super::Q4_1 as Group32>::BYTES,
+            _ => <super::Q4_0 as Group32>::BYTES,
         }
     }
 
