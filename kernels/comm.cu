@@ -43,6 +43,33 @@ __device__ __forceinline__ __nv_bfloat16 comm_load_fresh_bf16(const __nv_bfloat1
     return __ushort_as_bfloat16(v);
 }
 
+// Barrier with block blockIdx.x of every rank: publish that this block's part of call `epoch` is
+// staged, wait until every rank's is.
+__device__ __forceinline__ void comm_barrier(unsigned* own_signals, int rank, int world,
+                                             const unsigned long long* table, unsigned epoch,
+                                             const volatile int* abort_flag) {
+    __syncthreads();
+    if (threadIdx.x < world) {
+        unsigned* peer_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + threadIdx.x]);
+        comm_store_release(peer_signals + blockIdx.x * COMM_MAX_RANKS + rank, epoch);
+        const unsigned* arrived = own_signals + blockIdx.x * COMM_MAX_RANKS + threadIdx.x;
+        for (unsigned spins = 0; (int)(comm_load_acquire(arrived) - epoch) < 0; spins++) {
+            if ((spins & 1023u) == 1023u && *abort_flag) break;
+        }
+    }
+    __syncthreads();
+}
+
+// The last block done ends the call: the next call (a later kernel) reads the new epoch.
+__device__ __forceinline__ void comm_end_call(unsigned* own_epoch, unsigned epoch) {
+    unsigned* blocks_done = own_epoch + 1;
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
+        *blocks_done = 0;
+        *own_epoch = epoch;
+    }
+}
+
 // Sums the first n values of x over the group, in place, in rank order (0, 1, ..., world - 1,
 // in f32, rounded once to bf16), so every rank ends with the same bits. `abort_flag` is host
 // memory: when the host sets it (a rank failed and will never arrive), waiting blocks give up and
@@ -52,7 +79,6 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_sum_bf16(
     long long half_elems, const volatile int* abort_flag) {
     unsigned* own_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + rank]);
     unsigned* own_epoch = own_signals + COMM_MAX_BLOCKS * COMM_MAX_RANKS;
-    unsigned* blocks_done = own_epoch + 1;
     // Written only at the end of the previous call (an earlier kernel on this stream).
     const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own_epoch) + 1;
     const long long half = (long long)(epoch & 1u) * half_elems;
@@ -70,17 +96,7 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_sum_bf16(
     for (long long c = first; c < chunks; c += stride) sv[c] = xv[c];
     if (has_tail) staging[tail] = x[tail];
 
-    // Barrier with block blockIdx.x of every rank: publish this block's part, wait for theirs.
-    __syncthreads();
-    if (threadIdx.x < world) {
-        unsigned* peer_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + threadIdx.x]);
-        comm_store_release(peer_signals + blockIdx.x * COMM_MAX_RANKS + rank, epoch);
-        const unsigned* arrived = own_signals + blockIdx.x * COMM_MAX_RANKS + threadIdx.x;
-        for (unsigned spins = 0; (int)(comm_load_acquire(arrived) - epoch) < 0; spins++) {
-            if ((spins & 1023u) == 1023u && *abort_flag) break;
-        }
-    }
-    __syncthreads();
+    comm_barrier(own_signals, rank, world, table, epoch, abort_flag);
 
     for (long long c = first; c < chunks; c += stride) {
         float acc[8], part[8];
@@ -105,10 +121,34 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_sum_bf16(
         }
         x[tail] = __float2bfloat16_rn(acc);
     }
-    // The last block done ends the call: the next call (a later kernel) reads the new epoch.
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
-        *blocks_done = 0;
-        *own_epoch = epoch;
+    comm_end_call(own_epoch, epoch);
+}
+
+// Rank 0's first n words of x replace every other rank's (the tokens rank 0 sampled, which the
+// peers embed when the next step names them). One block; it takes a call's epoch and staging
+// half like an all-reduce, so the two kinds of call interleave freely.
+extern "C" __global__ void __launch_bounds__(512) broadcast_from_first_u32(
+    unsigned* x, long long n, int rank, int world, const unsigned long long* table,
+    long long half_elems, const volatile int* abort_flag) {
+    unsigned* own_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + rank]);
+    unsigned* own_epoch = own_signals + COMM_MAX_BLOCKS * COMM_MAX_RANKS;
+    const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own_epoch) + 1;
+    // A staging half of bf16 holds half_elems / 2 words.
+    const long long half = (long long)(epoch & 1u) * half_elems;
+    if (rank == 0) {
+        unsigned* staging = reinterpret_cast<unsigned*>(
+            reinterpret_cast<__nv_bfloat16*>(table[0]) + half);
+        for (long long i = threadIdx.x; i < n; i += blockDim.x) staging[i] = x[i];
     }
+    comm_barrier(own_signals, rank, world, table, epoch, abort_flag);
+    if (rank != 0) {
+        const unsigned* root = reinterpret_cast<const unsigned*>(
+            reinterpret_cast<const __nv_bfloat16*>(table[0]) + half);
+        for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+            unsigned v;
+            asm volatile("ld.volatile.global.u32 %0, [%1];\n" : "=r"(v) : "l"(root + i) : "memory");
+            x[i] = v;
+        }
+    }
+    comm_end_call(own_epoch, epoch);
 }

@@ -432,6 +432,20 @@ pub trait Backend: Send + Sync {
     /// Called by a rank that failed where its peers may be waiting in a collective: they get an
     /// error instead of waiting forever. The group is unusable afterwards.
     fn abort_collectives(&self) {}
+    /// Every rank's `batch` takes the tokens rank 0 sampled for it ([`Backend::sample`] runs on
+    /// rank 0 only), so that each rank resolves the next step's [`CARRIED_TOKEN`] ids itself and
+    /// a split model's steps can be issued ahead of their tokens. A collective: every rank calls
+    /// it after the same steps. Nothing to do alone.
+    fn broadcast_sampled(&self, batch: &Self::Batch) -> Result<()> {
+        let _ = batch;
+        match self.rank_info().world {
+            1 => Ok(()),
+            n => Err(BackendError::Unsupported(format!(
+                "{} cannot share sampled tokens over {n} ranks",
+                self.name()
+            ))),
+        }
+    }
     /// Splits the columns of `x` into `a`, `b` and `c` (in that order), e.g. a fused QKV product.
     fn split3(
         &self,

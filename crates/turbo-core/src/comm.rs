@@ -32,6 +32,7 @@ impl CpuGroup {
             world,
             state: Mutex::new(State {
                 buffers: vec![Vec::new(); world],
+                words: Vec::new(),
                 arrived: 0,
                 generation: 0,
                 aborted: false,
@@ -49,6 +50,8 @@ impl CpuGroup {
 
 struct State {
     buffers: Vec<Vec<f32>>,
+    /// What rank 0 broadcasts.
+    words: Vec<u32>,
     arrived: usize,
     generation: u64,
     aborted: bool,
@@ -111,6 +114,27 @@ impl CpuGroupMember {
             }
         }
         // Nobody refills a buffer before every rank has read them all.
+        self.barrier()
+    }
+
+    /// Replaces `data` on every rank by rank 0's (the tokens it sampled, which the other ranks
+    /// need to embed the next step's carried ids).
+    pub fn broadcast_from_first(&self, data: &mut Vec<u32>) -> Result<()> {
+        if self.shared.world == 1 {
+            return Ok(());
+        }
+        if self.rank == 0 {
+            let mut state = self.lock()?;
+            state.words.clear();
+            state.words.extend_from_slice(data);
+        }
+        self.barrier()?;
+        if self.rank != 0 {
+            let state = self.lock()?;
+            data.clear();
+            data.extend_from_slice(&state.words);
+        }
+        // Rank 0 does not refill the words before every rank has read them.
         self.barrier()
     }
 
@@ -207,6 +231,37 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn every_rank_gets_the_first_ranks_words() {
+        let members = CpuGroup::members(3);
+        let got: Vec<Vec<u32>> = std::thread::scope(|s| {
+            let handles: Vec<_> = members
+                .into_iter()
+                .map(|m| {
+                    s.spawn(move || {
+                        let r = m.info().rank as u32;
+                        let mut seen = Vec::new();
+                        for round in 0..4u32 {
+                            // Peers' own values (and lengths) are replaced by rank 0's.
+                            let mut data: Vec<u32> = (0..round + r).map(|i| 100 * r + i).collect();
+                            m.broadcast_from_first(&mut data).unwrap();
+                            seen.push(data.len() as u32);
+                            seen.extend(data);
+                        }
+                        seen
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let want: Vec<u32> = (0..4u32)
+            .flat_map(|round| std::iter::once(round).chain(0..round))
+            .collect();
+        for rank in &got {
+            assert_eq!(rank, &want);
         }
     }
 

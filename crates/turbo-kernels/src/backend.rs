@@ -1124,6 +1124,18 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn broadcast_sampled(&self, batch: &CudaBatch) -> Result<()> {
+        let mut sampled = lock(&batch.sampled)?;
+        let n = batch.outputs;
+        match (self.peer(), &self.nccl) {
+            (Some(p), _) if 2 * n <= crate::p2p::STAGING_HALF_ELEMS => {
+                Ok(p.broadcast_from_first(&self.dev, &mut sampled, n)?)
+            }
+            (_, Some(nccl)) => Ok(nccl.broadcast_from_first(&mut sampled, n)?),
+            _ => Ok(()),
+        }
+    }
+
     fn abort_collectives(&self) {
         if let Some(p) = &self.peer {
             p.abort();

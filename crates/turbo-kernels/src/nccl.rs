@@ -95,11 +95,7 @@ impl NcclRank {
 
     /// Sums the first `n` values of `x` over the group, in place, on the rank's stream.
     pub(crate) fn all_reduce_sum(&self, x: &mut CudaSlice<bf16>, n: usize) -> Result<()> {
-        if self.group.aborted.load(Ordering::Acquire) {
-            return Err(CudaError::Shape(
-                "another rank of the tensor-parallel group failed".into(),
-            ));
-        }
+        self.check_alive()?;
         let mut view = x.slice_mut(0..n);
         let (ptr, _sync) = view.device_ptr_mut(&self.stream);
         // SAFETY: `ptr` holds `n` bf16 values on this rank's device, ordered on its stream.
@@ -116,6 +112,36 @@ impl NcclRank {
         }
         .map_err(|e| CudaError::Shape(format!("NCCL all-reduce failed: {e:?}")))?;
         Ok(())
+    }
+
+    /// Replaces the first `n` words of `x` on every other rank by rank 0's, on the rank's stream.
+    pub(crate) fn broadcast_from_first(&self, x: &mut CudaSlice<u32>, n: usize) -> Result<()> {
+        self.check_alive()?;
+        let mut view = x.slice_mut(0..n);
+        let (ptr, _sync) = view.device_ptr_mut(&self.stream);
+        // SAFETY: `ptr` holds `n` words on this rank's device, ordered on its stream.
+        unsafe {
+            result::broadcast(
+                ptr as *const _,
+                ptr as *mut _,
+                n,
+                sys::ncclDataType_t::ncclUint32,
+                0,
+                self.group.comms[self.info.rank],
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| CudaError::Shape(format!("NCCL broadcast failed: {e:?}")))?;
+        Ok(())
+    }
+
+    fn check_alive(&self) -> Result<()> {
+        match self.group.aborted.load(Ordering::Acquire) {
+            true => Err(CudaError::Shape(
+                "another rank of the tensor-parallel group failed".into(),
+            )),
+            false => Ok(()),
+        }
     }
 
     /// Aborts every communicator of the group (see [`Group`]).

@@ -7,7 +7,9 @@
 
 use crate::device::CudaDevice;
 use crate::error::{CudaError, Result};
-use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    sys, CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use half::bf16;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -208,22 +210,56 @@ impl PeerRank {
         x: &mut CudaSlice<bf16>,
         n: usize,
     ) -> Result<()> {
+        self.check_call("all-reduce", n, x.len(), STAGING_HALF_ELEMS)?;
+        // Enough blocks for one 16-byte chunk a thread, up to the group's cap: a decode step's
+        // message takes one block, so one pair of flags crosses the link.
+        let blocks = (n / 8)
+            .div_ceil(THREADS as usize)
+            .clamp(1, self.group.blocks as usize) as u32;
+        self.launch(dev, "all_reduce_sum_bf16", x, n, blocks)
+    }
+
+    /// Replaces the first `n` words of `x` on every other rank by rank 0's, on `dev`'s stream;
+    /// a call of the group like an all-reduce (same order on every rank).
+    pub(crate) fn broadcast_from_first(
+        &self,
+        dev: &CudaDevice,
+        x: &mut CudaSlice<u32>,
+        n: usize,
+    ) -> Result<()> {
+        self.check_call("broadcast", n, x.len(), STAGING_HALF_ELEMS / 2)?;
+        self.launch(dev, "broadcast_from_first_u32", x, n, 1)
+    }
+
+    /// Refuses a call after an abort, or of `n` values where `len` are held or `room` fit.
+    fn check_call(&self, what: &str, n: usize, len: usize, room: usize) -> Result<()> {
         if self.group.aborted.load(Ordering::Acquire) {
             return Err(CudaError::Shape(
                 "another rank of the tensor-parallel group failed".into(),
             ));
         }
-        if !self.fits(n) || x.len() < n {
+        if n > room || len < n {
             return Err(CudaError::Shape(format!(
-                "peer all-reduce of {n} values: buffer of {}, staging of {STAGING_HALF_ELEMS}",
-                x.len()
+                "peer {what} of {n} values: buffer of {len}, staging of {room}"
             )));
         }
+        Ok(())
+    }
+
+    /// Launches one of `kernels/comm.cu`'s calls over the first `n` values of `x`.
+    fn launch<T: DeviceRepr>(
+        &self,
+        dev: &CudaDevice,
+        kernel: &'static str,
+        x: &mut CudaSlice<T>,
+        n: usize,
+        blocks: u32,
+    ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         let g = &*self.group;
-        let f = dev.function("comm", "all_reduce_sum_bf16")?;
+        let f = dev.function("comm", kernel)?;
         let (n_i, rank_i, world_i) = (n as i64, self.rank as i32, g.tables.len() as i32);
         let half = STAGING_HALF_ELEMS as i64;
         let mut l = dev.stream.launch_builder(&f);
@@ -234,18 +270,14 @@ impl PeerRank {
         l.arg(&g.tables[self.rank]);
         l.arg(&half);
         l.arg(&g.abort.device);
-        // Enough blocks for one 16-byte chunk a thread, up to the group's cap: a decode step's
-        // message takes one block, so one pair of flags crosses the link.
-        let blocks = (n / 8)
-            .div_ceil(THREADS as usize)
-            .clamp(1, g.blocks as usize) as u32;
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match the kernel's signature; `x` holds `n` values; the table
-        // names buffers of the sizes the kernel assumes, alive as long as the group.
+        // SAFETY: every kernel of `comm` takes these arguments; `x` holds `n` values of the
+        // kernel's type; the table names buffers of the sizes the kernels assume, alive as long
+        // as the group.
         unsafe { l.launch(cfg) }?;
         Ok(())
     }

@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 use turbo_core::{Backend, DType};
 use turbo_kernels::{CudaBackend, CudaTensor};
 use turbo_llama::{Llama, LoadedModel};
-use turbo_scheduler::{BatchConfig, Request};
-use turbo_tests::alone::run_together;
+use turbo_scheduler::{BatchConfig, PersistentBatch, Request};
 use turbo_tests::engine::{cpu_model, engine_logits};
 use turbo_tests::files::write_gguf;
 use turbo_tests::tiny::{random_tokens, TinySpec, TinyWeights};
@@ -64,6 +63,18 @@ fn greedy<B: turbo_core::Backend>(
     loaded: &LoadedModel,
     prompts: &[Vec<u32>],
 ) -> (Vec<Vec<u32>>, Llama<B>) {
+    let (tokens, _, model) = greedy_stepping(model, loaded, prompts, true);
+    (tokens, model)
+}
+
+/// [`greedy`], each step issued before the last one's tokens are read back (`overlap`) or one
+/// at a time; also how many steps overlapped.
+fn greedy_stepping<B: turbo_core::Backend>(
+    model: Llama<B>,
+    loaded: &LoadedModel,
+    prompts: &[Vec<u32>],
+    overlap: bool,
+) -> (Vec<Vec<u32>>, u64, Llama<B>) {
     let config = BatchConfig {
         max_batch: 8,
         max_batched_tokens: 256,
@@ -71,16 +82,25 @@ fn greedy<B: turbo_core::Backend>(
         num_blocks: 256,
         ..BatchConfig::default()
     };
-    let requests = prompts
+    let mut batch = PersistentBatch::new(model, loaded.tokenizer.clone(), config).unwrap();
+    batch.set_overlap(overlap);
+    let handles: Vec<_> = prompts
         .iter()
-        .map(|p| Request {
-            max_tokens: 32,
-            ignore_eos: true,
-            ..Request::new(p.clone())
+        .map(|p| {
+            batch.submit(Request {
+                max_tokens: 32,
+                ignore_eos: true,
+                ..Request::new(p.clone())
+            })
         })
         .collect();
-    let (done, model) = run_together(model, &loaded.tokenizer, config, requests);
-    (done.into_iter().map(|c| c.token_ids).collect(), model)
+    batch.run_until_idle().unwrap();
+    let tokens = handles
+        .into_iter()
+        .map(|h| h.wait().unwrap().token_ids)
+        .collect();
+    let overlapped = batch.stats().overlapped_steps;
+    (tokens, overlapped, batch.into_parts().0)
 }
 
 #[test]
@@ -130,8 +150,14 @@ fn gpu_split_over_two_matches_one_gpu_and_the_cpu() {
             .collect();
         let (want, one) = greedy(one, &loaded, &prompts);
         let before = rank0.graph_stats();
-        let (got, _) = greedy(two, &loaded, &prompts);
+        let (got, overlapped, two) = greedy_stepping(two, &loaded, &prompts, true);
         let after = rank0.graph_stats();
+        // Overlapped steps: rank 1 embeds the tokens rank 0 sampled, which it takes on its
+        // device. Stepping one at a time runs the same steps.
+        assert!(overlapped > 0, "{dtype}: no step overlapped");
+        let (alone, none, _) = greedy_stepping(two, &loaded, &prompts, false);
+        assert_eq!(none, 0);
+        assert_eq!(alone, got, "{dtype}: overlapped vs one step at a time");
         eprintln!(
             "{dtype}: tp 2 recorded {} and replayed {} decode steps",
             after.recorded - before.recorded,

@@ -136,6 +136,9 @@ impl<B: Backend> Workspace<B> {
 pub(crate) enum Output {
     /// Nothing: a tensor-parallel peer runs the layers only (rank 0 computes the logits).
     Nothing,
+    /// Nothing, on a peer whose rank 0 hands back [`Output::TokensLater`]: the peer takes rank
+    /// 0's sampled tokens ([`Backend::broadcast_sampled`]) for the next step's carried ids.
+    SharedTokens,
     Logits,
     Tokens,
     /// The tokens, and the logits they were chosen from (after the penalties).
@@ -426,9 +429,9 @@ impl<B: Backend> Llama<B> {
 
     /// [`forward_sample`](Self::forward_sample) that returns once the step is issued, with its
     /// tokens on their way back: the caller may issue the next step, naming these tokens by
-    /// [`CARRIED_TOKEN`](turbo_core::backend::CARRIED_TOKEN) ids, before waiting for them. The
-    /// model must not be split over ranks (peers do not sample, so they could not resolve
-    /// carried ids).
+    /// [`CARRIED_TOKEN`](turbo_core::backend::CARRIED_TOKEN) ids, before waiting for them. On a
+    /// split model the peers take rank 0's tokens on their devices
+    /// ([`Backend::broadcast_sampled`]), so they resolve those ids too.
     pub fn forward_sample_later(
         &self,
         batch: &[SequenceChunk],
@@ -436,12 +439,6 @@ impl<B: Backend> Llama<B> {
         params: &[SampleParams],
         penalties: &PenaltyLists,
     ) -> Result<TokensLater> {
-        if self.peers.is_some() {
-            return Err(BackendError::Unsupported(
-                "a model split over ranks reads its sampled tokens at once".into(),
-            )
-            .into());
-        }
         let pass = Pass {
             batch,
             which: Logits::Last,
@@ -502,6 +499,7 @@ impl<B: Backend> Llama<B> {
         let step = Arc::new(PeerStep {
             batch: pass.batch.to_vec(),
             which: pass.which,
+            share_tokens: matches!(pass.output, Output::TokensLater),
         });
         peers.broadcast(|| PeerCommand::Forward(step.clone()))?;
         let mine = catch_unwind(AssertUnwindSafe(|| {
@@ -641,7 +639,7 @@ impl<B: Backend> RankModel<B> {
                 b.norm_linear_swiglu(x, &layer.ffn_norm, eps, h, &layer.w_gate_up, gate_up, act)?;
                 residual(b, act, &layer.w_down, o, x)?;
             }
-            if matches!(output, Output::Nothing) {
+            if matches!(output, Output::Nothing | Output::SharedTokens) {
                 return Ok(());
             }
             b.gather_outputs(x, batch_layout, last)?;
@@ -652,10 +650,16 @@ impl<B: Backend> RankModel<B> {
             }
             Ok(())
         })?;
+        // A split model's next step may name these tokens before the host knows them: every
+        // rank takes rank 0's (outside the recorded step, which holds no collective but the
+        // layers' all-reduces).
+        if matches!(output, Output::TokensLater | Output::SharedTokens) && b.rank_info().world > 1 {
+            b.broadcast_sampled(batch_layout)?;
+        }
         let launched = Instant::now();
         let mut out = Outputs::default();
         match output {
-            Output::Nothing => {}
+            Output::Nothing | Output::SharedTokens => {}
             Output::Logits => out.logits = b.read_logits(batch_layout)?,
             Output::Tokens => out.tokens = b.read_tokens(batch_layout)?,
             Output::Both => {

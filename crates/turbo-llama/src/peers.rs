@@ -37,6 +37,9 @@ pub(crate) enum PeerCommand<B: Backend> {
 pub(crate) struct PeerStep {
     pub batch: Vec<SequenceChunk>,
     pub which: Logits,
+    /// Whether rank 0 issues this step ahead of its tokens, which the peers then take
+    /// ([`Output::SharedTokens`]).
+    pub share_tokens: bool,
 }
 
 struct Worker<B: Backend> {
@@ -196,7 +199,10 @@ fn serve<B: Backend>(model: RankModel<B>, inbox: Receiver<PeerCommand<B>>, outbo
                             batch: &step.batch,
                             which: step.which,
                             sampling: None,
-                            output: Output::Nothing,
+                            output: match step.share_tokens {
+                                true => Output::SharedTokens,
+                                false => Output::Nothing,
+                            },
                         };
                         model.forward(pass, cache)
                     })

@@ -346,7 +346,7 @@ impl<B: Backend> PersistentBatch<B> {
     ) -> Result<Self, BatchError> {
         config.validate().map_err(BatchError::Config)?;
         let cache = model.kv_cache(config.block_size, config.num_blocks)?;
-        let model_runs_ahead = model.backend().runs_ahead() && model.world() == 1;
+        let model_runs_ahead = model.backend().runs_ahead();
         let kv = match config.prefix_caching {
             true => KvManager::new(config.num_blocks as u32, config.block_size),
             false => KvManager::without_reuse(config.num_blocks as u32, config.block_size),
@@ -620,7 +620,7 @@ impl<B: Backend> PersistentBatch<B> {
     pub fn step(&mut self) -> Result<StepReport, BatchError> {
         let mut clock = StepClock::start();
         let mut report = StepReport::default();
-        let overlap = self.overlap && self.model.world() == 1;
+        let overlap = self.overlap;
         let read_back = self.in_flight.is_some();
         if read_back && (!overlap || self.must_drain()?) {
             self.drain_or_abandon(&mut report, &mut clock)?;

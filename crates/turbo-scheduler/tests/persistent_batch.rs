@@ -1154,3 +1154,65 @@ fn cancel_all_reads_back_the_step_in_flight() {
     assert_eq!(batch.stats().kv_blocks_used, 0);
     batch.kv().check().unwrap();
 }
+
+/// A model split over two CPU ranks steps overlapped (rank 0 samples, its peer takes the tokens
+/// for the carried ids of the next step) and generates what the whole model generates stepping
+/// one at a time: the same greedy tokens, up to near ties.
+#[test]
+fn a_split_model_overlaps_its_steps_and_generates_what_the_whole_one_does() {
+    let (spec, loaded, _dir) = tiny_model();
+    let config = BatchConfig {
+        max_batch: 4,
+        max_batched_tokens: 48,
+        block_size: 8,
+        num_blocks: 96,
+        prefill_chunk: 24,
+        prefix_caching: true,
+    };
+    let prompts: Vec<Vec<u32>> = [3, 17, 40, 9, 26, 60]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| random_tokens(&spec, n, 500 + i as u64))
+        .collect();
+    let run = |model: Llama<CpuBackend>, overlap: bool| {
+        let mut batch =
+            PersistentBatch::new(model, loaded.tokenizer.clone(), config.clone()).expect("a batch");
+        batch.set_overlap(overlap);
+        let handles: Vec<RequestHandle> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                batch.submit(Request {
+                    max_tokens: 6 + 3 * i,
+                    ignore_eos: true,
+                    ..Request::new(p.clone())
+                })
+            })
+            .collect();
+        batch.run_until_idle().expect("the batch steps");
+        let done: Vec<Completion> = handles.iter().map(outcome).collect();
+        let stats = batch.stats();
+        (done, stats, batch.into_parts().0)
+    };
+    let (want, _, whole) = run(cpu_model(&loaded), false);
+    let split = Llama::new_parallel(
+        turbo_core::comm::CpuGroup::members(2)
+            .into_iter()
+            .map(|m| CpuBackend::with_group(1, m).unwrap())
+            .collect(),
+        &loaded.config,
+        &loaded.weights,
+    )
+    .unwrap();
+    let (got, stats, _) = run(split, true);
+    assert!(
+        stats.overlapped_steps * 2 > stats.steps,
+        "{} of {} steps overlapped",
+        stats.overlapped_steps,
+        stats.steps
+    );
+    for (i, ((g, w), p)) in got.iter().zip(&want).zip(&prompts).enumerate() {
+        assert_eq!(g.token_ids.len(), 6 + 3 * i);
+        same_greedy(&whole, &format!("request {i}"), p, g, w);
+    }
+}

@@ -153,6 +153,13 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn broadcast_sampled(&self, batch: &CpuBatch) -> Result<()> {
+        match &self.group {
+            Some(g) => g.broadcast_from_first(&mut *batch.tokens.lock().map_err(poisoned)?),
+            None => Ok(()),
+        }
+    }
+
     fn upload_matrix(&self, w: &WeightMatrix) -> Result<WeightMatrix> {
         Ok(w.clone())
     }

@@ -17,11 +17,11 @@
 //! alone (the step in flight is read back first, and it is read back before the next one is
 //! prepared) when it holds a row of a request that needs each token on the host first:
 //! penalties (they count every earlier token), log-probabilities (the logits come back), KV
-//! eviction (scores and compaction between steps) and teacher forcing. Steps also run alone on a
-//! model split over ranks (its peers do not sample, so they cannot resolve carried tokens), and
-//! the step in flight is read back before scheduling when the next step might have to preempt
-//! (fewer free blocks than every running sequence's next tokens could take), because a preempted
-//! request would lose its token in flight.
+//! eviction (scores and compaction between steps) and teacher forcing. On a model split over
+//! ranks, rank 0 samples and its peers take its tokens on their devices, so they resolve the
+//! carried ids as rank 0 does. The step in flight is read back before scheduling when the next
+//! step might have to preempt (fewer free blocks than every running sequence's next tokens could
+//! take), because a preempted request would lose its token in flight.
 
 use super::profile::StepClock;
 use super::{BatchError, PersistentBatch, RequestError, RequestId, StepReport, Work};
