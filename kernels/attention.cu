@@ -1270,8 +1270,10 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
                         }
                     }
                 }
+                // Softmax (H2O) needs no normaliser of its own: f(x) = x, whose logsumexp is the
+                // attention's lse, written below.
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
+                for (int h = 0; h < 2 && noisy; h++) {
                     const float mx = fmaxf(fmaxf(fm[h], fmaxf(y[0][2 * h], y[0][2 * h + 1])),
                                            fmaxf(y[1][2 * h], y[1][2 * h + 1]));
                     if (mx != attn_neg_inf()) {
@@ -1409,7 +1411,7 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     float* const sm_fm = sm_l + DEC_WARPS * DEC_ROWS;  // [warp][row]
     float* const sm_fl = sm_fm + DEC_WARPS * DEC_ROWS;  // [warp][row]
     if constexpr (LOGITS) {
-        if (logit_base != ATTN_NO_STATE) {
+        if (logit_base != ATTN_NO_STATE && noisy) {
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 float mq = fmaxf(fm[h], __shfl_xor_sync(0xffffffffu, fm[h], 1));
@@ -1427,7 +1429,7 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     __syncthreads();
     const bool direct = state == ATTN_NO_STATE;
     if constexpr (LOGITS) {
-        if (logit_base != ATTN_NO_STATE && tid < nh) {
+        if (logit_base != ATTN_NO_STATE && noisy && tid < nh) {
             float mx = attn_neg_inf();
 #pragma unroll
             for (int w = 0; w < DEC_WARPS; w++) mx = fmaxf(mx, sm_fm[w * DEC_ROWS + tid]);
@@ -1472,6 +1474,17 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             const size_t dst = (size_t)state * (size_t)n_heads + head;
             part_o[dst * HD + d] = acc * inv;
             if (d == 0) part_lse[dst] = lse;
+        }
+        if constexpr (LOGITS) {
+            // Softmax scores: the normaliser is this lse (a split row's pairs (lse, 1) merge to
+            // the row's).
+            if (logit_base != ATTN_NO_STATE && !noisy && d == 0) {
+                if (direct) {
+                    score_lse[(size_t)token * (size_t)n_heads + head] = lse;
+                } else {
+                    part_score[(size_t)state * (size_t)n_heads + head] = make_float2(lse, 1.f);
+                }
+            }
         }
     }
     if (direct) return;

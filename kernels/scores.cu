@@ -582,6 +582,9 @@ extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
     const int group = n_heads / n_kv_heads;
     const unsigned cached = p.kv_len - p.n_q;
     const bool by4 = (n_kv_heads & 3) == 0;
+    // The grid's third dimension deals the KV heads out (groups of four where they come in
+    // fours), so that each thread's chain of loads is short.
+    const int g_first = (by4 ? 4 : 1) * (int)blockIdx.z, g_step = (by4 ? 4 : 1) * (int)gridDim.z;
     for (unsigned j = first + threadIdx.x; j < end; j += blockDim.x) {
         // Rows before r0 do not see key j; a key written in this step starts from 0.
         const unsigned r0 = j > cached ? j - cached : 0;
@@ -592,8 +595,7 @@ extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
             // (independent loads in flight, where the loop below waits on each in turn).
             const float* y = logits + (size_t)p.row_base + j;
             const float* row_lse = lse + (size_t)p.q_start * n_heads;
-#pragma unroll 2
-            for (int g = 0; g < n_kv_heads; g += 4) {
+            for (int g = g_first; g < n_kv_heads; g += g_step) {
                 float inc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
                 for (int h = 0; h < group; h++) {
@@ -611,7 +613,7 @@ extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
                 *reinterpret_cast<float4*>(s + g) = v;
             }
         } else if (by4) {
-            for (int g = 0; g < n_kv_heads; g += 4) {
+            for (int g = g_first; g < n_kv_heads; g += g_step) {
                 float4 v = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(s + g);
                 v.x += score_logit_inc(logits, lse, p, j, r0, g, group, n_heads);
                 v.y += score_logit_inc(logits, lse, p, j, r0, g + 1, group, n_heads);
@@ -620,7 +622,7 @@ extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
                 *reinterpret_cast<float4*>(s + g) = v;
             }
         } else {
-            for (int g = 0; g < n_kv_heads; g++) {
+            for (int g = g_first; g < n_kv_heads; g += g_step) {
                 s[g] = (fresh ? 0.f : s[g]) + score_logit_inc(logits, lse, p, j, r0, g, group, n_heads);
             }
         }

@@ -528,7 +528,7 @@ impl ScorePlan {
             grid_dim: (
                 (self.n_logit_spans * self.logit_parts) as u32,
                 geometry.n_kv_heads as u32,
-                1,
+                logit_head_groups(geometry.n_kv_heads),
             ),
             block_dim: (LOGIT_THREADS, 1, 1),
             shared_mem_bytes: 0,
@@ -539,6 +539,16 @@ impl ScorePlan {
         // have no rows and return at once, and the block tables were checked against the cache.
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+}
+
+/// How many CTAs share a key's KV heads in `kv_score_logit_add`: one per four KV heads (each
+/// thread then loads one group's logits rather than every head's, a shorter chain of loads), up
+/// to 8.
+fn logit_head_groups(n_kv_heads: usize) -> u32 {
+    match n_kv_heads % 4 {
+        0 => (n_kv_heads / 4).clamp(1, 8) as u32,
+        _ => 1,
     }
 }
 
