@@ -628,7 +628,10 @@ impl<B: Backend> PersistentBatch<B> {
         let mut work = self.schedule(&mut report)?;
         self.kv_blocks_peak = self.kv_blocks_peak.max(self.kv.num_used());
         clock.scheduled();
-        let overlapped = overlap && work.iter().all(|w| !self.needs_tokens_now(w.slot));
+        let mut overlapped = overlap;
+        for w in &work {
+            overlapped = overlapped && !self.needs_tokens_now(w)?;
+        }
         if !overlapped && self.in_flight.is_some() {
             // This step runs alone: the tokens in flight come back first. Rows that named one
             // now know it, and rows of requests that just ended go.
@@ -982,10 +985,13 @@ impl<B: Backend> PersistentBatch<B> {
             let tokens = self.kv.tokens(seq)?;
             let ends = w.carried.is_some() || w.start + w.len >= tokens.len();
             let live = self.slots[w.slot].as_ref().expect("scheduled slots run");
+            // Tokens in flight count among those generated: the temperature is the one the
+            // step would have one step at a time.
+            let generated = live.generated.len() + live.in_flight as usize;
             let scoring = live
                 .eviction
                 .as_ref()
-                .and_then(|e| e.scoring(live.generated.len(), live.max_tokens));
+                .and_then(|e| e.scoring(generated, live.max_tokens));
             let chunk_tokens = match w.carried {
                 Some(row) => vec![CARRIED_TOKEN | row],
                 None => tokens[w.start..w.start + w.len].to_vec(),

@@ -4,6 +4,7 @@
 //! tokens' log-probabilities, and bad settings fail with a clear error.
 
 use turbo_core::cpu::CpuBackend;
+use turbo_core::Backend;
 use turbo_keyformer::{BudgetConfig, BudgetSize, PolicyKind};
 use turbo_llama::{Llama, LoadedModel};
 use turbo_scheduler::batch::Completion;
@@ -298,4 +299,74 @@ fn evicting_sequences_never_rewrite_a_shared_prefix() {
             "{policy:?}: the shared prefix changed"
         );
     }
+}
+
+/// Evicting requests step overlapped between their compactions (their scores build up on the
+/// device in step order, and the Keyformer temperature counts the token in flight), and give
+/// exactly what they give one step at a time: the same tokens, the same keys and blocks held,
+/// the same scores.
+#[test]
+fn evicting_requests_overlap_their_steps_and_generate_what_they_do_one_at_a_time() {
+    let loaded = load_default_model();
+    let prompt = loaded.tokenizer.encode(TEXT).unwrap();
+    let run = |overlap: bool| {
+        let mut b = batch(&loaded);
+        b.set_overlap(overlap);
+        let policies = [
+            (PolicyKind::Keyformer, false),
+            (PolicyKind::H2O, true),
+            (PolicyKind::Window, false),
+            (PolicyKind::Sink, true),
+        ];
+        let handles: Vec<_> = policies
+            .iter()
+            .enumerate()
+            .map(|(i, &(p, during_prefill))| {
+                let mut r = evicting(&prompt[..prompt.len() - 7 * i], p, 80 + 8 * i);
+                if let Some(e) = r.kv_eviction.as_mut() {
+                    e.during_prefill = during_prefill;
+                }
+                // A session keeps the KV, and its scores, for the comparison below.
+                r.session = Some(format!("s{i}"));
+                b.submit(r)
+            })
+            .collect();
+        b.run_until_idle().unwrap();
+        let done: Vec<_> = handles
+            .iter()
+            .map(|h| {
+                let c = finished(h);
+                (c.token_ids, c.kv_tokens, c.kv_blocks, c.kv_blocks_peak)
+            })
+            .collect();
+        // Every kept key's score, bit for bit.
+        let scores: Vec<Vec<u32>> = (0..done.len())
+            .map(|i| {
+                let seq = b.session_seq(&format!("s{i}")).expect("a resident session");
+                let kv = b.kv();
+                let (table, keys) = (kv.block_table(seq).unwrap(), kv.keys(seq).unwrap());
+                let scores = b.model().backend().read_kv_scores(b.cache(), table, keys);
+                scores.unwrap().iter().map(|s| s.to_bits()).collect()
+            })
+            .collect();
+        b.kv().check().unwrap();
+        (done, scores, b.stats())
+    };
+    let (alone, alone_scores, alone_stats) = run(false);
+    let (overlapped, scores, stats) = run(true);
+    assert_eq!(alone_stats.overlapped_steps, 0);
+    assert!(
+        stats.overlapped_steps * 2 > stats.steps,
+        "{} of {} steps overlapped",
+        stats.overlapped_steps,
+        stats.steps
+    );
+    assert_eq!(overlapped, alone);
+    assert_eq!(stats.compactions, alone_stats.compactions);
+    // Window and sink keep no scores; Keyformer's and H2O's match.
+    assert!(scores[0].len() > 1000 && scores[1].len() > 1000);
+    assert!(
+        scores == alone_scores,
+        "scores differ between overlapped and alone"
+    );
 }

@@ -16,8 +16,10 @@
 //! those requests get no extra row); tokens reach their streams one step later. A step runs
 //! alone (the step in flight is read back first, and it is read back before the next one is
 //! prepared) when it holds a row of a request that needs each token on the host first:
-//! penalties (they count every earlier token), log-probabilities (the logits come back), KV
-//! eviction (scores and compaction between steps) and teacher forcing. On a model split over
+//! penalties (they count every earlier token), log-probabilities (the logits come back), teacher
+//! forcing, and KV eviction while a prompt is coming in and at the decode step after which the
+//! sequence compacts (its other decode steps only add to its scores on the device, in stream
+//! order, and overlap; their Keyformer temperature counts the tokens in flight). On a model split over
 //! ranks, rank 0 samples and its peers take its tokens on their devices, so they resolve the
 //! carried ids as rank 0 does. The step in flight is read back before scheduling when the next
 //! step might have to preempt (fewer free blocks than every running sequence's next tokens could
@@ -66,17 +68,30 @@ impl<B: Backend> PersistentBatch<B> {
         self.overlap
     }
 
-    /// Whether the request in `slot` needs each of its tokens on the host before its next
-    /// step is prepared, so that a step holding a row of it runs alone: its penalties count
-    /// every earlier token, its log-probabilities come from logits read back, its KV eviction
-    /// scores and compacts between steps, its teacher forcing replaces the sampled token.
-    pub(super) fn needs_tokens_now(&self, slot: usize) -> bool {
-        self.slots[slot].as_ref().is_some_and(|l| {
-            l.eviction.is_some()
-                || l.logprobs.is_some()
-                || l.generated.len() < l.forced.len()
-                || l.sampler.has_penalties()
-        })
+    /// Whether the row `w` needs its request's tokens on the host before it is prepared, so
+    /// that a step holding it runs alone: its penalties count every earlier token, its
+    /// log-probabilities come from logits read back, its teacher forcing replaces the sampled
+    /// token. A request that evicts KV runs alone while its prompt is coming (it may compact
+    /// between chunks and once the prompt is in) and for the decode step after which it
+    /// compacts, which happens between steps; its other decode steps only add to its scores on
+    /// the device and overlap like any.
+    pub(super) fn needs_tokens_now(&self, w: &Work) -> Result<bool, KvError> {
+        let Some(l) = self.slots[w.slot].as_ref() else {
+            return Ok(false);
+        };
+        if l.logprobs.is_some() || l.generated.len() < l.forced.len() || l.sampler.has_penalties() {
+            return Ok(true);
+        }
+        let Some(e) = &l.eviction else {
+            return Ok(false);
+        };
+        let decoding = w.carried.is_some()
+            || (w.len == 1
+                && !l.generated.is_empty()
+                && w.start + 1 >= self.kv.tokens(l.seq)?.len());
+        // The keys it holds once this row's KV is in, as the step's postprocessing counts them.
+        let keys = (w.start + w.len).saturating_sub(self.kv.evicted(l.seq)?);
+        Ok(!decoding || e.due(keys, false, false, self.config.block_size))
     }
 
     /// Whether scheduling the next step might preempt a running request: the blocks every
