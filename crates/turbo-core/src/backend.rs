@@ -48,6 +48,16 @@ impl OwnedSpans {
     }
 }
 
+/// What a collective of a backend without one does: nothing alone, an error in a group.
+fn alone_only(name: String, rank: RankInfo, what: &str) -> Result<()> {
+    match rank.world {
+        1 => Ok(()),
+        n => Err(BackendError::Unsupported(format!(
+            "{name} cannot {what} over {n} ranks"
+        ))),
+    }
+}
+
 /// A token id of a [`BatchLayout`] with this bit set stands for a token the host does not know
 /// yet: `CARRIED_TOKEN | row` is the token the previous step run with the same batch object
 /// sampled for its output row `row`. The backend takes it from where that step left it, so a
@@ -421,13 +431,7 @@ pub trait Backend: Send + Sync {
     /// group, in an order that gives all ranks the same values. Nothing to do alone.
     fn all_reduce_sum(&self, x: &mut Self::Tensor) -> Result<()> {
         let _ = x;
-        match self.rank_info().world {
-            1 => Ok(()),
-            n => Err(BackendError::Unsupported(format!(
-                "{} cannot reduce over {n} ranks",
-                self.name()
-            ))),
-        }
+        alone_only(self.name(), self.rank_info(), "reduce")
     }
     /// Called by a rank that failed where its peers may be waiting in a collective: they get an
     /// error instead of waiting forever. The group is unusable afterwards.
@@ -438,13 +442,7 @@ pub trait Backend: Send + Sync {
     /// it after the same steps. Nothing to do alone.
     fn broadcast_sampled(&self, batch: &Self::Batch) -> Result<()> {
         let _ = batch;
-        match self.rank_info().world {
-            1 => Ok(()),
-            n => Err(BackendError::Unsupported(format!(
-                "{} cannot share sampled tokens over {n} ranks",
-                self.name()
-            ))),
-        }
+        alone_only(self.name(), self.rank_info(), "share sampled tokens")
     }
     /// Splits the columns of `x` into `a`, `b` and `c` (in that order), e.g. a fused QKV product.
     fn split3(

@@ -1128,7 +1128,7 @@ impl Backend for CudaBackend {
         let mut sampled = lock(&batch.sampled)?;
         let n = batch.outputs;
         match (self.peer(), &self.nccl) {
-            (Some(p), _) if 2 * n <= crate::p2p::STAGING_HALF_ELEMS => {
+            (Some(p), _) if p.fits_words(n) => {
                 Ok(p.broadcast_from_first(&self.dev, &mut sampled, n)?)
             }
             (_, Some(nccl)) => Ok(nccl.broadcast_from_first(&mut sampled, n)?),

@@ -202,6 +202,12 @@ impl PeerRank {
         n <= STAGING_HALF_ELEMS
     }
 
+    /// Whether a broadcast of `n` 32-bit words fits this path (a staging half holds half as
+    /// many words as bf16 values).
+    pub(crate) fn fits_words(&self, n: usize) -> bool {
+        n <= STAGING_HALF_ELEMS / 2
+    }
+
     /// Sums the first `n` values of `x` over the group, in place, on `dev`'s stream (this rank's
     /// device); every rank must make the same calls in the same order.
     pub(crate) fn all_reduce_sum(
