@@ -10,7 +10,8 @@
 //   - signals (u32): COMM_MAX_BLOCKS x COMM_MAX_RANKS arrival epochs that peers write, then the
 //     rank's epoch (calls made so far) and a count of the blocks of the current call that are done.
 // `table` (u64, on each rank): the staging base of every rank, then the signals base of every
-// rank, COMM_MAX_RANKS entries each. Every rank launches the same grid for a call (it depends on n
+// rank, then the base of every rank's inbox of flagged lines (all_reduce_flagged_bf16),
+// COMM_MAX_RANKS entries each. Every rank launches the same grid for a call (it depends on n
 // only), so block b of every rank handles the same elements and meets only block b of its peers.
 #include "common.cuh"
 
@@ -74,7 +75,7 @@ __device__ __forceinline__ void comm_end_call(unsigned* own_epoch, unsigned epoc
 // in f32, rounded once to bf16), so every rank ends with the same bits. `abort_flag` is host
 // memory: when the host sets it (a rank failed and will never arrive), waiting blocks give up and
 // x is left unspecified.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_sum_bf16(
+extern "C" __global__ void __launch_bounds__(512) all_reduce_pulled_bf16(
     __nv_bfloat16* x, long long n, int rank, int world, const unsigned long long* table,
     long long half_elems, const volatile int* abort_flag) {
     unsigned* own_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + rank]);
@@ -120,6 +121,94 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_sum_bf16(
             acc += __bfloat162float(r == rank ? x[tail] : comm_load_fresh_bf16(peer + tail));
         }
         x[tail] = __float2bfloat16_rn(acc);
+    }
+    comm_end_call(own_epoch, epoch);
+}
+
+// One 16-byte line of a rank's inbox: two words of a peer's part, each beside the call's epoch
+// as its flag (NCCL's "LL" protocol). A 16-byte store lands whole, so a line whose two flags
+// equal the call's epoch holds that call's data: no barrier and no fence stand between a peer's
+// stores and this rank's sums, only the link's one-way latency.
+__device__ __forceinline__ void comm_push_line(uint4* dst, unsigned a, unsigned b, unsigned epoch) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(a),
+                 "r"(epoch), "r"(b), "r"(epoch)
+                 : "memory");
+}
+
+// Waits for the line `src` of the call `epoch` and returns its two words in .x and .y.
+__device__ __forceinline__ uint2 comm_pull_line(const uint4* src, unsigned epoch,
+                                                const volatile int* abort_flag) {
+    uint4 v = comm_load_fresh(src);
+    for (unsigned spins = 0; v.y != epoch || v.w != epoch; spins++) {
+        if ((spins & 1023u) == 1023u && *abort_flag) break;
+        v = comm_load_fresh(src);
+    }
+    return make_uint2(v.x, v.z);
+}
+
+// The same sums as all_reduce_pulled_bf16 (rank order, f32, rounded once: the same bits), for
+// messages small enough that latency rules them: each rank stores its part straight into every
+// peer's inbox as flagged lines and sums what its own inbox receives (each 16-byte line lands
+// whole). `table[2 * COMM_MAX_RANKS +
+// r]` is rank r's inbox: two halves (by the call's parity) of `world` senders' slots of
+// `slot_lines` lines of 4 bf16. A rank writes a peer's half e % 2 in call e only after it
+// received every peer's part of call e - 1, which the peer sent after reading its inbox in call
+// e - 2.
+extern "C" __global__ void __launch_bounds__(512) all_reduce_flagged_bf16(
+    __nv_bfloat16* x, long long n, int rank, int world, const unsigned long long* table,
+    long long slot_lines, const volatile int* abort_flag) {
+    unsigned* own_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + rank]);
+    unsigned* own_epoch = own_signals + COMM_MAX_BLOCKS * COMM_MAX_RANKS;
+    const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own_epoch) + 1;
+    const long long half = (long long)(epoch & 1u) * world * slot_lines;
+    // Each thread takes 8 values (two lines) at a time; the tail of n % 8 values is padded with
+    // zeros into the last pair of lines, which block 0 handles.
+    const long long chunks = (n + 7) / 8;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const bool whole = n % 8 == 0;
+    auto own_chunk = [&](long long c) -> uint4 {
+        if (whole || c * 8 + 8 <= n) return reinterpret_cast<const uint4*>(x)[c];
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = c * 8 + k < n ? __bfloat162float(x[c * 8 + k]) : 0.f;
+        return bf16x8_pack(v);
+    };
+    for (long long c = first; c < chunks; c += stride) {
+        const uint4 v = own_chunk(c);
+        for (int r = 0; r < world; r++) {
+            if (r == rank) continue;
+            uint4* slot = reinterpret_cast<uint4*>(table[2 * COMM_MAX_RANKS + r]) + half +
+                          (long long)rank * slot_lines;
+            comm_push_line(slot + 2 * c, v.x, v.y, epoch);
+            comm_push_line(slot + 2 * c + 1, v.z, v.w, epoch);
+        }
+    }
+    const uint4* inbox = reinterpret_cast<const uint4*>(table[2 * COMM_MAX_RANKS + rank]) + half;
+    for (long long c = first; c < chunks; c += stride) {
+        const uint4 mine = own_chunk(c);
+        auto part_of = [&](int r) -> uint4 {
+            if (r == rank) return mine;
+            const uint4* slot = inbox + (long long)r * slot_lines;
+            const uint2 lo = comm_pull_line(slot + 2 * c, epoch, abort_flag);
+            const uint2 hi = comm_pull_line(slot + 2 * c + 1, epoch, abort_flag);
+            return make_uint4(lo.x, lo.y, hi.x, hi.y);
+        };
+        float acc[8], part[8];
+        bf16x8_unpack(part_of(0), acc);
+        for (int r = 1; r < world; r++) {
+            bf16x8_unpack(part_of(r), part);
+#pragma unroll
+            for (int k = 0; k < 8; k++) acc[k] += part[k];
+        }
+        if (whole || c * 8 + 8 <= n) {
+            reinterpret_cast<uint4*>(x)[c] = bf16x8_pack(acc);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                if (c * 8 + k < n) x[c * 8 + k] = __float2bfloat16_rn(acc[k]);
+            }
+        }
     }
     comm_end_call(own_epoch, epoch);
 }

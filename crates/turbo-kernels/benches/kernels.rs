@@ -802,9 +802,10 @@ fn bench_gemv(c: &mut Criterion) {
 }
 
 /// The all-reduce of a split model's residual stream (hidden 4096, bf16) over two GPUs, through
-/// peer-mapped memory and through NCCL: a decode step at batch 1 and batch 83 (the mean of the
-/// 1000-request run) and a 512-token prefill chunk. One iteration is 64 calls on each rank (a
-/// 32-layer step), each rank issuing its own from a thread of its own as the model does.
+/// peer-mapped memory (each of its kernels, and the automatic choice) and through NCCL: decode
+/// steps of 1 to 256 rows (83, the mean of the 1000-request run) and a mixed step of 640 rows.
+/// One iteration is 64 calls on each rank (a 32-layer step), each rank issuing its own from a
+/// thread of its own as the model does.
 fn bench_all_reduce(c: &mut Criterion) {
     use turbo_core::Backend;
     use turbo_kernels::CudaBackend;
@@ -817,19 +818,28 @@ fn bench_all_reduce(c: &mut Criterion) {
     g.sample_size(10)
         .measurement_time(Duration::from_secs(2))
         .warm_up_time(Duration::from_millis(500));
-    for rows in [1usize, 83, 512] {
+    use turbo_kernels::PeerAllReduceKernel::{Auto, Flagged, Pulled};
+    for rows in [1usize, 8, 32, 83, 256, 640] {
         let n = rows * 4096;
         let mut tensors: Vec<_> = group
             .iter()
             .map(|b| b.upload(&vec![0.5f32; n], rows, 4096).expect("upload"))
             .collect();
-        for (mode, peer) in [("peer", true), ("nccl", false)] {
-            if peer && !group[0].has_peer_all_reduce() {
+        let modes = [
+            ("auto", Some(Auto)),
+            ("flagged", Some(Flagged)),
+            ("pulled", Some(Pulled)),
+            ("nccl", None),
+        ];
+        for (mode, kernel) in modes {
+            let peer = kernel.is_some();
+            if peer && !group[0].has_peer_all_reduce()
+                || kernel == Some(Flagged) && n > turbo_kernels::FLAGGED_MAX_ELEMS
+            {
                 continue;
             }
-            for b in &group {
-                b.set_peer_all_reduce(peer);
-            }
+            group[0].set_peer_all_reduce(peer);
+            group[0].set_peer_all_reduce_kernel(kernel.unwrap_or(Auto));
             g.throughput(Throughput::Bytes((64 * n * 2) as u64));
             g.bench_function(format!("tp2_rows{rows}_x64_{mode}"), |bench| {
                 bench.iter_custom(|iters| {

@@ -9,7 +9,7 @@ use crate::ops::elementwise::{CompactShape, QuantGeometry};
 use crate::ops::gemv::{gemv_fits, GemvNorm, GemvOut, QkvRopeOut};
 use crate::ops::quant::QGEMV_MAX_TOKENS;
 use crate::ops::scores::{self, FixedScoring, ScoreGeometry, ScorePlan};
-use crate::p2p::PeerRank;
+use crate::p2p::{PeerAllReduceKernel, PeerRank};
 use cudarc::driver::sys::CUstreamCaptureMode;
 use cudarc::driver::{
     CudaEvent, CudaGraph, CudaSlice, CudaView, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
@@ -265,6 +265,15 @@ impl CudaBackend {
     pub fn set_peer_all_reduce(&self, enabled: bool) {
         if let Some(p) = &self.peer {
             p.set_enabled(enabled);
+        }
+    }
+
+    /// Which kernel the group's peer all-reduces take (all give the same bits;
+    /// [`PeerAllReduceKernel::Auto`] by default, the others for benchmarks and tests). Set on any
+    /// rank, it holds for the whole group: every rank must launch the same kernel.
+    pub fn set_peer_all_reduce_kernel(&self, kernel: PeerAllReduceKernel) {
+        if let Some(p) = &self.peer {
+            p.set_kernel(kernel);
         }
     }
 

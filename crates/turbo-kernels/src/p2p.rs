@@ -4,6 +4,11 @@
 //! order. One kernel and no host involvement, so a decode step's 2 x layers all-reduces cost a
 //! few microseconds each instead of a NCCL launch, and the steps that hold them can be recorded
 //! into CUDA graphs. Messages larger than a staging half go to NCCL.
+//!
+//! Small messages (a decode step of a few rows) take a second kernel ([`PeerAllReduceKernel`]):
+//! each rank stores its part straight into its peers' inboxes as lines flagged with the call's
+//! epoch, so the sums wait only for the link's one-way latency, not for a barrier followed by
+//! remote reads.
 
 use crate::device::CudaDevice;
 use crate::error::{CudaError, Result};
@@ -11,7 +16,13 @@ use cudarc::driver::{
     sys, CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use half::bf16;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+const KERNELS: [PeerAllReduceKernel; 3] = [
+    PeerAllReduceKernel::Auto,
+    PeerAllReduceKernel::Flagged,
+    PeerAllReduceKernel::Pulled,
+];
 use std::sync::Arc;
 
 /// Ranks and blocks the kernel's signal layout has room for (`COMM_MAX_RANKS`,
@@ -24,6 +35,29 @@ const THREADS: u32 = 512;
 /// [`crate::backend::MAX_GRAPH_ROWS`] rows for residual streams up to 16,384 wide, so every
 /// recorded step's all-reduces take this path.
 pub(crate) const STAGING_HALF_ELEMS: usize = 4 << 20;
+
+/// bf16 values a sender's slot of the flagged inbox holds (4 a 16-byte line, beside two flags):
+/// a decode step of 64 rows of a 8,192-wide residual stream, or 128 of a 4,096-wide one.
+pub const FLAGGED_MAX_ELEMS: usize = 1 << 19;
+
+/// Messages up to this many values take the flagged kernel under [`PeerAllReduceKernel::Auto`]
+/// (the crossover measured on 2 H200s, docs/perf/tensor-parallel.md).
+const FLAGGED_AUTO_ELEMS: usize = 1 << 15;
+
+/// bf16 values one 16-byte flagged line carries beside its two flags (`comm_push_line`).
+const FLAGGED_LINE_ELEMS: usize = 4;
+
+/// Which kernel a peer all-reduce takes; every one gives the same bits (rank-order f32 sums).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerAllReduceKernel {
+    /// Flagged lines up to the size where latency rules, pulled parts above.
+    Auto,
+    /// Parts pushed as lines flagged with the call's epoch (messages up to
+    /// [`FLAGGED_MAX_ELEMS`]; larger ones are pulled).
+    Flagged,
+    /// Parts staged in each rank's own memory; a barrier, then every rank reads its peers'.
+    Pulled,
+}
 
 /// Pinned host memory every rank's kernels can read: the abort flag.
 struct HostFlag {
@@ -115,12 +149,15 @@ impl Drop for SharedBuffer {
 struct Group {
     staging: Vec<SharedBuffer>,
     signals: Vec<SharedBuffer>,
+    inboxes: Vec<SharedBuffer>,
     streams: Vec<Arc<CudaStream>>,
     tables: Vec<CudaSlice<u64>>,
     abort: HostFlag,
     aborted: AtomicBool,
     /// Whether the group's all-reduces take this path (see [`PeerRank::set_enabled`]).
     enabled: AtomicBool,
+    /// The kernel all-reduces take ([`PeerAllReduceKernel`] as its index).
+    kernel: AtomicUsize,
     /// Most blocks a launch takes (the same on every rank; see `kernels/comm.cu`).
     blocks: u32,
 }
@@ -147,16 +184,20 @@ impl PeerRank {
         }
         let mut staging = Vec::with_capacity(world);
         let mut signals = Vec::with_capacity(world);
+        let mut inboxes = Vec::with_capacity(world);
         for d in devices {
             let bytes = 2 * STAGING_HALF_ELEMS * std::mem::size_of::<bf16>();
             staging.push(SharedBuffer::zeroed(&d.ctx, bytes)?);
             let bytes = (MAX_BLOCKS * MAX_RANKS + MAX_BLOCKS) * std::mem::size_of::<u32>();
             signals.push(SharedBuffer::zeroed(&d.ctx, bytes)?);
+            let bytes = 2 * world * FLAGGED_MAX_ELEMS / FLAGGED_LINE_ELEMS * 16;
+            inboxes.push(SharedBuffer::zeroed(&d.ctx, bytes)?);
         }
-        let mut addresses = vec![0u64; 2 * MAX_RANKS];
+        let mut addresses = vec![0u64; 3 * MAX_RANKS];
         for r in 0..world {
             addresses[r] = staging[r].ptr;
             addresses[MAX_RANKS + r] = signals[r].ptr;
+            addresses[2 * MAX_RANKS + r] = inboxes[r].ptr;
         }
         let tables = devices
             .iter()
@@ -170,11 +211,13 @@ impl PeerRank {
         let group = Arc::new(Group {
             staging,
             signals,
+            inboxes,
             streams: devices.iter().map(|d| d.stream.clone()).collect(),
             tables,
             abort,
             aborted: AtomicBool::new(false),
             enabled: AtomicBool::new(true),
+            kernel: AtomicUsize::new(0),
             blocks: (sms / 2).clamp(1, MAX_BLOCKS) as u32,
         });
         Ok(Some(
@@ -195,6 +238,12 @@ impl PeerRank {
 
     pub(crate) fn enabled(&self) -> bool {
         self.group.enabled.load(Ordering::Relaxed)
+    }
+
+    /// Sets the kernel of the whole group's all-reduces.
+    pub(crate) fn set_kernel(&self, kernel: PeerAllReduceKernel) {
+        let index = KERNELS.iter().position(|&k| k == kernel).unwrap_or(0);
+        self.group.kernel.store(index, Ordering::Relaxed);
     }
 
     /// Whether a message of `n` bf16 values fits this path.
@@ -219,10 +268,21 @@ impl PeerRank {
         self.check_call("all-reduce", n, x.len(), STAGING_HALF_ELEMS)?;
         // Enough blocks for one 16-byte chunk a thread, up to the group's cap: a decode step's
         // message takes one block, so one pair of flags crosses the link.
-        let blocks = (n / 8)
+        let blocks = n
+            .div_ceil(8)
             .div_ceil(THREADS as usize)
             .clamp(1, self.group.blocks as usize) as u32;
-        self.launch(dev, "all_reduce_sum_bf16", x, n, blocks)
+        let flagged_up_to = match KERNELS[self.group.kernel.load(Ordering::Relaxed)] {
+            PeerAllReduceKernel::Auto => FLAGGED_AUTO_ELEMS,
+            PeerAllReduceKernel::Flagged => FLAGGED_MAX_ELEMS,
+            PeerAllReduceKernel::Pulled => 0,
+        };
+        if n <= flagged_up_to {
+            let slot_lines = (FLAGGED_MAX_ELEMS / FLAGGED_LINE_ELEMS) as i64;
+            return self.launch(dev, "all_reduce_flagged_bf16", x, n, blocks, slot_lines);
+        }
+        let half = STAGING_HALF_ELEMS as i64;
+        self.launch(dev, "all_reduce_pulled_bf16", x, n, blocks, half)
     }
 
     /// Replaces the first `n` words of `x` on every other rank by rank 0's, on `dev`'s stream;
@@ -234,7 +294,8 @@ impl PeerRank {
         n: usize,
     ) -> Result<()> {
         self.check_call("broadcast", n, x.len(), STAGING_HALF_ELEMS / 2)?;
-        self.launch(dev, "broadcast_from_first_u32", x, n, 1)
+        let half = STAGING_HALF_ELEMS as i64;
+        self.launch(dev, "broadcast_from_first_u32", x, n, 1, half)
     }
 
     /// Refuses a call after an abort, or of `n` values where `len` are held or `room` fit.
@@ -252,7 +313,8 @@ impl PeerRank {
         Ok(())
     }
 
-    /// Launches one of `kernels/comm.cu`'s calls over the first `n` values of `x`.
+    /// Launches one of `kernels/comm.cu`'s calls over the first `n` values of `x`; `room` is
+    /// the size of the buffer half the kernel stages through (its own unit).
     fn launch<T: DeviceRepr>(
         &self,
         dev: &CudaDevice,
@@ -260,6 +322,7 @@ impl PeerRank {
         x: &mut CudaSlice<T>,
         n: usize,
         blocks: u32,
+        room: i64,
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -267,14 +330,13 @@ impl PeerRank {
         let g = &*self.group;
         let f = dev.function("comm", kernel)?;
         let (n_i, rank_i, world_i) = (n as i64, self.rank as i32, g.tables.len() as i32);
-        let half = STAGING_HALF_ELEMS as i64;
         let mut l = dev.stream.launch_builder(&f);
         l.arg(x);
         l.arg(&n_i);
         l.arg(&rank_i);
         l.arg(&world_i);
         l.arg(&g.tables[self.rank]);
-        l.arg(&half);
+        l.arg(&room);
         l.arg(&g.abort.device);
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
@@ -305,6 +367,7 @@ impl Drop for Group {
         }
         self.staging.clear();
         self.signals.clear();
+        self.inboxes.clear();
     }
 }
 

@@ -11,7 +11,14 @@
 use half::bf16;
 use std::time::{Duration, Instant};
 use turbo_core::{Backend, DType};
-use turbo_kernels::{CudaBackend, CudaTensor};
+use turbo_kernels::{CudaBackend, CudaTensor, PeerAllReduceKernel, FLAGGED_MAX_ELEMS};
+
+/// Every kernel of the peer all-reduce, the automatic choice first.
+const KERNELS: [PeerAllReduceKernel; 3] = [
+    PeerAllReduceKernel::Auto,
+    PeerAllReduceKernel::Flagged,
+    PeerAllReduceKernel::Pulled,
+];
 use turbo_llama::{Llama, LoadedModel};
 use turbo_scheduler::{BatchConfig, PersistentBatch, Request};
 use turbo_tests::engine::{cpu_model, engine_logits};
@@ -261,21 +268,37 @@ fn peer_all_reduce_sums_in_rank_order_on_every_rank() {
         let Some(group) = peer_group(world) else {
             continue;
         };
-        // Odd sizes exercise the tail; the large one uses every block of the fixed grid; many
-        // calls in a row exercise the epochs and the alternating staging halves.
-        let sizes = [1, 7, 8, 4099, 256 * 4096 + 5, 1 << 22];
-        for (call, &n) in sizes.iter().cycle().take(3 * sizes.len()).enumerate() {
-            let parts: Vec<Vec<f32>> = (0..world)
-                .map(|r| bf16_values(n, (call * world + r) as u64 + 1))
-                .collect();
-            let want = rank_order_sum(&parts);
-            for (r, got) in all_reduce(&group, &parts).iter().enumerate() {
-                assert!(
-                    got == &want,
-                    "world {world}, call {call}, n {n}: rank {r} differs from the rank-order sum"
-                );
+        // Odd sizes exercise the tails; the large ones use every block of the fixed grid (the
+        // flagged kernel's largest message, then the pulled kernel's); many calls in a row
+        // exercise the epochs and the alternating halves, with the kernels interleaved. Every
+        // kernel must give the rank-order sum's bits.
+        let sizes = [
+            1,
+            7,
+            8,
+            4099,
+            83 * 4096,
+            FLAGGED_MAX_ELEMS,
+            256 * 4096 + 5,
+            1 << 22,
+        ];
+        for kernel in KERNELS {
+            group[0].set_peer_all_reduce_kernel(kernel);
+            for (call, &n) in sizes.iter().cycle().take(3 * sizes.len()).enumerate() {
+                let parts: Vec<Vec<f32>> = (0..world)
+                    .map(|r| bf16_values(n, (call * world + r) as u64 + 1))
+                    .collect();
+                let want = rank_order_sum(&parts);
+                for (r, got) in all_reduce(&group, &parts).iter().enumerate() {
+                    assert!(
+                        got == &want,
+                        "world {world}, {kernel:?}, call {call}, n {n}: rank {r} differs from \
+                         the rank-order sum"
+                    );
+                }
             }
         }
+        group[0].set_peer_all_reduce_kernel(PeerAllReduceKernel::Auto);
         // The same sums through NCCL agree with these up to bf16 rounding of the order of
         // NCCL's own additions.
         for b in &group {
@@ -301,7 +324,11 @@ fn peer_all_reduce_replays_from_cuda_graphs() {
     let Some(group) = peer_group(2) else { return };
     let n = 3 * 4096 + 1;
     let mut tensors: Vec<CudaTensor> = group.iter().map(|b| b.tensor(1, n).unwrap()).collect();
-    // Two all-reduces a step, as a layer makes; recorded once per rank, replayed many times.
+    // All-reduces one after the other, as a layer makes them, each kernel followed by each
+    // other (the ranks record one after the other, so the group's kernel can change between
+    // calls); recorded once per rank, replayed many times.
+    use PeerAllReduceKernel::{Flagged, Pulled};
+    let sequence = [Flagged, Pulled, Flagged, Flagged, Pulled, Pulled, Flagged];
     let graphs: Vec<_> = group
         .iter()
         .zip(&mut tensors)
@@ -312,8 +339,11 @@ fn peer_all_reduce_replays_from_cuda_graphs() {
                     cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
                 )
                 .unwrap();
-            b.all_reduce_sum(t).unwrap();
-            b.all_reduce_sum(t).unwrap();
+            for kernel in sequence {
+                b.set_peer_all_reduce_kernel(kernel);
+                b.all_reduce_sum(t).unwrap();
+            }
+            b.set_peer_all_reduce_kernel(PeerAllReduceKernel::Auto);
             stream
                 .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
                 .unwrap()
@@ -322,10 +352,12 @@ fn peer_all_reduce_replays_from_cuda_graphs() {
         .collect();
     for replay in 0..40u64 {
         let parts: Vec<Vec<f32>> = (0..2).map(|r| bf16_values(n, 7 * replay + r)).collect();
-        // Twice summed: every rank holds the sum after the first, so the second doubles it.
+        // Every rank holds the sum after the first call, so each later one doubles it (exact
+        // in bf16).
+        let doublings = 2f32.powi(sequence.len() as i32 - 1);
         let want: Vec<f32> = rank_order_sum(&parts)
             .iter()
-            .map(|&s| bf16::from_f32(2.0 * s).to_f32())
+            .map(|&s| bf16::from_f32(doublings * s).to_f32())
             .collect();
         // The graphs name the buffers they were recorded with: new values are copied in.
         for ((b, t), p) in group.iter().zip(&mut tensors).zip(&parts) {
