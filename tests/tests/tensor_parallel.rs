@@ -157,6 +157,26 @@ fn uneven_splits_are_refused_by_name() {
 }
 
 #[test]
+fn only_rank_0_counts_an_untied_lm_head() {
+    for tied in [false, true] {
+        let spec = TinySpec { tied, ..spec() };
+        let (_dir, loaded, _) = load(&spec, DType::F32);
+        let plan = ShardPlan::new(&loaded.config, 2).unwrap();
+        let bytes = |rank| plan.bytes_of_rank(&loaded.config, &loaded.weights, rank);
+        let head = loaded
+            .weights
+            .lm_head
+            .as_ref()
+            .map_or(0, |m| m.data.len() as u64);
+        assert_eq!(head > 0, !tied);
+        assert_eq!(bytes(0) - bytes(1), head, "tied {tied}");
+        // Each rank holds half of every layer matrix (its heads, its KV heads, its FFN slice).
+        let layer_bytes: u64 = loaded.weights.layers[0].wq.data.len() as u64;
+        assert!(bytes(1) > layer_bytes / 2 * spec.layers as u64);
+    }
+}
+
+#[test]
 fn replicated_kv_heads_give_the_same_logits() {
     // 8 ranks over 2 KV heads: each KV head is held by 4 ranks, each rank with one query head.
     let spec = spec();

@@ -66,11 +66,19 @@ pub fn run(args: InfoArgs) -> Result<()> {
         } else {
             format!("{} KV heads", plan.kv_heads_per_rank)
         };
+        let gb = |rank| plan.bytes_of_rank(c, &m.weights, rank) as f64 / 1e9;
+        let weights = match m.weights.lm_head {
+            Some(_) => format!(
+                "{:.2} GB of weights on rank 0 (with the LM head), {:.2} GB on each other rank",
+                gb(0),
+                gb(1)
+            ),
+            None => format!("{:.2} GB of weights per rank", gb(0)),
+        };
         outln!(
-            "tensor par.  {world} ranks: {} heads, {kv}, FFN {} per rank; {:.2} GB of weights per rank (embedding and LM head replicated)",
+            "tensor par.  {world} ranks: {} heads, {kv}, FFN {} per rank; {weights} (embedding replicated; rank 0 computes the logits)",
             plan.heads_per_rank,
             plan.ffn_per_rank,
-            plan.bytes_per_rank(c, &m.weights) as f64 / 1e9
         )?;
     }
     outln!(

@@ -7,8 +7,9 @@
 //! all-reduce after each makes the residual stream whole again, so every other op (norms, RoPE,
 //! attention over the rank's own heads, SwiGLU) runs on local data. The KV cache of a rank holds
 //! its KV heads only. With fewer KV heads than ranks, each KV head is held by the ranks whose
-//! query heads read it (replicated). Norms, the embedding and the LM head are replicated: every
-//! rank computes the same logits from the same reduced stream, and samples the same token.
+//! query heads read it (replicated). Norms and the embedding are replicated; the LM head is held
+//! by rank 0 alone, which computes the logits and samples, and gives its peers the sampled tokens
+//! on the devices when the next step is issued before the host has read them.
 
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
@@ -159,9 +160,9 @@ impl ShardPlan {
         })
     }
 
-    /// Bytes of weights one rank holds, as stored in the file: its slices of the layers and
-    /// the replicated embedding, LM head and norms.
-    pub fn bytes_per_rank(&self, config: &LlamaConfig, host: &HostWeights) -> u64 {
+    /// Bytes of weights `rank` holds, as stored in the file: its slices of the layers, the
+    /// replicated embedding and norms, and on rank 0 an untied LM head.
+    pub fn bytes_of_rank(&self, config: &LlamaConfig, host: &HostWeights, rank: usize) -> u64 {
         let len = |m: &WeightMatrix| m.data.len() as u64;
         let world = self.world as u64;
         let kv_share = |m: &WeightMatrix| {
@@ -179,7 +180,7 @@ impl ShardPlan {
             .sum();
         layers
             + len(&host.embed)
-            + host.lm_head.as_ref().map_or(0, len)
+            + host.lm_head.as_ref().filter(|_| rank == 0).map_or(0, len)
             + 4 * host.final_norm.len() as u64
     }
 }
