@@ -15,9 +15,6 @@
 // only), so block b of every rank handles the same elements and meets only block b of its peers.
 #include "common.cuh"
 
-#define COMM_MAX_RANKS 8
-#define COMM_MAX_BLOCKS 64
-
 __device__ __forceinline__ void comm_store_release(unsigned* p, unsigned v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
@@ -25,16 +22,6 @@ __device__ __forceinline__ void comm_store_release(unsigned* p, unsigned v) {
 __device__ __forceinline__ unsigned comm_load_acquire(const unsigned* p) {
     unsigned v;
     asm volatile("ld.acquire.sys.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-// A peer's 16 bytes, fetched again rather than from a cache line an earlier call left behind.
-__device__ __forceinline__ uint4 comm_load_fresh(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
     return v;
 }
 
@@ -59,16 +46,6 @@ __device__ __forceinline__ void comm_barrier(unsigned* own_signals, int rank, in
         }
     }
     __syncthreads();
-}
-
-// The last block done ends the call: the next call (a later kernel) reads the new epoch.
-__device__ __forceinline__ void comm_end_call(unsigned* own_epoch, unsigned epoch) {
-    unsigned* blocks_done = own_epoch + 1;
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
-        *blocks_done = 0;
-        *own_epoch = epoch;
-    }
 }
 
 // Sums the first n values of x over the group, in place, in rank order (0, 1, ..., world - 1,
@@ -123,27 +100,6 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_pulled_bf16(
         x[tail] = __float2bfloat16_rn(acc);
     }
     comm_end_call(own_epoch, epoch);
-}
-
-// One 16-byte line of a rank's inbox: two words of a peer's part, each beside the call's epoch
-// as its flag (NCCL's "LL" protocol). A 16-byte store lands whole, so a line whose two flags
-// equal the call's epoch holds that call's data: no barrier and no fence stand between a peer's
-// stores and this rank's sums, only the link's one-way latency.
-__device__ __forceinline__ void comm_push_line(uint4* dst, unsigned a, unsigned b, unsigned epoch) {
-    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(a),
-                 "r"(epoch), "r"(b), "r"(epoch)
-                 : "memory");
-}
-
-// Waits for the line `src` of the call `epoch` and returns its two words in .x and .y.
-__device__ __forceinline__ uint2 comm_pull_line(const uint4* src, unsigned epoch,
-                                                const volatile int* abort_flag) {
-    uint4 v = comm_load_fresh(src);
-    for (unsigned spins = 0; v.y != epoch || v.w != epoch; spins++) {
-        if ((spins & 1023u) == 1023u && *abort_flag) break;
-        v = comm_load_fresh(src);
-    }
-    return make_uint2(v.x, v.z);
 }
 
 // The same sums as all_reduce_pulled_bf16 (rank order, f32, rounded once: the same bits), for

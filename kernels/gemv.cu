@@ -171,6 +171,79 @@ __device__ __forceinline__ void gemv_qkv_rope(const __nv_bfloat16* __restrict__ 
     }
 }
 
+// A row-parallel product of a tensor-parallel decode step fused with its all-reduce: rank 0's
+// partial is bf16(residual + x · Wᵀ), every other rank's bf16(x · Wᵀ), exactly as the unfused
+// products store them; each block pushes its GEMV_WARPS outputs a token as two flagged lines into
+// every peer's inbox (comm.cu's all_reduce_flagged_bf16 layout: line = element / 4), waits for the
+// same lines of every peer, and writes the rank-order f32 sum, rounded once, into the residual
+// stream: the bits of the separate product and all-reduce, with one launch and one crossing of the
+// link. Needs units % GEMV_WARPS == 0 and the whole grid resident at once (checked by the
+// launcher): a block waits only for peers' blocks of the same index, which wait for nothing before
+// they push.
+template <int M>
+__device__ __forceinline__ void gemv_all_reduce(const __nv_bfloat16* __restrict__ w,
+                                                const __nv_bfloat16* __restrict__ x, __nv_bfloat16* residual,
+                                                int units, int k, int rank, int world,
+                                                const unsigned long long* table, long long slot_lines,
+                                                const volatile int* abort_flag) {
+    __shared__ float part[M][GEMV_WARPS];
+    unsigned* own_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + rank]);
+    unsigned* own_epoch = own_signals + COMM_MAX_BLOCKS * COMM_MAX_RANKS;
+    // Written only at the end of the previous call (an earlier kernel on this stream).
+    const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own_epoch) + 1;
+    const int warp = threadIdx.x / TURBO_WARP;
+    const int unit = blockIdx.x * GEMV_WARPS + warp;
+    const __nv_bfloat16* row[1] = {w + (size_t)unit * (size_t)k};
+    float dot[M][1];
+    warp_dots<M, 1, false>(row, x, nullptr, 0.f, k, dot);
+    if (threadIdx.x % TURBO_WARP == 0) {
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            const float v = rank == 0 ? __bfloat162float(residual[(size_t)m * units + unit]) + dot[m][0] : dot[m][0];
+            part[m][warp] = round_bf16(v);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 2 * M) {
+        const int m = threadIdx.x / 2, j = threadIdx.x % 2;
+        const long long element = (long long)m * units + (long long)blockIdx.x * GEMV_WARPS + 4 * j;
+        const long long line = element / 4;
+        const long long half = (long long)(epoch & 1u) * world * slot_lines;
+        const float* mine = &part[m][4 * j];
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(mine[0], mine[1]);
+        const __nv_bfloat162 hi = __floats2bfloat162_rn(mine[2], mine[3]);
+        const unsigned a = *reinterpret_cast<const unsigned*>(&lo), b = *reinterpret_cast<const unsigned*>(&hi);
+        for (int r = 0; r < world; r++) {
+            if (r == rank) continue;
+            uint4* slot = reinterpret_cast<uint4*>(table[2 * COMM_MAX_RANKS + r]) + half + (long long)rank * slot_lines;
+            comm_push_line(slot + line, a, b, epoch);
+        }
+        const uint4* inbox = reinterpret_cast<const uint4*>(table[2 * COMM_MAX_RANKS + rank]) + half;
+        float acc[4];
+        for (int r = 0; r < world; r++) {
+            float v[4];
+            if (r == rank) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) v[e] = mine[e];
+            } else {
+                const uint2 got = comm_pull_line(inbox + (long long)r * slot_lines + line, epoch, abort_flag);
+                const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&got.x));
+                const float2 q = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&got.y));
+                v[0] = p.x, v[1] = p.y, v[2] = q.x, v[3] = q.y;
+            }
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[e] = r == 0 ? v[e] : acc[e] + v[e];
+        }
+        const __nv_bfloat162 s0 = __floats2bfloat162_rn(acc[0], acc[1]);
+        const __nv_bfloat162 s1 = __floats2bfloat162_rn(acc[2], acc[3]);
+        uint2 sum;
+        sum.x = *reinterpret_cast<const unsigned*>(&s0);
+        sum.y = *reinterpret_cast<const unsigned*>(&s1);
+        *reinterpret_cast<uint2*>(residual + element) = sum;
+    }
+    comm_end_call(own_epoch, epoch);
+}
+
 // Grid: ceil(units / GEMV_WARPS) blocks of GEMV_WARPS warps. `g` and `eps` are ignored without NORM,
 // `mode` by the SwiGLU kernels.
 #define GEMV_KERNELS(M)                                                                                     \
@@ -199,6 +272,19 @@ __device__ __forceinline__ void gemv_qkv_rope(const __nv_bfloat16* __restrict__ 
         gemv_qkv_rope<M>(w, x, g, eps, q, k_cache, v_cache, positions, slots, inv_freq, q_cols, kv_cols,     \
                          head_dim, cache_slots, k);                                                         \
     }
+
+// Grid: units / GEMV_WARPS blocks of GEMV_WARPS warps.
+#define GEMV_ALL_REDUCE_KERNEL(M)                                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * TURBO_WARP) gemv_all_reduce_m##M(             \
+        const __nv_bfloat16* w, const __nv_bfloat16* x, __nv_bfloat16* residual, int units, int k, int rank,  \
+        int world, const unsigned long long* table, long long slot_lines, const volatile int* abort_flag) {   \
+        gemv_all_reduce<M>(w, x, residual, units, k, rank, world, table, slot_lines, abort_flag);           \
+    }
+
+GEMV_ALL_REDUCE_KERNEL(1)
+GEMV_ALL_REDUCE_KERNEL(2)
+GEMV_ALL_REDUCE_KERNEL(3)
+GEMV_ALL_REDUCE_KERNEL(4)
 
 GEMV_QKV_ROPE_KERNEL(1)
 GEMV_QKV_ROPE_KERNEL(2)

@@ -58,6 +58,29 @@ fn alone_only(name: String, rank: RankInfo, what: &str) -> Result<()> {
     }
 }
 
+/// [`Backend::linear_residual_all_reduce`] as separate steps: the product (added to the stream
+/// on rank 0, alone on the others), then the all-reduce. Backends that fuse the two fall back on
+/// it where they cannot.
+pub fn split_linear_residual<B: Backend + ?Sized>(
+    b: &B,
+    input: &B::Tensor,
+    w: &B::Matrix,
+    product: &mut B::Tensor,
+    x: &mut B::Tensor,
+) -> Result<()> {
+    match b.rank_info() {
+        RankInfo { world: 1, .. } => b.linear_residual(input, w, product, x),
+        RankInfo { rank: 0, .. } => {
+            b.linear_residual(input, w, product, x)?;
+            b.all_reduce_sum(x)
+        }
+        _ => {
+            b.linear(input, w, x)?;
+            b.all_reduce_sum(x)
+        }
+    }
+}
+
 /// A token id of a [`BatchLayout`] with this bit set stands for a token the host does not know
 /// yet: `CARRIED_TOKEN | row` is the token the previous step run with the same batch object
 /// sampled for its output row `row`. The backend takes it from where that step left it, so a
@@ -432,6 +455,20 @@ pub trait Backend: Send + Sync {
     fn all_reduce_sum(&self, x: &mut Self::Tensor) -> Result<()> {
         let _ = x;
         alone_only(self.name(), self.rank_info(), "reduce")
+    }
+    /// A row-parallel block's residual step on a tensor-parallel group: `x += input · wᵀ` where
+    /// `w` holds this rank's input columns, so each rank's product is a partial sum. Rank 0 adds
+    /// its part to the stream, the others contribute theirs alone, and the all-reduce makes every
+    /// rank's `x` the whole stream again. Alone, it is [`Backend::linear_residual`]. Backends may
+    /// fuse the product with the all-reduce; the values must be those of this default.
+    fn linear_residual_all_reduce(
+        &self,
+        input: &Self::Tensor,
+        w: &Self::Matrix,
+        product: &mut Self::Tensor,
+        x: &mut Self::Tensor,
+    ) -> Result<()> {
+        split_linear_residual(self, input, w, product, x)
     }
     /// Called by a rank that failed where its peers may be waiting in a collective: they get an
     /// error instead of waiting forever. The group is unusable afterwards.

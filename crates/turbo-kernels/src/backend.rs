@@ -270,11 +270,19 @@ impl CudaBackend {
 
     /// Which kernel the group's peer all-reduces take (all give the same bits;
     /// [`PeerAllReduceKernel::Auto`] by default, the others for benchmarks and tests). Set on any
-    /// rank, it holds for the whole group: every rank must launch the same kernel.
+    /// rank, it holds for the whole group: every rank must launch the same kernel. Set it before
+    /// a model runs: steps already recorded as CUDA graphs keep the kernels they were recorded
+    /// with.
     pub fn set_peer_all_reduce_kernel(&self, kernel: PeerAllReduceKernel) {
         if let Some(p) = &self.peer {
             p.set_kernel(kernel);
         }
+    }
+
+    /// Row-parallel products that the group's ranks launched fused with their all-reduce
+    /// ([`PeerAllReduceKernel::Auto`] at decode), so tests and benchmarks can tell it ran.
+    pub fn fused_all_reduces(&self) -> u64 {
+        self.peer.as_ref().map_or(0, |p| p.fused_count())
     }
 
     /// Whether this rank is part of a group whose GPUs map each other's memory.
@@ -1130,6 +1138,42 @@ impl Backend for CudaBackend {
             (Some(p), _) if p.fits(n) => Ok(p.all_reduce_sum(&self.dev, &mut x.data, n)?),
             (_, Some(nccl)) => Ok(nccl.all_reduce_sum(&mut x.data, n)?),
             _ => Ok(()),
+        }
+    }
+
+    fn linear_residual_all_reduce(
+        &self,
+        input: &CudaTensor,
+        w: &CudaMatrix,
+        product: &mut CudaTensor,
+        x: &mut CudaTensor,
+    ) -> Result<()> {
+        // A decode step's product and all-reduce in one kernel where the peer path allows it.
+        let n = x.rows * x.cols;
+        let fused = match (self.peer(), w.bf16()) {
+            (Some(p), Some(data)) if gemv_fits(input.rows, w.cols) && x.cols == w.rows => {
+                match p.fused(n)? {
+                    Some(group) => ops::gemv::gemv_all_reduce(
+                        &self.dev,
+                        &input.data,
+                        input.rows,
+                        data,
+                        w.rows,
+                        w.cols,
+                        &mut x.data,
+                        &group,
+                    )?,
+                    None => false,
+                }
+            }
+            _ => false,
+        };
+        match (fused, self.peer()) {
+            (true, Some(p)) => {
+                p.count_fused();
+                Ok(())
+            }
+            _ => turbo_core::backend::split_linear_residual(self, input, w, product, x),
         }
     }
 

@@ -12,11 +12,12 @@
 
 use crate::device::CudaDevice;
 use crate::error::{CudaError, Result};
+use crate::ops::gemv::GemvGroup;
 use cudarc::driver::{
     sys, CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use half::bf16;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 const KERNELS: [PeerAllReduceKernel; 3] = [
     PeerAllReduceKernel::Auto,
@@ -50,10 +51,12 @@ const FLAGGED_LINE_ELEMS: usize = 4;
 /// Which kernel a peer all-reduce takes; every one gives the same bits (rank-order f32 sums).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PeerAllReduceKernel {
-    /// Flagged lines up to the size where latency rules, pulled parts above.
+    /// Flagged lines up to the size where latency rules, pulled parts above; and a decode
+    /// step's row-parallel products fused with their all-reduces where the product is a
+    /// matrix-vector kernel (`gemv_all_reduce`).
     Auto,
     /// Parts pushed as lines flagged with the call's epoch (messages up to
-    /// [`FLAGGED_MAX_ELEMS`]; larger ones are pulled).
+    /// [`FLAGGED_MAX_ELEMS`]; larger ones are pulled), always in a kernel of their own.
     Flagged,
     /// Parts staged in each rank's own memory; a barrier, then every rank reads its peers'.
     Pulled,
@@ -160,6 +163,10 @@ struct Group {
     kernel: AtomicUsize,
     /// Most blocks a launch takes (the same on every rank; see `kernels/comm.cu`).
     blocks: u32,
+    /// Fewest SMs of the group's GPUs.
+    sms: usize,
+    /// Products launched fused with their all-reduce, over every rank.
+    fused: AtomicU64,
 }
 
 // SAFETY: the host flag is written with volatile stores and only read by kernels; the device
@@ -219,6 +226,8 @@ impl PeerRank {
             enabled: AtomicBool::new(true),
             kernel: AtomicUsize::new(0),
             blocks: (sms / 2).clamp(1, MAX_BLOCKS) as u32,
+            sms,
+            fused: AtomicU64::new(0),
         });
         Ok(Some(
             (0..world)
@@ -285,6 +294,38 @@ impl PeerRank {
         self.launch(dev, "all_reduce_pulled_bf16", x, n, blocks, half)
     }
 
+    /// The group as a product fused with its all-reduce sums over it ([`gemv_all_reduce`]), for
+    /// a message of `n` values: `None` where the standalone kernels are asked for or the message
+    /// is larger than an inbox slot.
+    ///
+    /// [`gemv_all_reduce`]: crate::ops::gemv::gemv_all_reduce
+    pub(crate) fn fused(&self, n: usize) -> Result<Option<GemvGroup<'_>>> {
+        self.check_alive()?;
+        let auto = KERNELS[self.group.kernel.load(Ordering::Relaxed)] == PeerAllReduceKernel::Auto;
+        if !auto || n > FLAGGED_MAX_ELEMS {
+            return Ok(None);
+        }
+        let g = &*self.group;
+        Ok(Some(GemvGroup {
+            rank: self.rank,
+            world: g.tables.len(),
+            table: &g.tables[self.rank],
+            slot_lines: FLAGGED_MAX_ELEMS / FLAGGED_LINE_ELEMS,
+            abort_flag: g.abort.device,
+            sms: g.sms,
+        }))
+    }
+
+    /// Counts a product launched fused with its all-reduce.
+    pub(crate) fn count_fused(&self) {
+        self.group.fused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Products launched fused with their all-reduce, over every rank of the group.
+    pub(crate) fn fused_count(&self) -> u64 {
+        self.group.fused.load(Ordering::Relaxed)
+    }
+
     /// Replaces the first `n` words of `x` on every other rank by rank 0's, on `dev`'s stream;
     /// a call of the group like an all-reduce (same order on every rank).
     pub(crate) fn broadcast_from_first(
@@ -300,17 +341,23 @@ impl PeerRank {
 
     /// Refuses a call after an abort, or of `n` values where `len` are held or `room` fit.
     fn check_call(&self, what: &str, n: usize, len: usize, room: usize) -> Result<()> {
-        if self.group.aborted.load(Ordering::Acquire) {
-            return Err(CudaError::Shape(
-                "another rank of the tensor-parallel group failed".into(),
-            ));
-        }
+        self.check_alive()?;
         if n > room || len < n {
             return Err(CudaError::Shape(format!(
                 "peer {what} of {n} values: buffer of {len}, staging of {room}"
             )));
         }
         Ok(())
+    }
+
+    /// Refuses a call after the group was aborted.
+    fn check_alive(&self) -> Result<()> {
+        match self.group.aborted.load(Ordering::Acquire) {
+            true => Err(CudaError::Shape(
+                "another rank of the tensor-parallel group failed".into(),
+            )),
+            false => Ok(()),
+        }
     }
 
     /// Launches one of `kernels/comm.cu`'s calls over the first `n` values of `x`; `room` is

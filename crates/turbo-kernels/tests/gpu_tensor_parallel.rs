@@ -19,9 +19,9 @@ const KERNELS: [PeerAllReduceKernel; 3] = [
     PeerAllReduceKernel::Flagged,
     PeerAllReduceKernel::Pulled,
 ];
-use turbo_llama::{Llama, LoadedModel};
+use turbo_llama::{Llama, LoadedModel, Logits, SequenceChunk};
 use turbo_scheduler::{BatchConfig, PersistentBatch, Request};
-use turbo_tests::engine::{cpu_model, engine_logits};
+use turbo_tests::engine::{cpu_model, engine_logits, rows};
 use turbo_tests::files::write_gguf;
 use turbo_tests::tiny::{random_tokens, TinySpec, TinyWeights};
 
@@ -208,6 +208,81 @@ fn gpu_split_over_two_matches_one_gpu_and_the_cpu() {
                 w[m]
             );
         }
+    }
+}
+
+/// Logits of decode steps: three sequences take `tokens[..prefill]` as a prompt, then the first
+/// decodes the rest one token a step (steps of one row), and finally all three decode one more
+/// token together (a step of three rows).
+fn decode_logits<B: turbo_core::Backend>(
+    model: &Llama<B>,
+    tokens: &[u32],
+    prefill: usize,
+) -> Vec<Vec<f32>> {
+    let block_size = 16;
+    let blocks = (tokens.len() + 1).div_ceil(block_size) as u32;
+    let mut cache = model.kv_cache(block_size, 3 * blocks as usize).unwrap();
+    let chunk = |t: &[u32], start: usize, seq: u32| SequenceChunk {
+        tokens: t.to_vec(),
+        start,
+        position: start,
+        block_table: (seq * blocks..(seq + 1) * blocks).collect(),
+        scoring: None,
+    };
+    let vocab = model.config.vocab_size;
+    let mut out = Vec::new();
+    for seq in 0..3 {
+        let prompt = chunk(&tokens[..prefill], 0, seq);
+        model.forward(&[prompt], &mut cache, Logits::Last).unwrap();
+    }
+    for i in prefill..tokens.len() {
+        let step = chunk(&tokens[i..i + 1], i, 0);
+        let logits = model.forward(&[step], &mut cache, Logits::Last).unwrap();
+        out.extend(rows(&logits, vocab));
+    }
+    let n = tokens.len();
+    let together = [
+        chunk(&tokens[n - 1..], n, 0),
+        chunk(&tokens[prefill..prefill + 1], prefill, 1),
+        chunk(&tokens[prefill..prefill + 1], prefill, 2),
+    ];
+    let logits = model.forward(&together, &mut cache, Logits::Last).unwrap();
+    out.extend(rows(&logits, vocab));
+    out
+}
+
+#[test]
+fn fused_product_all_reduce_gives_the_bits_of_the_separate_kernels() {
+    let spec = spec();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.gguf");
+    write_gguf(&path, &spec, &TinyWeights::random(&spec), DType::F16);
+    let loaded = LoadedModel::load(&path).unwrap();
+    let tokens = random_tokens(&spec, 40, 11);
+    // Auto fuses each decode step's W_o and W_down products with their all-reduces; Pulled and
+    // Flagged keep them apart. A fresh group each, so that no recorded step carries over.
+    let mut fused = None;
+    for kernel in KERNELS {
+        let Some(group) = peer_group(2) else { return };
+        group[0].set_peer_all_reduce_kernel(kernel);
+        let model = Llama::new_parallel(group.clone(), &loaded.config, &loaded.weights).unwrap();
+        let logits = decode_logits(&model, &tokens, 30);
+        let launched = group[0].fused_all_reduces();
+        match kernel {
+            PeerAllReduceKernel::Auto => {
+                assert!(launched > 0, "Auto launched no fused product");
+                fused = Some(logits);
+            }
+            _ => {
+                assert_eq!(launched, 0, "{kernel:?} fused");
+                let fused = fused.as_ref().expect("Auto runs first");
+                assert!(
+                    &logits == fused,
+                    "{kernel:?}: logits differ from the fused kernel's"
+                );
+            }
+        }
+        eprintln!("{kernel:?}: {launched} fused launches");
     }
 }
 

@@ -11,7 +11,6 @@ use std::sync::Mutex;
 use std::time::Instant;
 use turbo_attention::QuerySpan;
 use turbo_core::backend::{BatchLayout, Sampling, TokensLater};
-use turbo_core::comm::RankInfo;
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::{PenaltyLists, SampleParams};
 use turbo_core::{Backend, BackendError, KvDtype, KvScoring};
@@ -634,10 +633,10 @@ impl<B: Backend> RankModel<B> {
                 if !scoring.is_empty() {
                     b.accumulate_kv_scores(q, cache, i, c.n_heads, batch_layout, scale)?;
                 }
-                residual(b, attn, &layer.wo, o, x)?;
+                b.linear_residual_all_reduce(attn, &layer.wo, o, x)?;
                 // Feed-forward block (SwiGLU).
                 b.norm_linear_swiglu(x, &layer.ffn_norm, eps, h, &layer.w_gate_up, gate_up, act)?;
-                residual(b, act, &layer.w_down, o, x)?;
+                b.linear_residual_all_reduce(act, &layer.w_down, o, x)?;
             }
             if matches!(output, Output::Nothing | Output::SharedTokens) {
                 return Ok(());
@@ -682,31 +681,6 @@ impl<B: Backend> RankModel<B> {
         }
         Ok(out)
     }
-}
-
-/// A block's residual step, `x += input · wᵀ`. Split over ranks, `w` holds the rank's input
-/// columns (row-parallel), so each rank's product is a partial sum: rank 0 adds its part to the
-/// stream, the others contribute theirs alone, and the all-reduce makes every rank's `x` the
-/// whole stream again.
-fn residual<B: Backend>(
-    b: &B,
-    input: &B::Tensor,
-    w: &B::Matrix,
-    product: &mut B::Tensor,
-    x: &mut B::Tensor,
-) -> turbo_core::backend::Result<()> {
-    match b.rank_info() {
-        RankInfo { world: 1, .. } => b.linear_residual(input, w, product, x)?,
-        RankInfo { rank: 0, .. } => {
-            b.linear_residual(input, w, product, x)?;
-            b.all_reduce_sum(x)?;
-        }
-        _ => {
-            b.linear(input, w, x)?;
-            b.all_reduce_sum(x)?;
-        }
-    }
-    Ok(())
 }
 
 /// Token ids, positions, KV slots, and `(q_start, n_q, kv_len)` per sequence.

@@ -135,6 +135,97 @@ pub fn gemv(
     Ok(())
 }
 
+/// The tensor-parallel group that [`gemv_all_reduce`] sums over: its peer-mapped flagged inboxes
+/// (`p2p.rs`, `kernels/comm.cu`).
+pub struct GemvGroup<'a> {
+    pub rank: usize,
+    pub world: usize,
+    /// Every rank's buffers, as the peer all-reduce kernels take them.
+    pub table: &'a CudaSlice<u64>,
+    /// 16-byte lines of a sender's inbox slot (4 values each).
+    pub slot_lines: usize,
+    /// Device address of the group's abort flag.
+    pub abort_flag: u64,
+    /// Fewest SMs of the group's GPUs: every rank must make the same choice of kernel.
+    pub sms: usize,
+}
+
+const ALL_REDUCE_NAMES: [&str; GEMV_MAX_TOKENS] = [
+    "gemv_all_reduce_m1",
+    "gemv_all_reduce_m2",
+    "gemv_all_reduce_m3",
+    "gemv_all_reduce_m4",
+];
+
+/// A row-parallel product of a split decode step and its all-reduce in one kernel: rank 0's
+/// `bf16(residual + x · wᵀ)` and every other rank's `bf16(x · wᵀ)`, summed over the group in rank
+/// order into `residual` on every rank, the same bits as [`gemv`] followed by the peer
+/// all-reduce. Returns `false`, launching nothing, where the kernel does not apply: `rows` not a
+/// multiple of the block's 8 outputs, a message larger than an inbox slot, or a grid that the
+/// GPU cannot hold resident at once (each block waits for its peers' block of the same index).
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_all_reduce(
+    dev: &CudaDevice,
+    x: &CudaSlice<bf16>,
+    tokens: usize,
+    w: &CudaSlice<bf16>,
+    rows: usize,
+    k: usize,
+    residual: &mut CudaSlice<bf16>,
+    group: &GemvGroup,
+) -> Result<bool> {
+    if !rows.is_multiple_of(WARPS) || tokens * rows > 4 * group.slot_lines {
+        return Ok(false);
+    }
+    check(
+        gemv_fits(tokens, k)
+            && rows > 0
+            && rows <= i32::MAX as usize
+            && x.len() >= tokens * k
+            && w.len() >= rows * k
+            && residual.len() >= tokens * rows,
+        || {
+            format!(
+                "gemv_all_reduce: x {} / w {} / residual {} elements for tokens={tokens} \
+                 rows={rows} k={k}",
+                x.len(),
+                w.len(),
+                residual.len()
+            )
+        },
+    )?;
+    let f = dev.function("gemv", ALL_REDUCE_NAMES[tokens - 1])?;
+    let threads = (WARPS * 32) as u32;
+    let blocks = rows / WARPS;
+    let resident = f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)? as usize;
+    if resident * group.sms < blocks {
+        return Ok(false);
+    }
+    let (units_i, k_i) = (rows as i32, k as i32);
+    let (rank_i, world_i) = (group.rank as i32, group.world as i32);
+    let slot_lines = group.slot_lines as i64;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(w);
+    b.arg(x);
+    b.arg(residual);
+    b.arg(&units_i);
+    b.arg(&k_i);
+    b.arg(&rank_i);
+    b.arg(&world_i);
+    b.arg(group.table);
+    b.arg(&slot_lines);
+    b.arg(&group.abort_flag);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; the sizes were checked; the table
+    // names the group's buffers, alive as long as the group, of the sizes the kernel assumes.
+    unsafe { b.launch(cfg) }?;
+    Ok(true)
+}
+
 /// Where [`gemv_qkv_rope`] puts its results, and the step's rotary positions.
 pub struct QkvRopeOut<'a, 'b> {
     /// `[tokens, q_cols]`, the rotated queries.
