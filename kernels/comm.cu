@@ -6,7 +6,8 @@
 // Each rank owns, in its own device memory:
 //   - a staging buffer of two halves of `half_elems` bf16. Call e uses half e % 2, so a rank never
 //     overwrites what a peer may still be reading: to be in call e + 2 it must have finished call
-//     e + 1, whose barriers its peers join only after finishing call e;
+//     e + 1, which needs every peer to have started it (joined its barriers, or pushed its lines)
+//     after finishing call e;
 //   - signals (u32): COMM_MAX_BLOCKS x COMM_MAX_RANKS arrival epochs that peers write, then the
 //     rank's epoch (calls made so far) and a count of the blocks of the current call that are done.
 // `table` (u64, on each rank): the staging base of every rank, then the signals base of every
@@ -104,8 +105,7 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_pulled_bf16(
 
 // The same sums as all_reduce_pulled_bf16 (rank order, f32, rounded once: the same bits), for
 // messages small enough that latency rules them: each rank stores its part straight into every
-// peer's inbox as flagged lines and sums what its own inbox receives (each 16-byte line lands
-// whole). `table[2 * COMM_MAX_RANKS +
+// peer's inbox as flagged lines and sums what its own inbox receives. `table[2 * COMM_MAX_RANKS +
 // r]` is rank r's inbox: two halves (by the call's parity) of `world` senders' slots of
 // `slot_lines` lines of 4 bf16. A rank writes a peer's half e % 2 in call e only after it
 // received every peer's part of call e - 1, which the peer sent after reading its inbox in call
@@ -118,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_flagged_bf16(
     const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own_epoch) + 1;
     const long long half = (long long)(epoch & 1u) * world * slot_lines;
     // Each thread takes 8 values (two lines) at a time; the tail of n % 8 values is padded with
-    // zeros into the last pair of lines, which block 0 handles.
+    // zeros into the last pair of lines, which the thread of the last chunk handles.
     const long long chunks = (n + 7) / 8;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long stride = (long long)gridDim.x * blockDim.x;

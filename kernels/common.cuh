@@ -328,9 +328,12 @@ __device__ __forceinline__ void comm_end_call(unsigned* own_epoch, unsigned epoc
 }
 
 // One 16-byte line of a rank's inbox: two words of a peer's part, each beside the call's epoch
-// as its flag (NCCL's "LL" protocol). A 16-byte store lands whole, so a line whose two flags
-// equal the call's epoch holds that call's data: no barrier and no fence stand between a peer's
-// stores and this rank's sums, only the link's one-way latency.
+// as its flag (NCCL's "LL" protocol). Each 8-byte half {word, flag} of the store lands whole, so
+// a line whose two flags equal the call's epoch holds that call's data: no barrier and no fence
+// stand between a peer's stores and this rank's sums, only the link's one-way latency. Flags are
+// compared for equality: a line is mistaken for the current call's only if it was last written
+// exactly 2^32 calls before (or never, at epoch 0) and not since; lines a call uses are rewritten
+// by every call of its size.
 __device__ __forceinline__ void comm_push_line(uint4* dst, unsigned a, unsigned b, unsigned epoch) {
     asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(a),
                  "r"(epoch), "r"(b), "r"(epoch)

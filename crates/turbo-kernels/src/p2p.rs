@@ -19,15 +19,17 @@ use cudarc::driver::{
 use half::bf16;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
+use std::sync::Arc;
+
+/// [`PeerAllReduceKernel`] by the index the group stores.
 const KERNELS: [PeerAllReduceKernel; 3] = [
     PeerAllReduceKernel::Auto,
     PeerAllReduceKernel::Flagged,
     PeerAllReduceKernel::Pulled,
 ];
-use std::sync::Arc;
 
 /// Ranks and blocks the kernel's signal layout has room for (`COMM_MAX_RANKS`,
-/// `COMM_MAX_BLOCKS` in `kernels/comm.cu`).
+/// `COMM_MAX_BLOCKS` in `kernels/common.cuh`).
 const MAX_RANKS: usize = 8;
 const MAX_BLOCKS: usize = 64;
 const THREADS: u32 = 512;
@@ -165,6 +167,10 @@ struct Group {
     blocks: u32,
     /// Fewest SMs of the group's GPUs.
     sms: usize,
+    /// Whether the group's GPUs are alike (SMs, compute capability): only then is every rank
+    /// sure to make the same choice where a choice rests on the device (a fused kernel's
+    /// occupancy), which a mismatch would turn into a hang.
+    alike: bool,
     /// Products launched fused with their all-reduce, over every rank.
     fused: AtomicU64,
 }
@@ -215,6 +221,10 @@ impl PeerRank {
         }
         let abort = HostFlag::new(&devices[0].ctx)?;
         let sms = devices.iter().map(|d| d.sm_count()).min().unwrap_or(1);
+        let alike = devices.iter().all(|d| {
+            (d.sm_count(), d.compute_capability())
+                == (devices[0].sm_count(), devices[0].compute_capability())
+        });
         let group = Arc::new(Group {
             staging,
             signals,
@@ -227,6 +237,7 @@ impl PeerRank {
             kernel: AtomicUsize::new(0),
             blocks: (sms / 2).clamp(1, MAX_BLOCKS) as u32,
             sms,
+            alike,
             fused: AtomicU64::new(0),
         });
         Ok(Some(
@@ -295,14 +306,14 @@ impl PeerRank {
     }
 
     /// The group as a product fused with its all-reduce sums over it ([`gemv_all_reduce`]), for
-    /// a message of `n` values: `None` where the standalone kernels are asked for or the message
-    /// is larger than an inbox slot.
+    /// a message of `n` values: `None` where the standalone kernels are asked for, the message
+    /// is larger than an inbox slot, or the group's GPUs differ.
     ///
     /// [`gemv_all_reduce`]: crate::ops::gemv::gemv_all_reduce
     pub(crate) fn fused(&self, n: usize) -> Result<Option<GemvGroup<'_>>> {
         self.check_alive()?;
         let auto = KERNELS[self.group.kernel.load(Ordering::Relaxed)] == PeerAllReduceKernel::Auto;
-        if !auto || n > FLAGGED_MAX_ELEMS {
+        if !auto || n > FLAGGED_MAX_ELEMS || !self.group.alike {
             return Ok(None);
         }
         let g = &*self.group;
