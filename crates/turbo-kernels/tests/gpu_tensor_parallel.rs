@@ -211,19 +211,19 @@ fn gpu_split_over_two_matches_one_gpu_and_the_cpu() {
     }
 }
 
-/// Logits of decode steps: three sequences take `tokens[..prefill]` as a prompt, then the first
-/// decodes the rest one token a step (steps of one row), and finally all three decode one more
-/// token together (a step of three rows).
+/// Logits of decode steps: four sequences take `tokens[..prefill]` as a prompt, then the first
+/// decodes the rest one token a step (steps of one row), and then steps of 2, 3 and 4 rows
+/// decode one more token of the first sequences each (every kernel of the matrix-vector family).
 fn decode_logits<B: turbo_core::Backend>(
     model: &Llama<B>,
     tokens: &[u32],
     prefill: usize,
 ) -> Vec<Vec<f32>> {
     let block_size = 16;
-    let blocks = (tokens.len() + 1).div_ceil(block_size) as u32;
-    let mut cache = model.kv_cache(block_size, 3 * blocks as usize).unwrap();
-    let chunk = |t: &[u32], start: usize, seq: u32| SequenceChunk {
-        tokens: t.to_vec(),
+    let blocks = (tokens.len() + 4).div_ceil(block_size) as u32;
+    let mut cache = model.kv_cache(block_size, 4 * blocks as usize).unwrap();
+    let chunk = |t: u32, start: usize, seq: u32| SequenceChunk {
+        tokens: vec![t],
         start,
         position: start,
         block_table: (seq * blocks..(seq + 1) * blocks).collect(),
@@ -231,23 +231,29 @@ fn decode_logits<B: turbo_core::Backend>(
     };
     let vocab = model.config.vocab_size;
     let mut out = Vec::new();
-    for seq in 0..3 {
-        let prompt = chunk(&tokens[..prefill], 0, seq);
+    for seq in 0..4 {
+        let prompt = SequenceChunk {
+            tokens: tokens[..prefill].to_vec(),
+            ..chunk(0, 0, seq)
+        };
         model.forward(&[prompt], &mut cache, Logits::Last).unwrap();
     }
-    for i in prefill..tokens.len() {
-        let step = chunk(&tokens[i..i + 1], i, 0);
-        let logits = model.forward(&[step], &mut cache, Logits::Last).unwrap();
-        out.extend(rows(&logits, vocab));
+    let mut lengths = [prefill; 4];
+    for &t in &tokens[prefill..] {
+        let logits = model.forward(&[chunk(t, lengths[0], 0)], &mut cache, Logits::Last);
+        out.extend(rows(&logits.unwrap(), vocab));
+        lengths[0] += 1;
     }
-    let n = tokens.len();
-    let together = [
-        chunk(&tokens[n - 1..], n, 0),
-        chunk(&tokens[prefill..prefill + 1], prefill, 1),
-        chunk(&tokens[prefill..prefill + 1], prefill, 2),
-    ];
-    let logits = model.forward(&together, &mut cache, Logits::Last).unwrap();
-    out.extend(rows(&logits, vocab));
+    for rows_in_step in 2..=4 {
+        let step: Vec<SequenceChunk> = (0..rows_in_step)
+            .map(|seq| chunk(tokens[seq], lengths[seq], seq as u32))
+            .collect();
+        let logits = model.forward(&step, &mut cache, Logits::Last).unwrap();
+        out.extend(rows(&logits, vocab));
+        for length in &mut lengths[..rows_in_step] {
+            *length += 1;
+        }
+    }
     out
 }
 
