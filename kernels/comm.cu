@@ -32,17 +32,17 @@ __device__ __forceinline__ __nv_bfloat16 comm_load_fresh_bf16(const __nv_bfloat1
     return __ushort_as_bfloat16(v);
 }
 
-// Barrier with block blockIdx.x of every rank: publish that this block's part of call `epoch` is
+// Barrier with block blockIdx.x of every rank: publish that this block's part of the call is
 // staged, wait until every rank's is.
-__device__ __forceinline__ void comm_barrier(unsigned* own_signals, int rank, int world,
-                                             const unsigned long long* table, unsigned epoch,
+__device__ __forceinline__ void comm_barrier(const CommCall& call, int rank, int world,
+                                             const unsigned long long* table,
                                              const volatile int* abort_flag) {
     __syncthreads();
     if (threadIdx.x < world) {
         unsigned* peer_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + threadIdx.x]);
-        comm_store_release(peer_signals + blockIdx.x * COMM_MAX_RANKS + rank, epoch);
-        const unsigned* arrived = own_signals + blockIdx.x * COMM_MAX_RANKS + threadIdx.x;
-        for (unsigned spins = 0; (int)(comm_load_acquire(arrived) - epoch) < 0; spins++) {
+        comm_store_release(peer_signals + blockIdx.x * COMM_MAX_RANKS + rank, call.epoch);
+        const unsigned* arrived = call.signals + blockIdx.x * COMM_MAX_RANKS + threadIdx.x;
+        for (unsigned spins = 0; (int)(comm_load_acquire(arrived) - call.epoch) < 0; spins++) {
             if ((spins & 1023u) == 1023u && *abort_flag) break;
         }
     }
@@ -56,11 +56,8 @@ __device__ __forceinline__ void comm_barrier(unsigned* own_signals, int rank, in
 extern "C" __global__ void __launch_bounds__(512) all_reduce_pulled_bf16(
     __nv_bfloat16* x, long long n, int rank, int world, const unsigned long long* table,
     long long half_elems, const volatile int* abort_flag) {
-    unsigned* own_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + rank]);
-    unsigned* own_epoch = own_signals + COMM_MAX_BLOCKS * COMM_MAX_RANKS;
-    // Written only at the end of the previous call (an earlier kernel on this stream).
-    const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own_epoch) + 1;
-    const long long half = (long long)(epoch & 1u) * half_elems;
+    const CommCall call = comm_begin_call(table, rank);
+    const long long half = (long long)(call.epoch & 1u) * half_elems;
     __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(table[rank]) + half;
 
     // 16-byte chunks are dealt to (block, thread) the same way on every rank; the tail of
@@ -75,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_pulled_bf16(
     for (long long c = first; c < chunks; c += stride) sv[c] = xv[c];
     if (has_tail) staging[tail] = x[tail];
 
-    comm_barrier(own_signals, rank, world, table, epoch, abort_flag);
+    comm_barrier(call, rank, world, table, abort_flag);
 
     for (long long c = first; c < chunks; c += stride) {
         float acc[8], part[8];
@@ -100,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_pulled_bf16(
         }
         x[tail] = __float2bfloat16_rn(acc);
     }
-    comm_end_call(own_epoch, epoch);
+    comm_end_call(call);
 }
 
 // The same sums as all_reduce_pulled_bf16 (rank order, f32, rounded once: the same bits), for
@@ -113,9 +110,8 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_pulled_bf16(
 extern "C" __global__ void __launch_bounds__(512) all_reduce_flagged_bf16(
     __nv_bfloat16* x, long long n, int rank, int world, const unsigned long long* table,
     long long slot_lines, const volatile int* abort_flag) {
-    unsigned* own_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + rank]);
-    unsigned* own_epoch = own_signals + COMM_MAX_BLOCKS * COMM_MAX_RANKS;
-    const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own_epoch) + 1;
+    const CommCall call = comm_begin_call(table, rank);
+    const unsigned epoch = call.epoch;
     const long long half = (long long)(epoch & 1u) * world * slot_lines;
     // Each thread takes 8 values (two lines) at a time; the tail of n % 8 values is padded with
     // zeros into the last pair of lines, which the thread of the last chunk handles.
@@ -166,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_flagged_bf16(
             }
         }
     }
-    comm_end_call(own_epoch, epoch);
+    comm_end_call(call);
 }
 
 // Rank 0's first n words of x replace every other rank's (the tokens rank 0 sampled, which the
@@ -175,17 +171,15 @@ extern "C" __global__ void __launch_bounds__(512) all_reduce_flagged_bf16(
 extern "C" __global__ void __launch_bounds__(512) broadcast_from_first_u32(
     unsigned* x, long long n, int rank, int world, const unsigned long long* table,
     long long half_elems, const volatile int* abort_flag) {
-    unsigned* own_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + rank]);
-    unsigned* own_epoch = own_signals + COMM_MAX_BLOCKS * COMM_MAX_RANKS;
-    const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own_epoch) + 1;
+    const CommCall call = comm_begin_call(table, rank);
     // A staging half of bf16 holds half_elems / 2 words.
-    const long long half = (long long)(epoch & 1u) * half_elems;
+    const long long half = (long long)(call.epoch & 1u) * half_elems;
     if (rank == 0) {
         unsigned* staging = reinterpret_cast<unsigned*>(
             reinterpret_cast<__nv_bfloat16*>(table[0]) + half);
         for (long long i = threadIdx.x; i < n; i += blockDim.x) staging[i] = x[i];
     }
-    comm_barrier(own_signals, rank, world, table, epoch, abort_flag);
+    comm_barrier(call, rank, world, table, abort_flag);
     if (rank != 0) {
         const unsigned* root = reinterpret_cast<const unsigned*>(
             reinterpret_cast<const __nv_bfloat16*>(table[0]) + half);
@@ -195,5 +189,5 @@ extern "C" __global__ void __launch_bounds__(512) broadcast_from_first_u32(
             x[i] = v;
         }
     }
-    comm_end_call(own_epoch, epoch);
+    comm_end_call(call);
 }

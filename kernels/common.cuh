@@ -317,13 +317,30 @@ __device__ __forceinline__ uint4 comm_load_fresh(const uint4* p) {
     return v;
 }
 
+// One collective call of a kernel: this rank's signals (peers' arrival epochs), where its epoch
+// lives (followed by the count of the call's blocks done), and the call's epoch, one past the
+// last call's, which the previous kernel on this stream wrote in comm_end_call.
+struct CommCall {
+    unsigned* signals;
+    unsigned* own_epoch;
+    unsigned epoch;
+};
+
+__device__ __forceinline__ CommCall comm_begin_call(const unsigned long long* table, int rank) {
+    CommCall call;
+    call.signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + rank]);
+    call.own_epoch = call.signals + COMM_MAX_BLOCKS * COMM_MAX_RANKS;
+    call.epoch = *reinterpret_cast<volatile unsigned*>(call.own_epoch) + 1;
+    return call;
+}
+
 // The last block done ends the call: the next call (a later kernel) reads the new epoch.
-__device__ __forceinline__ void comm_end_call(unsigned* own_epoch, unsigned epoch) {
-    unsigned* blocks_done = own_epoch + 1;
+__device__ __forceinline__ void comm_end_call(const CommCall& call) {
+    unsigned* blocks_done = call.own_epoch + 1;
     __syncthreads();
     if (threadIdx.x == 0 && atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
         *blocks_done = 0;
-        *own_epoch = epoch;
+        *call.own_epoch = call.epoch;
     }
 }
 

@@ -187,10 +187,8 @@ __device__ __forceinline__ void gemv_all_reduce(const __nv_bfloat16* __restrict_
                                                 const unsigned long long* table, long long slot_lines,
                                                 const volatile int* abort_flag) {
     __shared__ float part[M][GEMV_WARPS];
-    unsigned* own_signals = reinterpret_cast<unsigned*>(table[COMM_MAX_RANKS + rank]);
-    unsigned* own_epoch = own_signals + COMM_MAX_BLOCKS * COMM_MAX_RANKS;
-    // Written only at the end of the previous call (an earlier kernel on this stream).
-    const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own_epoch) + 1;
+    const CommCall call = comm_begin_call(table, rank);
+    const unsigned epoch = call.epoch;
     const int warp = threadIdx.x / TURBO_WARP;
     const int unit = blockIdx.x * GEMV_WARPS + warp;
     const __nv_bfloat16* row[1] = {w + (size_t)unit * (size_t)k};
@@ -241,7 +239,7 @@ __device__ __forceinline__ void gemv_all_reduce(const __nv_bfloat16* __restrict_
         sum.y = *reinterpret_cast<const unsigned*>(&s1);
         *reinterpret_cast<uint2*>(residual + element) = sum;
     }
-    comm_end_call(own_epoch, epoch);
+    comm_end_call(call);
 }
 
 // Grid: ceil(units / GEMV_WARPS) blocks of GEMV_WARPS warps. `g` and `eps` are ignored without NORM,

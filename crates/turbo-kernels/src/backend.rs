@@ -1149,32 +1149,28 @@ impl Backend for CudaBackend {
         x: &mut CudaTensor,
     ) -> Result<()> {
         // A decode step's product and all-reduce in one kernel where the peer path allows it.
-        let n = x.rows * x.cols;
-        let fused = match (self.peer(), w.bf16()) {
-            (Some(p), Some(data)) if gemv_fits(input.rows, w.cols) && x.cols == w.rows => {
-                match p.fused(n)? {
-                    Some(group) => ops::gemv::gemv_all_reduce(
-                        &self.dev,
-                        &input.data,
-                        input.rows,
-                        data,
-                        w.rows,
-                        w.cols,
-                        &mut x.data,
-                        &group,
-                    )?,
-                    None => false,
+        if let (Some(p), Some(data)) = (self.peer(), w.bf16()) {
+            let group = match gemv_fits(input.rows, w.cols) && x.cols == w.rows {
+                true => p.fused(x.rows * x.cols)?,
+                false => None,
+            };
+            if let Some(group) = group {
+                if ops::gemv::gemv_all_reduce(
+                    &self.dev,
+                    &input.data,
+                    input.rows,
+                    data,
+                    w.rows,
+                    w.cols,
+                    &mut x.data,
+                    &group,
+                )? {
+                    p.count_fused();
+                    return Ok(());
                 }
             }
-            _ => false,
-        };
-        match (fused, self.peer()) {
-            (true, Some(p)) => {
-                p.count_fused();
-                Ok(())
-            }
-            _ => turbo_core::backend::split_linear_residual(self, input, w, product, x),
         }
+        turbo_core::backend::split_linear_residual(self, input, w, product, x)
     }
 
     fn broadcast_sampled(&self, batch: &CudaBatch) -> Result<()> {

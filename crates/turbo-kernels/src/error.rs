@@ -28,3 +28,14 @@ impl From<CudaError> for turbo_core::BackendError {
 }
 
 pub type Result<T, E = CudaError> = std::result::Result<T, E>;
+
+/// Refuses a collective of a tensor-parallel group that was aborted (a rank failed): NCCL's
+/// and the peer path's groups both keep such a flag.
+pub(crate) fn check_group_alive(aborted: &std::sync::atomic::AtomicBool) -> Result<()> {
+    match aborted.load(std::sync::atomic::Ordering::Acquire) {
+        true => Err(CudaError::Shape(
+            "another rank of the tensor-parallel group failed".into(),
+        )),
+        false => Ok(()),
+    }
+}

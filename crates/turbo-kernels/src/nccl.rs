@@ -3,7 +3,7 @@
 //! graphs like them. NCCL is loaded at run time, as the driver is: a machine without it runs
 //! everything but tensor parallelism.
 
-use crate::error::{CudaError, Result};
+use crate::error::{check_group_alive, CudaError, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use cudarc::nccl::{result, sys};
 use half::bf16;
@@ -95,7 +95,7 @@ impl NcclRank {
 
     /// Sums the first `n` values of `x` over the group, in place, on the rank's stream.
     pub(crate) fn all_reduce_sum(&self, x: &mut CudaSlice<bf16>, n: usize) -> Result<()> {
-        self.check_alive()?;
+        check_group_alive(&self.group.aborted)?;
         let mut view = x.slice_mut(0..n);
         let (ptr, _sync) = view.device_ptr_mut(&self.stream);
         // SAFETY: `ptr` holds `n` bf16 values on this rank's device, ordered on its stream.
@@ -116,7 +116,7 @@ impl NcclRank {
 
     /// Replaces the first `n` words of `x` on every other rank by rank 0's, on the rank's stream.
     pub(crate) fn broadcast_from_first(&self, x: &mut CudaSlice<u32>, n: usize) -> Result<()> {
-        self.check_alive()?;
+        check_group_alive(&self.group.aborted)?;
         let mut view = x.slice_mut(0..n);
         let (ptr, _sync) = view.device_ptr_mut(&self.stream);
         // SAFETY: `ptr` holds `n` words on this rank's device, ordered on its stream.
@@ -133,15 +133,6 @@ impl NcclRank {
         }
         .map_err(|e| CudaError::Shape(format!("NCCL broadcast failed: {e:?}")))?;
         Ok(())
-    }
-
-    fn check_alive(&self) -> Result<()> {
-        match self.group.aborted.load(Ordering::Acquire) {
-            true => Err(CudaError::Shape(
-                "another rank of the tensor-parallel group failed".into(),
-            )),
-            false => Ok(()),
-        }
     }
 
     /// Aborts every communicator of the group (see [`Group`]).

@@ -11,7 +11,7 @@
 //! remote reads.
 
 use crate::device::CudaDevice;
-use crate::error::{CudaError, Result};
+use crate::error::{check_group_alive, CudaError, Result};
 use crate::ops::gemv::GemvGroup;
 use cudarc::driver::{
     sys, CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -311,7 +311,7 @@ impl PeerRank {
     ///
     /// [`gemv_all_reduce`]: crate::ops::gemv::gemv_all_reduce
     pub(crate) fn fused(&self, n: usize) -> Result<Option<GemvGroup<'_>>> {
-        self.check_alive()?;
+        check_group_alive(&self.group.aborted)?;
         let auto = KERNELS[self.group.kernel.load(Ordering::Relaxed)] == PeerAllReduceKernel::Auto;
         if !auto || n > FLAGGED_MAX_ELEMS || !self.group.alike {
             return Ok(None);
@@ -352,23 +352,13 @@ impl PeerRank {
 
     /// Refuses a call after an abort, or of `n` values where `len` are held or `room` fit.
     fn check_call(&self, what: &str, n: usize, len: usize, room: usize) -> Result<()> {
-        self.check_alive()?;
+        check_group_alive(&self.group.aborted)?;
         if n > room || len < n {
             return Err(CudaError::Shape(format!(
                 "peer {what} of {n} values: buffer of {len}, staging of {room}"
             )));
         }
         Ok(())
-    }
-
-    /// Refuses a call after the group was aborted.
-    fn check_alive(&self) -> Result<()> {
-        match self.group.aborted.load(Ordering::Acquire) {
-            true => Err(CudaError::Shape(
-                "another rank of the tensor-parallel group failed".into(),
-            )),
-            false => Ok(()),
-        }
     }
 
     /// Launches one of `kernels/comm.cu`'s calls over the first `n` values of `x`; `room` is

@@ -21,9 +21,9 @@
 //! sequence compacts (its other decode steps only add to its scores on the device, in stream
 //! order, and overlap; their Keyformer temperature counts the tokens in flight). On a model
 //! split over ranks, rank 0 samples and its peers take its tokens on their devices, so they
-//! resolve the carried ids as rank 0 does. The step in flight is read back before scheduling when the next
-//! step might have to preempt (fewer free blocks than every running sequence's next tokens could
-//! take), because a preempted request would lose its token in flight.
+//! resolve the carried ids as rank 0 does. The step in flight is read back before scheduling
+//! when the next step might have to preempt (fewer free blocks than every running sequence's
+//! next tokens could take), because a preempted request would lose its token in flight.
 
 use super::profile::StepClock;
 use super::{BatchError, PersistentBatch, RequestError, RequestId, StepReport, Work};
