@@ -191,3 +191,63 @@ extern "C" __global__ void __launch_bounds__(512) broadcast_from_first_u32(
     }
     comm_end_call(call);
 }
+
+// Rank 0 gathers the logits of a head split over the vocabulary. Rank r's `part` holds its rows x
+// cols_r values, row-major, for its columns r * vocab / world.. (turbo_core::comm::vocab_part);
+// rank 0 writes every part into out ([rows, vocab]), the peers only send. The peers stage their
+// part in their staging half (f32, half_elems / 2 of them: the host splits larger messages into
+// calls of fewer rows), the ranks meet at the barrier, and rank 0 reads the staged parts. Every
+// rank launches the same grid, and a block reads on rank 0 exactly what the same block of each
+// peer staged, so the per-block barrier covers it.
+extern "C" __global__ void __launch_bounds__(512) gather_parts_to_first_f32(
+    float* out, const float* part, long long rows, long long vocab, int rank, int world,
+    const unsigned long long* table, long long half_elems, const volatile int* abort_flag) {
+    const CommCall call = comm_begin_call(table, rank);
+    const long long half = (long long)(call.epoch & 1u) * half_elems;
+    auto staged = [&](int r) {
+        return reinterpret_cast<float*>(reinterpret_cast<__nv_bfloat16*>(table[r]) + half);
+    };
+    auto start_of = [&](long long r) { return r * vocab / world; };
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    // Whole 16-byte units where every part starts and ends on a multiple of 4 columns.
+    const bool vec = vocab % (4 * world) == 0;
+    if (rank != 0) {
+        const long long n = rows * (start_of(rank + 1) - start_of(rank));
+        float* dst = staged(rank);
+        if (vec) {
+            for (long long u = first; u < n / 4; u += stride)
+                reinterpret_cast<float4*>(dst)[u] = reinterpret_cast<const float4*>(part)[u];
+        } else {
+            for (long long i = first; i < n; i += stride) dst[i] = part[i];
+        }
+    }
+    comm_barrier(call, rank, world, table, abort_flag);
+    if (rank == 0) {
+        for (int r = 0; r < world; r++) {
+            const long long start = start_of(r), cols = start_of(r + 1) - start;
+            const float* src = r == 0 ? part : staged(r);
+            if (vec) {
+                const long long units = cols / 4;
+                for (long long u = first; u < rows * units; u += stride) {
+                    const long long row = u / units;
+                    const uint4 v = r == 0 ? reinterpret_cast<const uint4*>(src)[u]
+                                           : comm_load_fresh(reinterpret_cast<const uint4*>(src) + u);
+                    *reinterpret_cast<uint4*>(out + row * vocab + start + 4 * (u - row * units)) = v;
+                }
+            } else {
+                for (long long i = first; i < rows * cols; i += stride) {
+                    const long long row = i / cols;
+                    float v;
+                    if (r == 0) {
+                        v = src[i];
+                    } else {
+                        asm volatile("ld.volatile.global.f32 %0, [%1];\n" : "=f"(v) : "l"(src + i) : "memory");
+                    }
+                    out[row * vocab + start + (i - row * cols)] = v;
+                }
+            }
+        }
+    }
+    comm_end_call(call);
+}

@@ -305,7 +305,7 @@ __device__ __forceinline__ void kvq_decode4_bf16x2(uint32_t w, uint32_t& lo, uin
 // (calls made so far) and a count of the blocks of the current call that are done; `table` names
 // every rank's buffers (see comm.cu).
 #define COMM_MAX_RANKS 8
-#define COMM_MAX_BLOCKS 64
+#define COMM_MAX_BLOCKS 256
 
 // A peer's 16 bytes, fetched again rather than from a cache line an earlier call left behind.
 __device__ __forceinline__ uint4 comm_load_fresh(const uint4* p) {

@@ -256,21 +256,46 @@ extern "C" __global__ void resolve_carried_tokens(unsigned* ids, const unsigned*
     }
 }
 
-// out[i, :] = src[idx[i], :] for i < n; src is [src_rows, cols], out is [n, cols]. One block per
-// output row. An index out of range fills its output row with NaN instead of reading out of bounds.
-// Serves both token embedding (src = the table) and row gathering.
+// out[i, :] = src[idx[i] - first, :] for i < n; src is [src_rows, cols], out is [n, cols]. One
+// block per output row. src may be the rows first.. of a table split over the vocabulary (a rank
+// of a tensor-parallel group): an index of another rank's rows gives zeros, so that a sum over
+// the ranks is the embedding. An index at or past `limit` (the whole table's rows) fills its
+// output row with NaN instead of reading out of bounds. Serves both token embedding (src = the
+// table) and row gathering (first 0, limit src_rows).
 extern "C" __global__ void gather_rows_bf16(__nv_bfloat16* out, const __nv_bfloat16* src, const unsigned* idx,
-                                            int n, int cols, long long src_rows) {
+                                            int n, int cols, long long src_rows, long long first,
+                                            long long limit) {
     const int i = blockIdx.x;
     if (i >= n) return;
     __nv_bfloat16* dst = out + (size_t)i * (size_t)cols;
-    const unsigned r = idx[i];
-    if ((long long)r >= src_rows) {
+    const long long r = (long long)idx[i];
+    if (r >= limit) {
         const __nv_bfloat16 nan = __ushort_as_bfloat16((unsigned short)0x7FC0);
         for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = nan;
         return;
     }
-    ew_copy_row(dst, src + (size_t)r * (size_t)cols, cols);
+    if (r < first || r - first >= src_rows) {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = __float2bfloat16_rn(0.f);
+        return;
+    }
+    ew_copy_row(dst, src + (size_t)(r - first) * (size_t)cols, cols);
+}
+
+// The logits of a head split over the vocabulary, gathered by NCCL: `parts` holds every rank's
+// part (rank r's rows x its columns, row-major) at r * part_stride; out is [rows, vocab], rank r's
+// columns starting at r * vocab / world (turbo_core::comm::vocab_part). Grid: (x blocks, world).
+extern "C" __global__ void place_vocab_parts_f32(float* out, const float* parts, long long rows, long long vocab,
+                                                 int world, long long part_stride) {
+    const int r = blockIdx.y;
+    const long long start = r * vocab / world;
+    const long long cols = (r + 1) * vocab / world - start;
+    const float* part = parts + r * part_stride;
+    const long long n = rows * cols;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long row = i / cols;
+        out[row * vocab + start + (i - row * cols)] = part[i];
+    }
 }
 
 // Paged KV write: cache[slots[t] * slot_len + j] = src[t * slot_len + j] for t < tokens,

@@ -539,21 +539,25 @@ __device__ __forceinline__ void dequant(const uint8_t* __restrict__ w, long long
     for (int v = threadIdx.x; v < words; v += DEQUANT_THREADS) dst[v] = tile[staged_word(v)];
 }
 
-// Grid: n blocks (one per token); out is [n, k]. An id past the table fills its row with NaN.
+// Grid: n blocks (one per token); out is [n, k]. The table holds rows first.. of the vocabulary
+// (all of it, or a tensor-parallel rank's part): an id of another rank's rows gives zeros, an id
+// at or past `limit` (the whole vocabulary) NaN.
 template <class T>
 __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long row_bytes, long long rows,
-                                      const unsigned* __restrict__ ids, int n, int k, __nv_bfloat16* __restrict__ out) {
+                                      long long first, long long limit, const unsigned* __restrict__ ids, int n,
+                                      int k, __nv_bfloat16* __restrict__ out) {
     const int t = blockIdx.x;
     if (t >= n) return;
     __nv_bfloat16* dst = out + (size_t)t * (size_t)k;
-    const unsigned id = ids[t];
-    if ((long long)id >= rows) {
-        const __nv_bfloat16 nan = __ushort_as_bfloat16((unsigned short)0x7FC0);
-        for (int i = threadIdx.x; i < k; i += blockDim.x) dst[i] = nan;
+    const long long id = (long long)ids[t];
+    if (id >= limit || id < first || id - first >= rows) {
+        const __nv_bfloat16 fill =
+            __ushort_as_bfloat16(id >= limit ? (unsigned short)0x7FC0 : (unsigned short)0);
+        for (int i = threadIdx.x; i < k; i += blockDim.x) dst[i] = fill;
         return;
     }
     for (int c = threadIdx.x; c < k / T::CHUNK; c += blockDim.x)
-        decode_chunk<T>(w + (size_t)id * (size_t)row_bytes, c,
+        decode_chunk<T>(w + (size_t)(id - first) * (size_t)row_bytes, c,
                         [&](int at, uint4 word) { *reinterpret_cast<uint4*>(dst + at) = word; });
 }
 
@@ -584,10 +588,10 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
         dequant_##T(const uint8_t* w, long long row_bytes, int rows, int k, __nv_bfloat16* out) {             \
         dequant<T>(w, row_bytes, rows, k, out);                                                               \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256) embed_##T(const uint8_t* w, long long row_bytes,         \
-                                                                long long rows, const unsigned* ids, int n,   \
-                                                                int k, __nv_bfloat16* out) {                  \
-        embed<T>(w, row_bytes, rows, ids, n, k, out);                                                         \
+    extern "C" __global__ void __launch_bounds__(256)                                                         \
+        embed_##T(const uint8_t* w, long long row_bytes, long long rows, long long first, long long limit,    \
+                  const unsigned* ids, int n, int k, __nv_bfloat16* out) {                                    \
+        embed<T>(w, row_bytes, rows, first, limit, ids, n, k, out);                                           \
     }
 
 // The indirection expands QUANT_TYPE before it is pasted into the kernels' names.

@@ -76,6 +76,26 @@ fn split_logits_equal_the_whole_models() {
     }
 }
 
+#[test]
+fn a_vocabulary_that_does_not_divide_splits_unevenly() {
+    for tied in [false, true] {
+        let spec = TinySpec {
+            vocab: 323,
+            tied,
+            ..spec()
+        };
+        let (_dir, loaded, _) = load(&spec, DType::Q8_0);
+        let tokens = random_tokens(&spec, 24, 5);
+        let whole = engine_logits(&cpu_model(&loaded), &tokens);
+        for world in [2, 4] {
+            let split = engine_logits(&cpu_model_split(&loaded, world), &tokens);
+            assert_eq!(split.len(), whole.len());
+            let d = max_rel_diff(&split, &whole);
+            assert!(d < SPLIT_TOL, "tied {tied}, tp {world}: {d:e}");
+        }
+    }
+}
+
 fn batch_config() -> BatchConfig {
     BatchConfig {
         max_batch: 4,
@@ -157,22 +177,40 @@ fn uneven_splits_are_refused_by_name() {
 }
 
 #[test]
-fn only_rank_0_counts_an_untied_lm_head() {
+fn every_rank_holds_its_part_of_the_embedding_and_head() {
     for tied in [false, true] {
         let spec = TinySpec { tied, ..spec() };
         let (_dir, loaded, _) = load(&spec, DType::F32);
-        let plan = ShardPlan::new(&loaded.config, 2).unwrap();
-        let bytes = |rank| plan.bytes_of_rank(&loaded.config, &loaded.weights, rank);
-        let head = loaded
-            .weights
-            .lm_head
-            .as_ref()
-            .map_or(0, |m| m.data.len() as u64);
-        assert_eq!(head > 0, !tied);
-        assert_eq!(bytes(0) - bytes(1), head, "tied {tied}");
-        // Each rank holds half of every layer matrix (its heads, its KV heads, its FFN slice).
-        let layer_bytes: u64 = loaded.weights.layers[0].wq.data.len() as u64;
-        assert!(bytes(1) > layer_bytes / 2 * spec.layers as u64);
+        let (c, w) = (&loaded.config, &loaded.weights);
+        let whole = ShardPlan::new(c, 1).unwrap().bytes_of_rank(c, w, 0);
+        for world in [2, 4] {
+            let plan = ShardPlan::new(c, world).unwrap();
+            let bytes: Vec<u64> = (0..world).map(|r| plan.bytes_of_rank(c, w, r)).collect();
+            // Only the replicated norms, and KV heads held by several ranks, count more than once.
+            let norms = 4 * (w.final_norm.len() + 2 * c.hidden_size * c.n_layers) as u64;
+            let kv: u64 = w
+                .layers
+                .iter()
+                .map(|l| (l.wk.data.len() + l.wv.data.len()) as u64)
+                .sum();
+            assert_eq!(
+                bytes.iter().sum::<u64>(),
+                whole + (world as u64 - 1) * norms + (plan.kv_replicas as u64 - 1) * kv,
+                "tied {tied}, {world} ranks"
+            );
+            for r in 0..world {
+                let shard = plan.shard(c, w, r).unwrap();
+                let rows = plan.vocab(c, r);
+                assert_eq!(shard.embed.rows, rows.len());
+                assert_eq!(
+                    shard.lm_head.as_ref().map(|m| m.rows),
+                    (!tied).then_some(rows.len())
+                );
+                let first = w.embed.row_range(rows.start..rows.start + 1).unwrap();
+                let (got, want) = (shard.embed.data.as_slice(), first.data.as_slice());
+                assert_eq!(&got[..want.len()], want);
+            }
+        }
     }
 }
 

@@ -67,18 +67,19 @@ pub fn run(args: InfoArgs) -> Result<()> {
             format!("{} KV heads", plan.kv_heads_per_rank)
         };
         let gb = |rank| plan.bytes_of_rank(c, &m.weights, rank) as f64 / 1e9;
-        let weights = match m.weights.lm_head {
-            Some(_) => format!(
-                "{:.2} GB of weights on rank 0 (with the LM head), {:.2} GB on each other rank",
-                gb(0),
-                gb(1)
-            ),
-            None => format!("{:.2} GB of weights per rank", gb(0)),
+        let (least, most) = (0..world)
+            .map(gb)
+            .fold((f64::MAX, 0f64), |(lo, hi), g| (lo.min(g), hi.max(g)));
+        let weights = match (most - least) * 1e3 < 1.0 {
+            true => format!("{most:.3} GB of weights per rank"),
+            false => format!("{least:.3}-{most:.3} GB of weights per rank"),
         };
         outln!(
-            "tensor par.  {world} ranks: {} heads, {kv}, FFN {} per rank; {weights} (embedding replicated; rank 0 computes the logits)",
+            "tensor par.  {world} ranks: {} heads, {kv}, FFN {} and {} of the {}-token vocabulary per rank; {weights} (rank 0 gathers the logits)",
             plan.heads_per_rank,
             plan.ffn_per_rank,
+            plan.vocab(c, 0).len(),
+            c.vocab_size,
         )?;
     }
     outln!(

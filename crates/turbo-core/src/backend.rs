@@ -141,7 +141,8 @@ pub struct BatchLayout<'a> {
     pub outputs: &'a [u32],
     /// Query heads of attention.
     pub n_heads: usize,
-    /// Columns of the logits.
+    /// Columns of the logits: the whole vocabulary (under tensor parallelism too, where rank 0
+    /// gathers them; [`Backend::logits_split`]).
     pub vocab: usize,
     /// How to choose a token from each output row's logits, when the step samples.
     pub sampling: Option<Sampling<'a>>,
@@ -498,6 +499,36 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// The output rows' logits, `x · headᵀ` in f32, kept in the batch.
     fn logits(&self, x: &Self::Tensor, head: &Self::Matrix, batch: &Self::Batch) -> Result<()>;
+    /// [`Backend::embed`] from this rank's rows of a table split over the vocabulary
+    /// ([`vocab_part`](crate::comm::vocab_part) of the whole `vocab`): tokens outside them embed
+    /// as zeros, so that an all-reduce then makes the whole embedding on every rank. Alone, the
+    /// table is whole and this is [`Backend::embed`].
+    fn embed_split(
+        &self,
+        table: &Self::Matrix,
+        batch: &Self::Batch,
+        vocab: usize,
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        let _ = vocab;
+        alone_only(self.name(), self.rank_info(), "embed from a split table")?;
+        self.embed(table, batch, out)
+    }
+    /// [`Backend::logits`] of a head split over the vocabulary: `head` holds this rank's rows
+    /// ([`vocab_part`](crate::comm::vocab_part) of the whole `vocab`). Every rank computes its
+    /// part and rank 0 gathers them all, in vocabulary order, where [`Backend::logits`] leaves
+    /// logits; the other ranks keep none. A collective. Alone, [`Backend::logits`].
+    fn logits_split(
+        &self,
+        x: &Self::Tensor,
+        head: &Self::Matrix,
+        batch: &Self::Batch,
+        vocab: usize,
+    ) -> Result<()> {
+        let _ = vocab;
+        alone_only(self.name(), self.rank_info(), "gather logits")?;
+        self.logits(x, head, batch)
+    }
     /// Chooses each output row's token from its logits by the batch's sampling (penalizing the
     /// logits in place); an error if the batch was prepared without sampling.
     fn sample(&self, batch: &Self::Batch) -> Result<()>;

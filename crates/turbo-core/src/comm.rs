@@ -17,6 +17,14 @@ pub struct RankInfo {
     pub world: usize,
 }
 
+/// The rows of a table split over the vocabulary (the embedding, the LM head) that `rank` of
+/// `world` holds: `vocab / world` each, one more on some, in rank order. Every rank derives every
+/// other's part from this alone, which is what a gather of the logits needs.
+pub fn vocab_part(vocab: usize, rank: usize, world: usize) -> std::ops::Range<usize> {
+    let world = world.max(1);
+    rank * vocab / world..(rank + 1) * vocab / world
+}
+
 /// An in-process group of `world` ranks (threads) that sum buffers in a fixed order.
 ///
 /// Every rank deposits its buffer, then each computes `((b_0 + b_1) + b_2) + ...` for itself, so
@@ -138,6 +146,28 @@ impl CpuGroupMember {
         self.barrier()
     }
 
+    /// Rank 0 gets every rank's `part` in rank order (`None` on the others): the pieces of the
+    /// logits of a head split over the vocabulary.
+    pub fn gather_to_first(&self, part: &[f32]) -> Result<Option<Vec<Vec<f32>>>> {
+        if self.shared.world == 1 {
+            return Ok(Some(vec![part.to_vec()]));
+        }
+        {
+            let mut state = self.lock()?;
+            let mine = &mut state.buffers[self.rank];
+            mine.clear();
+            mine.extend_from_slice(part);
+        }
+        self.barrier()?;
+        let parts = match self.rank {
+            0 => Some(self.lock()?.buffers.clone()),
+            _ => None,
+        };
+        // Nobody refills a buffer before rank 0 has read them all.
+        self.barrier()?;
+        Ok(parts)
+    }
+
     /// Wakes every rank waiting in (or later entering) a collective with an error: called by a
     /// rank that cannot reach the next collective.
     pub fn abort(&self) {
@@ -232,6 +262,40 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn vocabulary_parts_tile_the_vocabulary() {
+        for (vocab, world) in [(49152, 2), (128256, 4), (10, 3), (7, 8), (5, 1)] {
+            let parts: Vec<_> = (0..world).map(|r| vocab_part(vocab, r, world)).collect();
+            assert_eq!(parts[0].start, 0);
+            assert_eq!(parts[world - 1].end, vocab);
+            for w in parts.windows(2) {
+                assert_eq!(w[0].end, w[1].start);
+            }
+            for p in &parts {
+                assert!(p.len() == vocab / world || p.len() == vocab / world + 1);
+            }
+        }
+    }
+
+    #[test]
+    fn the_first_rank_gathers_every_part_in_rank_order() {
+        let world = 3;
+        let handles: Vec<_> = CpuGroup::members(world)
+            .into_iter()
+            .map(|m| {
+                std::thread::spawn(move || {
+                    let r = m.info().rank;
+                    let part: Vec<f32> = (0..r + 1).map(|i| (10 * r + i) as f32).collect();
+                    m.gather_to_first(&part).unwrap()
+                })
+            })
+            .collect();
+        let got: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let want = vec![vec![0.0], vec![10.0, 11.0], vec![20.0, 21.0, 22.0]];
+        assert_eq!(got[0].as_ref(), Some(&want));
+        assert!(got[1].is_none() && got[2].is_none());
     }
 
     #[test]

@@ -842,24 +842,55 @@ fn bench_all_reduce(c: &mut Criterion) {
             group[0].set_peer_all_reduce_kernel(kernel.unwrap_or(Auto));
             g.throughput(Throughput::Bytes((64 * n * 2) as u64));
             g.bench_function(format!("tp2_rows{rows}_x64_{mode}"), |bench| {
-                bench.iter_custom(|iters| {
-                    let start = std::time::Instant::now();
-                    std::thread::scope(|scope| {
-                        for (b, t) in group.iter().zip(tensors.iter_mut()) {
-                            scope.spawn(move || {
-                                for _ in 0..iters * 64 {
-                                    b.all_reduce_sum(t).expect("all-reduce");
-                                }
-                                b.device().stream.synchronize().expect("sync");
-                            });
-                        }
-                    });
-                    start.elapsed()
-                })
+                bench.iter_custom(|iters| all_reduce_rounds(&group, &mut tensors, iters))
             });
         }
     }
+    // The pulled kernel's block cap (one block an SM by default) at the sizes where it runs.
+    let sms = group[0].device().sm_count();
+    if group[0].has_peer_all_reduce() {
+        group[0].set_peer_all_reduce(true);
+        group[0].set_peer_all_reduce_kernel(Pulled);
+        for rows in [83usize, 256, 640] {
+            let n = rows * 4096;
+            let mut tensors: Vec<_> = group
+                .iter()
+                .map(|b| b.upload(&vec![0.5f32; n], rows, 4096).expect("upload"))
+                .collect();
+            for cap in [sms / 2, sms, 2 * sms] {
+                group[0].set_peer_max_blocks(cap);
+                g.throughput(Throughput::Bytes((64 * n * 2) as u64));
+                g.bench_function(format!("tp2_rows{rows}_x64_pulled_blocks{cap}"), |bench| {
+                    bench.iter_custom(|iters| all_reduce_rounds(&group, &mut tensors, iters))
+                });
+            }
+        }
+        group[0].set_peer_max_blocks(sms);
+        group[0].set_peer_all_reduce_kernel(Auto);
+    }
     g.finish();
+}
+
+/// The time of `iters` rounds of 64 all-reduces of `tensors` (one per rank), each rank issuing
+/// its calls from a thread of its own, as a split model does.
+fn all_reduce_rounds(
+    group: &[turbo_kernels::CudaBackend],
+    tensors: &mut [turbo_kernels::CudaTensor],
+    iters: u64,
+) -> Duration {
+    use turbo_core::Backend;
+    let start = std::time::Instant::now();
+    std::thread::scope(|scope| {
+        for (b, t) in group.iter().zip(tensors.iter_mut()) {
+            scope.spawn(move || {
+                for _ in 0..iters * 64 {
+                    b.all_reduce_sum(t).expect("all-reduce");
+                }
+                b.device().stream.synchronize().expect("sync");
+            });
+        }
+    });
+    start.elapsed()
 }
 
 /// The algorithms cuBLASLt's heuristic offers for the 8B shape's decode products at 16-256

@@ -24,7 +24,7 @@ use turbo_core::backend::{
     Backend, BatchLayout, BatchRows, KvCompaction, KvRuleCompaction, Result, SampledTokens,
     TokensLater, CARRIED_TOKEN,
 };
-use turbo_core::comm::RankInfo;
+use turbo_core::comm::{vocab_part, RankInfo};
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::SampleParams;
 use turbo_core::{BackendError, WeightMatrix};
@@ -113,7 +113,13 @@ pub struct CudaBatch {
     attention: Mutex<Option<AttentionPlan>>,
     /// The step's KV eviction scoring, when any of its spans is scored.
     scores: Mutex<Option<ScorePlan>>,
+    /// The output rows' logits, on rank 0 of a tensor-parallel group (a place-holder on the
+    /// others).
     logits: Mutex<CudaSlice<f32>>,
+    /// A rank's part of the logits of a head split over the vocabulary.
+    logit_part: Mutex<CudaSlice<f32>>,
+    /// Every rank's part, where NCCL gathers them.
+    gathered: Mutex<CudaSlice<f32>>,
     sampled: Mutex<CudaSlice<u32>>,
     /// `Some` when this step may be recorded or replayed.
     shape: Option<StepShape>,
@@ -279,6 +285,15 @@ impl CudaBackend {
         }
     }
 
+    /// Caps the blocks of the group's peer all-reduce and gather kernels (at most
+    /// [`crate::PEER_MAX_BLOCKS`]; one an SM by default), for the whole group at once. Set it
+    /// before a model runs, as [`Self::set_peer_all_reduce_kernel`].
+    pub fn set_peer_max_blocks(&self, blocks: usize) {
+        if let Some(p) = &self.peer {
+            p.set_max_blocks(blocks);
+        }
+    }
+
     /// Row-parallel products that the group's ranks launched fused with their all-reduce
     /// ([`PeerAllReduceKernel::Auto`] at decode), so tests and benchmarks can tell it ran.
     pub fn fused_all_reduces(&self) -> u64 {
@@ -399,6 +414,57 @@ impl CudaBackend {
     }
 
     /// A product with a matrix of blocks ([`crate::matrix::product`]).
+    /// The embedding of the batch's tokens from `table`, rows `part` of a vocabulary of `vocab`.
+    fn embed_rows(
+        &self,
+        table: &CudaMatrix,
+        batch: &CudaBatch,
+        part: std::ops::Range<usize>,
+        vocab: usize,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let ids = batch.view(&batch.sections.ids);
+        let Some(data) = table.bf16() else {
+            let bounds = (part.start, vocab);
+            return Ok(crate::matrix::embed(
+                &self.dev,
+                table,
+                &ids,
+                batch.tokens,
+                bounds,
+                &mut out.data,
+            )?);
+        };
+        Ok(ops::elementwise::embed_part(
+            &self.dev,
+            data,
+            &ids,
+            batch.tokens,
+            table.cols,
+            part,
+            vocab,
+            &mut out.data,
+        )?)
+    }
+
+    /// `out = x · headᵀ` in f32 (`[x.rows, head.rows]`): the logits, or a rank's part of them.
+    fn head_product(
+        &self,
+        x: &CudaTensor,
+        head: &CudaMatrix,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let Some(data) = head.bf16() else {
+            return self.quant_product(x, head, None, ProductOut::F32(out));
+        };
+        if gemv_fits(x.rows, head.cols) {
+            return self.gemv(x, data, (head.rows, head.cols), None, GemvOut::F32(out));
+        }
+        Ok(ops::linear::linear_f32_out(
+            &self.dev, &x.data, data, x.rows, head.cols, head.rows, out,
+        )?)
+    }
+
     fn quant_product(
         &self,
         x: &CudaTensor,
@@ -655,6 +721,8 @@ impl Backend for CudaBackend {
             attention: Mutex::new(None),
             scores: Mutex::new(None),
             logits: Mutex::new(stream.alloc_zeros::<f32>(1).map_err(CudaError::from)?),
+            logit_part: Mutex::new(stream.alloc_zeros::<f32>(1).map_err(CudaError::from)?),
+            gathered: Mutex::new(stream.alloc_zeros::<f32>(1).map_err(CudaError::from)?),
             sampled: Mutex::new(stream.alloc_zeros::<u32>(1).map_err(CudaError::from)?),
             shape: None,
             cache: 0,
@@ -763,13 +831,32 @@ impl Backend for CudaBackend {
                 .clone_htod(layout.inv_freq)
                 .map_err(CudaError::from)?;
         }
+        // Under tensor parallelism each rank computes its part of the logits and rank 0 alone
+        // keeps them all.
+        let RankInfo { rank, world } = self.rank_info();
+        let (kept, part) = match (rank, world) {
+            (_, 1) => (outputs * layout.vocab, 0),
+            (0, _) => (
+                outputs * layout.vocab,
+                outputs * layout.vocab.div_ceil(world),
+            ),
+            _ => (0, outputs * layout.vocab.div_ceil(world)),
+        };
         moved |= ensure_len(
             &self.dev,
             batch
                 .logits
                 .get_mut()
                 .map_err(|_| unsupported("poisoned".into()))?,
-            (outputs * layout.vocab).max(1),
+            kept.max(1),
+        )?;
+        moved |= ensure_len(
+            &self.dev,
+            batch
+                .logit_part
+                .get_mut()
+                .map_err(|_| unsupported("poisoned".into()))?,
+            part.max(1),
         )?;
         moved |= ensure_len(
             &self.dev,
@@ -910,24 +997,25 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaMatrix, batch: &CudaBatch, out: &mut CudaTensor) -> Result<()> {
-        let ids = batch.view(&batch.sections.ids);
-        let Some(data) = table.bf16() else {
-            return Ok(crate::matrix::embed(
-                &self.dev,
-                table,
-                &ids,
-                batch.tokens,
-                &mut out.data,
-            )?);
-        };
-        Ok(ops::elementwise::embed(
-            &self.dev,
-            data,
-            &ids,
-            batch.tokens,
-            table.cols,
-            &mut out.data,
-        )?)
+        self.embed_rows(table, batch, 0..table.rows, table.rows, out)
+    }
+
+    fn embed_split(
+        &self,
+        table: &CudaMatrix,
+        batch: &CudaBatch,
+        vocab: usize,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let RankInfo { rank, world } = self.rank_info();
+        let part = vocab_part(vocab, rank, world);
+        if table.rows != part.len() {
+            return Err(BackendError::Unsupported(format!(
+                "an embedding part of {} rows for rows {part:?} of a vocabulary of {vocab}",
+                table.rows
+            )));
+        }
+        self.embed_rows(table, batch, part, vocab, out)
     }
 
     fn rms_norm(
@@ -1217,28 +1305,56 @@ impl Backend for CudaBackend {
                 head.rows, batch.vocab
             )));
         }
-        let mut logits = lock(&batch.logits)?;
-        let Some(data) = head.bf16() else {
-            return self.quant_product(x, head, None, ProductOut::F32(&mut logits));
-        };
-        if gemv_fits(x.rows, head.cols) {
-            return self.gemv(
-                x,
-                data,
-                (head.rows, head.cols),
-                None,
-                GemvOut::F32(&mut logits),
-            );
+        self.head_product(x, head, &mut *lock(&batch.logits)?)
+    }
+
+    fn logits_split(
+        &self,
+        x: &CudaTensor,
+        head: &CudaMatrix,
+        batch: &CudaBatch,
+        vocab: usize,
+    ) -> Result<()> {
+        let RankInfo { rank, world } = self.rank_info();
+        if world == 1 {
+            return self.logits(x, head, batch);
         }
-        Ok(ops::linear::linear_f32_out(
-            &self.dev,
-            &x.data,
-            data,
-            x.rows,
-            head.cols,
-            head.rows,
-            &mut logits,
-        )?)
+        let part = vocab_part(vocab, rank, world);
+        if head.rows != part.len() || vocab != batch.vocab {
+            return Err(BackendError::Unsupported(format!(
+                "a head part of {} rows for rows {part:?} of a vocabulary of {vocab}, the batch \
+                 was prepared for {}",
+                head.rows, batch.vocab
+            )));
+        }
+        let mut mine = lock(&batch.logit_part)?;
+        self.head_product(x, head, &mut mine)?;
+        let mut logits = lock(&batch.logits)?;
+        match (self.peer(), &self.nccl) {
+            (Some(p), _) => Ok(p.gather_to_first(&self.dev, &mine, &mut logits, x.rows, vocab)?),
+            (_, Some(nccl)) => {
+                // Steps that take NCCL are never recorded, so the buffer may grow here.
+                let stride = x.rows * vocab.div_ceil(world);
+                let mut gathered = lock(&batch.gathered)?;
+                ensure_len(&self.dev, &mut gathered, world * stride)?;
+                nccl.all_gather_f32(&mine, &mut gathered, stride)?;
+                if rank == 0 {
+                    ops::elementwise::place_vocab_parts(
+                        &self.dev,
+                        &gathered,
+                        stride,
+                        world,
+                        x.rows,
+                        vocab,
+                        &mut logits,
+                    )?;
+                }
+                Ok(())
+            }
+            (None, None) => Err(BackendError::Unsupported(
+                "a split head on a backend without a group".into(),
+            )),
+        }
     }
 
     fn sample(&self, batch: &CudaBatch) -> Result<()> {

@@ -20,4 +20,4 @@ pub use backend::{CudaBackend, CudaKvCache, CudaMatrix, CudaTensor, GraphStats};
 pub use device::{cuda_available, device_count, CudaDevice};
 pub use error::{CudaError, Result};
 pub use nccl::nccl_available;
-pub use p2p::{PeerAllReduceKernel, FLAGGED_MAX_ELEMS};
+pub use p2p::{PeerAllReduceKernel, FLAGGED_MAX_ELEMS, PEER_MAX_BLOCKS};

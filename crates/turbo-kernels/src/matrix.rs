@@ -307,17 +307,20 @@ pub fn swiglu_product(
     Ok(true)
 }
 
-/// Token embedding from a quantized table (one band).
+/// Token embedding from a quantized table (one band) holding rows `first..` of a vocabulary of
+/// `vocab` (all of it, or a tensor-parallel rank's part; see [`ops::quant::embed_part`]).
 pub fn embed(
     dev: &CudaDevice,
     table: &CudaMatrix,
     ids: &cudarc::driver::CudaView<'_, u32>,
     n: usize,
+    (first, vocab): (usize, usize),
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
     match &table.store {
         MatrixStore::Blocks(bands) if bands.len() == 1 => {
-            ops::quant::embed(dev, &bands[0].rows(table.cols), ids, n, out)
+            let rows = bands[0].rows(table.cols);
+            ops::quant::embed_part(dev, &rows, ids, n, (first, vocab), out)
         }
         _ => Err(CudaError::Shape(
             "an embedding table of several block types".into(),

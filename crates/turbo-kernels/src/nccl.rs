@@ -4,7 +4,7 @@
 //! everything but tensor parallelism.
 
 use crate::error::{check_group_alive, CudaError, Result};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result, sys};
 use half::bf16;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -132,6 +132,40 @@ impl NcclRank {
             )
         }
         .map_err(|e| CudaError::Shape(format!("NCCL broadcast failed: {e:?}")))?;
+        Ok(())
+    }
+
+    /// Every rank's first `n` values of `send`, in rank order, into `recv` (`world` x `n`), on
+    /// the rank's stream.
+    pub(crate) fn all_gather_f32(
+        &self,
+        send: &CudaSlice<f32>,
+        recv: &mut CudaSlice<f32>,
+        n: usize,
+    ) -> Result<()> {
+        check_group_alive(&self.group.aborted)?;
+        if send.len() < n || recv.len() < n * self.info.world {
+            return Err(CudaError::Shape(format!(
+                "NCCL all-gather of {n} values from {} into {}",
+                send.len(),
+                recv.len()
+            )));
+        }
+        let (src, _a) = send.device_ptr(&self.stream);
+        let (dst, _b) = recv.device_ptr_mut(&self.stream);
+        // SAFETY: `src` holds `n` f32 values and `dst` world x n on this rank's device, ordered
+        // on its stream.
+        unsafe {
+            result::all_gather(
+                src as *const _,
+                dst as *mut _,
+                n,
+                sys::ncclDataType_t::ncclFloat32,
+                self.group.comms[self.info.rank],
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| CudaError::Shape(format!("NCCL all-gather failed: {e:?}")))?;
         Ok(())
     }
 

@@ -17,9 +17,10 @@ use cudarc::driver::{
     sys, CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use half::bf16;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use std::sync::Arc;
+use turbo_core::comm::vocab_part;
 
 /// [`PeerAllReduceKernel`] by the index the group stores.
 const KERNELS: [PeerAllReduceKernel; 3] = [
@@ -31,7 +32,8 @@ const KERNELS: [PeerAllReduceKernel; 3] = [
 /// Ranks and blocks the kernel's signal layout has room for (`COMM_MAX_RANKS`,
 /// `COMM_MAX_BLOCKS` in `kernels/common.cuh`).
 const MAX_RANKS: usize = 8;
-const MAX_BLOCKS: usize = 64;
+pub const PEER_MAX_BLOCKS: usize = 256;
+const MAX_BLOCKS: usize = PEER_MAX_BLOCKS;
 const THREADS: u32 = 512;
 
 /// bf16 values in each half of a rank's staging buffer: 8 MiB, which holds a decode step of
@@ -164,7 +166,7 @@ struct Group {
     /// The kernel all-reduces take ([`PeerAllReduceKernel`] as its index).
     kernel: AtomicUsize,
     /// Most blocks a launch takes (the same on every rank; see `kernels/comm.cu`).
-    blocks: u32,
+    blocks: AtomicU32,
     /// Fewest SMs of the group's GPUs.
     sms: usize,
     /// Whether the group's GPUs are alike (SMs, compute capability): only then is every rank
@@ -235,7 +237,9 @@ impl PeerRank {
             aborted: AtomicBool::new(false),
             enabled: AtomicBool::new(true),
             kernel: AtomicUsize::new(0),
-            blocks: (sms / 2).clamp(1, MAX_BLOCKS) as u32,
+            // One block an SM: pulled all-reduces of 83-640 rows of 4,096 ran 4-9% faster
+            // than with half the SMs, and no faster with two an SM (docs/perf/tensor-parallel.md).
+            blocks: AtomicU32::new(sms.clamp(1, MAX_BLOCKS) as u32),
             sms,
             alike,
             fused: AtomicU64::new(0),
@@ -266,6 +270,17 @@ impl PeerRank {
         self.group.kernel.store(index, Ordering::Relaxed);
     }
 
+    /// Caps the blocks of the group's all-reduce and gather launches (at most [`MAX_BLOCKS`]);
+    /// one an SM by default.
+    pub(crate) fn set_max_blocks(&self, blocks: usize) {
+        let blocks = blocks.clamp(1, MAX_BLOCKS) as u32;
+        self.group.blocks.store(blocks, Ordering::Relaxed);
+    }
+
+    fn max_blocks(&self) -> usize {
+        self.group.blocks.load(Ordering::Relaxed) as usize
+    }
+
     /// Whether a message of `n` bf16 values fits this path.
     pub(crate) fn fits(&self, n: usize) -> bool {
         n <= STAGING_HALF_ELEMS
@@ -291,7 +306,7 @@ impl PeerRank {
         let blocks = n
             .div_ceil(8)
             .div_ceil(THREADS as usize)
-            .clamp(1, self.group.blocks as usize) as u32;
+            .clamp(1, self.max_blocks()) as u32;
         let flagged_up_to = match KERNELS[self.group.kernel.load(Ordering::Relaxed)] {
             PeerAllReduceKernel::Auto => FLAGGED_AUTO_ELEMS,
             PeerAllReduceKernel::Flagged => FLAGGED_MAX_ELEMS,
@@ -348,6 +363,72 @@ impl PeerRank {
         self.check_call("broadcast", n, x.len(), STAGING_HALF_ELEMS / 2)?;
         let half = STAGING_HALF_ELEMS as i64;
         self.launch(dev, "broadcast_from_first_u32", x, n, 1, half)
+    }
+
+    /// Rank 0's `out` (`[rows, vocab]`) takes every rank's `part` of the logits of a head split
+    /// over the vocabulary (`rows` x its [`vocab_part`] columns, row-major); on the other ranks
+    /// `out` is left alone. Calls of as many rows as a staging half holds, the same on every rank.
+    pub(crate) fn gather_to_first(
+        &self,
+        dev: &CudaDevice,
+        part: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        check_group_alive(&self.group.aborted)?;
+        let g = &*self.group;
+        let world = g.tables.len();
+        let cols = vocab_part(vocab, self.rank, world).len();
+        let widest = vocab.div_ceil(world);
+        // A staging half holds half as many f32 values as bf16 ones.
+        let room = STAGING_HALF_ELEMS / 2;
+        let out_len = if self.rank == 0 { rows * vocab } else { 0 };
+        if widest > room || part.len() < rows * cols || out.len() < out_len {
+            return Err(CudaError::Shape(format!(
+                "peer gather of {rows} rows of {cols} of {vocab} logits: part of {}, out of {}, \
+                 staging of {room}",
+                part.len(),
+                out.len()
+            )));
+        }
+        let step = room / widest;
+        let f = dev.function("comm", "gather_parts_to_first_f32")?;
+        let (vocab_i, rank_i, world_i) = (vocab as i64, self.rank as i32, world as i32);
+        let half = STAGING_HALF_ELEMS as i64;
+        for first in (0..rows).step_by(step.max(1)) {
+            let n = step.min(rows - first);
+            // The same grid on every rank: it depends on the widest part only.
+            let blocks = (n * widest)
+                .div_ceil(4 * THREADS as usize)
+                .clamp(1, self.max_blocks()) as u32;
+            let mine = part.slice(first * cols..(first + n) * cols);
+            let mut dst = match self.rank {
+                0 => out.slice_mut(first * vocab..(first + n) * vocab),
+                _ => out.slice_mut(0..out.len()),
+            };
+            let n_i = n as i64;
+            let mut l = dev.stream.launch_builder(&f);
+            l.arg(&mut dst);
+            l.arg(&mine);
+            l.arg(&n_i);
+            l.arg(&vocab_i);
+            l.arg(&rank_i);
+            l.arg(&world_i);
+            l.arg(&g.tables[self.rank]);
+            l.arg(&half);
+            l.arg(&g.abort.device);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the kernel's arguments; `mine` holds the rank's n rows of its columns,
+            // rank 0's `dst` n rows of the vocabulary (the sizes checked above); each staging half
+            // holds `room` f32 values, at least n rows of the widest part.
+            unsafe { l.launch(cfg) }?;
+        }
+        Ok(())
     }
 
     /// Refuses a call after an abort, or of `n` values where `len` are held or `room` fit.

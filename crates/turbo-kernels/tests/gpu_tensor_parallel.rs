@@ -211,6 +211,57 @@ fn gpu_split_over_two_matches_one_gpu_and_the_cpu() {
     }
 }
 
+#[test]
+fn a_split_head_gathers_large_logits_in_several_calls() {
+    // 130 output rows of a 20,001-column part are more than a staging half holds (2M values):
+    // the peer gather takes two calls; an odd part width takes the kernel's scalar path.
+    let spec = TinySpec {
+        vocab: 40_002,
+        hidden: 128,
+        layers: 1,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 256,
+        context: 256,
+        seed: 5,
+        ..TinySpec::default()
+    };
+    let Some(group) = gpus(2) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wide.gguf");
+    write_gguf(&path, &spec, &TinyWeights::random(&spec), DType::F16);
+    let loaded = LoadedModel::load(&path).unwrap();
+    let tokens = random_tokens(&spec, 130, 9);
+    let one = Llama::new(
+        CudaBackend::new(0).unwrap(),
+        &loaded.config,
+        &loaded.weights,
+    )
+    .unwrap();
+    let want = engine_logits(&one, &tokens);
+    let nccl = CudaBackend::group(0, 2).unwrap();
+    for b in &nccl {
+        b.set_peer_all_reduce(false);
+    }
+    for (what, backends) in [("peer", group), ("NCCL", nccl)] {
+        let two = Llama::new_parallel(backends, &loaded.config, &loaded.weights).unwrap();
+        let got = engine_logits(&two, &tokens);
+        assert_eq!(got.len(), want.len());
+        let d = rel_diff(&got, &want);
+        eprintln!("{what}: 130 rows of 40,002 logits, tp 2 vs 1 GPU {d:.2e}");
+        assert!(d < TOL, "{what}: {d:e}");
+        // Every column came from its rank's part: the split product of a row equals the whole
+        // one's up to the bf16 noise of the layers (a column left unwritten would be 0 or stale).
+        let far = got
+            .iter()
+            .zip(&want)
+            .flat_map(|(g, w)| g.iter().zip(w))
+            .filter(|(g, w)| (*g - *w).abs() > 0.25 * (1.0 + w.abs()))
+            .count();
+        assert_eq!(far, 0, "{what}: {far} logits far from one GPU's");
+    }
+}
+
 /// Logits of decode steps: four sequences take `tokens[..prefill]` as a prompt, then the first
 /// decodes the rest one token a step (steps of one row), and then steps of 2, 3 and 4 rows
 /// decode one more token of the first sequences each (every kernel of the matrix-vector family).

@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 use turbo_attention::QuerySpan;
 use turbo_core::backend::{BatchLayout, Sampling, TokensLater};
+use turbo_core::comm::RankInfo;
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::{PenaltyLists, SampleParams};
 use turbo_core::{Backend, BackendError, KvDtype, KvScoring};
@@ -133,7 +134,8 @@ impl<B: Backend> Workspace<B> {
 /// What a forward pass hands back.
 #[derive(Clone, Copy)]
 pub(crate) enum Output {
-    /// Nothing: a tensor-parallel peer runs the layers only (rank 0 computes the logits).
+    /// Nothing for the host: a tensor-parallel peer runs the layers and its part of the logits,
+    /// which rank 0 gathers.
     Nothing,
     /// Nothing, on a peer whose rank 0 hands back [`Output::TokensLater`]: the peer takes rank
     /// 0's sampled tokens ([`Backend::broadcast_sampled`]) for the next step's carried ids.
@@ -172,7 +174,8 @@ pub(crate) struct RankModel<B: Backend> {
     embed: B::Matrix,
     layers: Vec<DeviceLayer<B>>,
     final_norm: B::Tensor,
-    /// `None` when tied to the embedding, or on a peer, which computes no logits.
+    /// `None` when tied to the embedding. Under tensor parallelism both hold the rank's rows of
+    /// the vocabulary ([`crate::shard`]).
     lm_head: Option<B::Matrix>,
     inv_freq: Vec<f32>,
     /// `None` until the first forward pass.
@@ -208,13 +211,8 @@ pub struct Llama<B: Backend> {
 }
 
 impl<B: Backend> RankModel<B> {
-    /// Places host weights (the rank's shard) on the backend; a peer skips the LM head.
-    pub(crate) fn new(
-        backend: B,
-        config: &LlamaConfig,
-        host: &HostWeights,
-        head: bool,
-    ) -> Result<Self> {
+    /// Places host weights (the rank's shard) on the backend.
+    pub(crate) fn new(backend: B, config: &LlamaConfig, host: &HostWeights) -> Result<Self> {
         let d = config.hidden_size;
         let vector = |v: &Vec<f32>| backend.upload(v, 1, d);
         let layers = host
@@ -233,14 +231,11 @@ impl<B: Backend> RankModel<B> {
             .collect::<Result<Vec<_>>>()?;
         let embed = backend.upload_matrix(&host.embed)?;
         let final_norm = vector(&host.final_norm)?;
-        let lm_head = match head {
-            true => host
-                .lm_head
-                .as_ref()
-                .map(|m| backend.upload_matrix(m))
-                .transpose()?,
-            false => None,
-        };
+        let lm_head = host
+            .lm_head
+            .as_ref()
+            .map(|m| backend.upload_matrix(m))
+            .transpose()?;
         Ok(RankModel {
             times: Mutex::new(ForwardTimes::default()),
             config: config.clone(),
@@ -291,7 +286,7 @@ impl<B: Backend> Llama<B> {
         }
         Ok(Llama {
             config: config.clone(),
-            rank: RankModel::new(backend, config, host, true)?,
+            rank: RankModel::new(backend, config, host)?,
             peers: None,
             kv_dtype: KvDtype::Full,
         })
@@ -323,7 +318,7 @@ impl<B: Backend> Llama<B> {
         let first = backends.next().expect("a group has rank 0");
         let peers = Peers::start(backends.collect(), &plan, config, host)?;
         let shard = plan.shard(config, host, 0)?;
-        let rank = RankModel::new(first, &rank_config, &shard, true);
+        let rank = RankModel::new(first, &rank_config, &shard);
         let ready = peers.wait_ready();
         let rank = rank?;
         ready?;
@@ -572,6 +567,7 @@ impl<B: Backend> RankModel<B> {
             Some(ws) => ws,
             None => guard.insert(Workspace::new(b, c)?),
         };
+        let RankInfo { world, .. } = b.rank_info();
         let rows = b.prepare_batch(
             &mut ws.batch,
             &BatchLayout {
@@ -611,7 +607,13 @@ impl<B: Backend> RankModel<B> {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let sample = matches!(output, Output::Tokens | Output::Both | Output::TokensLater);
         b.run_step(batch_layout, &mut || {
-            b.embed(&self.embed, batch_layout, x)?;
+            match world {
+                1 => b.embed(&self.embed, batch_layout, x)?,
+                _ => {
+                    b.embed_split(&self.embed, batch_layout, c.vocab_size, x)?;
+                    b.all_reduce_sum(x)?;
+                }
+            }
             for (i, layer) in self.layers.iter().enumerate() {
                 // Attention block; `x` is the residual stream.
                 b.norm_qkv_rope_write(
@@ -638,12 +640,12 @@ impl<B: Backend> RankModel<B> {
                 b.norm_linear_swiglu(x, &layer.ffn_norm, eps, h, &layer.w_gate_up, gate_up, act)?;
                 b.linear_residual_all_reduce(act, &layer.w_down, o, x)?;
             }
-            if matches!(output, Output::Nothing | Output::SharedTokens) {
-                return Ok(());
-            }
             b.gather_outputs(x, batch_layout, last)?;
             b.rms_norm(last, &self.final_norm, eps, normed)?;
-            b.logits(normed, head, batch_layout)?;
+            match world {
+                1 => b.logits(normed, head, batch_layout)?,
+                _ => b.logits_split(normed, head, batch_layout, c.vocab_size)?,
+            }
             if sample {
                 b.sample(batch_layout)?;
             }
@@ -652,7 +654,7 @@ impl<B: Backend> RankModel<B> {
         // A split model's next step may name these tokens before the host knows them: every
         // rank takes rank 0's (outside the recorded step, which holds no collective but the
         // layers' all-reduces).
-        if matches!(output, Output::TokensLater | Output::SharedTokens) && b.rank_info().world > 1 {
+        if matches!(output, Output::TokensLater | Output::SharedTokens) && world > 1 {
             b.broadcast_sampled(batch_layout)?;
         }
         let launched = Instant::now();

@@ -74,7 +74,7 @@ impl<B: Backend + 'static> Peers<B> {
                     let rank_config = plan.rank_config(&config);
                     let built = plan
                         .shard(&config, &host, rank)
-                        .and_then(|shard| RankModel::new(backend, &rank_config, &shard, false));
+                        .and_then(|shard| RankModel::new(backend, &rank_config, &shard));
                     drop(host);
                     let model = match built {
                         Ok(m) => {

@@ -7,15 +7,18 @@
 //! all-reduce after each makes the residual stream whole again, so every other op (norms, RoPE,
 //! attention over the rank's own heads, SwiGLU) runs on local data. The KV cache of a rank holds
 //! its KV heads only. With fewer KV heads than ranks, each KV head is held by the ranks whose
-//! query heads read it (replicated). Norms and the embedding are replicated; the LM head is held
-//! by rank 0 alone, which computes the logits and samples, and gives its peers the sampled tokens
-//! on the devices when the next step is issued before the host has read them.
+//! query heads read it (replicated). Norms are replicated. The embedding and the LM head are split
+//! over the vocabulary ([`vocab_part`]): a rank embeds the tokens of its rows (zeros for the
+//! others) and an all-reduce makes the embedding whole; each rank computes the logits of its rows
+//! and rank 0 gathers them, samples, and gives its peers the sampled tokens on the devices when
+//! the next step is issued before the host has read them. A tied head is the embedding's part.
 
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 use crate::weights::{HostWeights, LayerWeights, LlamaWeights};
 use rayon::prelude::*;
 use std::ops::Range;
+use turbo_core::comm::vocab_part;
 use turbo_core::WeightMatrix;
 
 /// The split of one model over `world` ranks; made only for splits that divide evenly.
@@ -46,6 +49,12 @@ impl ShardPlan {
         let (h, kv, f) = (config.n_heads, config.n_kv_heads, config.intermediate_size);
         if !h.is_multiple_of(world) {
             return refuse(format!("its {h} attention heads do not divide by {world}"));
+        }
+        if config.vocab_size < world {
+            return refuse(format!(
+                "its vocabulary of {} is smaller",
+                config.vocab_size
+            ));
         }
         if !f.is_multiple_of(world) {
             return refuse(format!("its FFN width {f} does not divide by {world}"));
@@ -97,6 +106,11 @@ impl ShardPlan {
     /// FFN features of `rank`.
     pub fn ffn(&self, rank: usize) -> Range<usize> {
         rank * self.ffn_per_rank..(rank + 1) * self.ffn_per_rank
+    }
+
+    /// Token ids whose embedding and LM head rows `rank` holds.
+    pub fn vocab(&self, config: &LlamaConfig, rank: usize) -> Range<usize> {
+        vocab_part(config.vocab_size, rank, self.world)
     }
 
     /// The weights `rank` holds. Column-parallel slices share the host bytes (memory-mapped
@@ -152,16 +166,29 @@ impl ShardPlan {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let vocab = self.vocab(config, rank);
+        let rows = |name: &str, m: &WeightMatrix| {
+            m.row_range(vocab.clone()).map_err(|e| {
+                LlamaError::Config(format!(
+                    "cannot split the {name} over {} ranks: {e}",
+                    self.world
+                ))
+            })
+        };
         Ok(LlamaWeights {
-            embed: host.embed.clone(),
+            embed: rows("embedding", &host.embed)?,
             layers,
             final_norm: host.final_norm.clone(),
-            lm_head: host.lm_head.clone(),
+            lm_head: host
+                .lm_head
+                .as_ref()
+                .map(|m| rows("LM head", m))
+                .transpose()?,
         })
     }
 
-    /// Bytes of weights `rank` holds, as stored in the file: its slices of the layers, the
-    /// replicated embedding and norms, and on rank 0 an untied LM head.
+    /// Bytes of weights `rank` holds, as stored in the file: its slices of the layers, of the
+    /// embedding and of an untied LM head, and the replicated norms.
     pub fn bytes_of_rank(&self, config: &LlamaConfig, host: &HostWeights, rank: usize) -> u64 {
         let len = |m: &WeightMatrix| m.data.len() as u64;
         let world = self.world as u64;
@@ -178,9 +205,11 @@ impl ShardPlan {
                     + 4 * (l.attn_norm.len() + l.ffn_norm.len()) as u64
             })
             .sum();
+        let vocab = self.vocab(config, rank).len() as u64;
+        let rows_share = |m: &WeightMatrix| vocab * m.row_bytes() as u64;
         layers
-            + len(&host.embed)
-            + host.lm_head.as_ref().filter(|_| rank == 0).map_or(0, len)
+            + rows_share(&host.embed)
+            + host.lm_head.as_ref().map_or(0, rows_share)
             + 4 * host.final_norm.len() as u64
     }
 }

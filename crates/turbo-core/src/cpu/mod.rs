@@ -14,7 +14,7 @@ use crate::backend::{
     Backend, BackendError, BatchLayout, BatchRows, KvCompaction, KvScoring, OwnedSpans, Result,
     CARRIED_TOKEN,
 };
-use crate::comm::{CpuGroupMember, RankInfo};
+use crate::comm::{vocab_part, CpuGroupMember, RankInfo};
 use crate::sampling::{sample_row, PenaltyLists, SampleParams};
 use crate::WeightMatrix;
 use rayon::prelude::*;
@@ -282,6 +282,36 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn embed_split(
+        &self,
+        table: &WeightMatrix,
+        batch: &CpuBatch,
+        vocab: usize,
+        out: &mut HostTensor,
+    ) -> Result<()> {
+        let info = self.rank_info();
+        let part = vocab_part(vocab, info.rank, info.world);
+        if table.rows != part.len() {
+            return Err(BackendError::Unsupported(format!(
+                "an embedding part of {} rows for rows {part:?} of a vocabulary of {vocab}",
+                table.rows
+            )));
+        }
+        for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(&batch.ids) {
+            let id = id as usize;
+            if id >= vocab {
+                return Err(BackendError::Unsupported(format!(
+                    "token id {id} is outside the vocabulary of {vocab}"
+                )));
+            }
+            match part.contains(&id) {
+                true => table.dequantize_row(id - part.start, row),
+                false => row.fill(0.0),
+            }
+        }
+        Ok(())
+    }
+
     fn rms_norm(
         &self,
         x: &HostTensor,
@@ -347,6 +377,54 @@ impl Backend for CpuBackend {
         let mut logits = batch.logits.lock().map_err(poisoned)?;
         logits.resize(x.rows * head.rows, 0.0);
         linear::linear_with(&x.data, x.rows, head, &mut logits, self.activations);
+        Ok(())
+    }
+
+    fn logits_split(
+        &self,
+        x: &HostTensor,
+        head: &WeightMatrix,
+        batch: &CpuBatch,
+        vocab: usize,
+    ) -> Result<()> {
+        let Some(group) = &self.group else {
+            return self.logits(x, head, batch);
+        };
+        let info = group.info();
+        let part = vocab_part(vocab, info.rank, info.world);
+        if head.rows != part.len() {
+            return Err(BackendError::Unsupported(format!(
+                "a head part of {} rows for rows {part:?} of a vocabulary of {vocab}",
+                head.rows
+            )));
+        }
+        let mut mine = vec![0.0; x.rows * head.rows];
+        linear::linear_with(&x.data, x.rows, head, &mut mine, self.activations);
+        let Some(parts) = group.gather_to_first(&mine)? else {
+            return Ok(());
+        };
+        let mut logits = batch.logits.lock().map_err(poisoned)?;
+        logits.resize(x.rows * vocab, 0.0);
+        for (r, p) in parts.iter().enumerate() {
+            let cols = vocab_part(vocab, r, info.world);
+            if p.len() != x.rows * cols.len() {
+                return Err(BackendError::Device(format!(
+                    "rank {r} gave {} logits for {} rows of {} columns",
+                    p.len(),
+                    x.rows,
+                    cols.len()
+                )));
+            }
+            if cols.is_empty() {
+                continue;
+            }
+            for (row, src) in logits
+                .chunks_exact_mut(vocab)
+                .zip(p.chunks_exact(cols.len()))
+            {
+                row[cols.clone()].copy_from_slice(src);
+            }
+        }
         Ok(())
     }
 

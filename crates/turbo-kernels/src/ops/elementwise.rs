@@ -363,7 +363,85 @@ pub fn embed(
     dim: usize,
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
-    gather(dev, "embed", table, ids, n, dim, out)
+    let rows = table.len() / dim.max(1);
+    gather(dev, "embed", table, ids, n, dim, (0, rows as i64), out)
+}
+
+/// [`embed`] from `table`, the rows `part` of a table of `vocab` rows split over the ranks of a
+/// tensor-parallel group: ids of the other rows give zeros (a sum over the ranks is then the
+/// embedding), ids past `vocab` NaN.
+#[allow(clippy::too_many_arguments)]
+pub fn embed_part(
+    dev: &CudaDevice,
+    table: &CudaSlice<bf16>,
+    ids: &CudaView<'_, u32>,
+    n: usize,
+    dim: usize,
+    part: std::ops::Range<usize>,
+    vocab: usize,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    check(table.len() >= part.len() * dim && part.end <= vocab, || {
+        format!(
+            "embed_part: table of {} elements for rows {part:?} of {vocab}, dim {dim}",
+            table.len()
+        )
+    })?;
+    let bounds = (part.start as i64, vocab as i64);
+    gather(dev, "embed_part", table, ids, n, dim, bounds, out)
+}
+
+/// Places every rank's part of the logits of a head split over the vocabulary into `out`
+/// (`[rows, vocab]`): rank r's `rows` x [`vocab_part`] columns lie row-major at `r * stride` of
+/// `parts` (what a NCCL all-gather leaves).
+///
+/// [`vocab_part`]: turbo_core::comm::vocab_part
+pub fn place_vocab_parts(
+    dev: &CudaDevice,
+    parts: &CudaSlice<f32>,
+    stride: usize,
+    world: usize,
+    rows: usize,
+    vocab: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    check(
+        world > 0
+            && stride >= rows * vocab.div_ceil(world)
+            && parts.len() >= world * stride
+            && out.len() >= rows * vocab,
+        || {
+            format!(
+                "place_vocab_parts: {} values for {world} parts of stride {stride}, out {} for \
+                 {rows} x {vocab}",
+                parts.len(),
+                out.len()
+            )
+        },
+    )?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let blocks = (rows * vocab.div_ceil(world)).div_ceil(256).min(1024) as u32;
+    let (rows_i, vocab_i, world_i, stride_i) =
+        (rows as i64, vocab as i64, world as i32, stride as i64);
+    let f = dev.function("elementwise", "place_vocab_parts_f32")?;
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(out);
+    b.arg(parts);
+    b.arg(&rows_i);
+    b.arg(&vocab_i);
+    b.arg(&world_i);
+    b.arg(&stride_i);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, world as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; the sizes were checked above and the
+    // kernel writes only rows x vocab values of out and reads each part's rows x columns.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
 }
 
 /// Replaces each of the first `n` ids that carries [`CARRIED_TOKEN`] by the token `sampled`
@@ -413,9 +491,22 @@ pub fn gather_rows(
     cols: usize,
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
-    gather(dev, "gather_rows", x, rows, n, cols, out)
+    let src_rows = x.len() / cols.max(1);
+    gather(
+        dev,
+        "gather_rows",
+        x,
+        rows,
+        n,
+        cols,
+        (0, src_rows as i64),
+        out,
+    )
 }
 
+/// `out[i] = src[idx[i] - first]`, zeros for an index below `first` or past `src`'s rows, NaN for
+/// one at or past `limit` (`(first, limit)`).
+#[allow(clippy::too_many_arguments)]
 fn gather(
     dev: &CudaDevice,
     what: &str,
@@ -423,6 +514,7 @@ fn gather(
     idx: &CudaView<'_, u32>,
     n: usize,
     cols: usize,
+    (first, limit): (i64, i64),
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
     check(
@@ -448,6 +540,8 @@ fn gather(
     b.arg(&n_i);
     b.arg(&cols_i);
     b.arg(&src_rows);
+    b.arg(&first);
+    b.arg(&limit);
     // SAFETY: the arguments match the kernel's signature, the buffer sizes were checked and the
     // kernel bounds every index by src_rows.
     unsafe { b.launch(config((n as u32, 1, 1))) }?;

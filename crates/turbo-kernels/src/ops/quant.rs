@@ -240,6 +240,19 @@ pub fn embed(
     n: usize,
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
+    embed_part(dev, table, ids, n, (0, table.rows), out)
+}
+
+/// [`embed`] from the rows `first..` of a table of `vocab` rows split over the ranks of a
+/// tensor-parallel group (`(first, vocab)`): ids of other rows give zeros, ids past `vocab` NaN.
+pub fn embed_part(
+    dev: &CudaDevice,
+    table: &QuantRows,
+    ids: &CudaView<'_, u32>,
+    n: usize,
+    (first, vocab): (usize, usize),
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
     let (names, row_bytes) = table.check("embed")?;
     check(
         ids.len() >= n && n <= i32::MAX as usize && out.len() >= n * table.cols,
@@ -262,10 +275,13 @@ pub fn embed(
         n as i32,
         table.cols as i32,
     );
+    let (first_i, vocab_i) = (first as i64, vocab as i64);
     let mut b = dev.stream.launch_builder(&f);
     b.arg(table.bytes);
     b.arg(&row_bytes_i);
     b.arg(&rows_i);
+    b.arg(&first_i);
+    b.arg(&vocab_i);
     b.arg(ids);
     b.arg(&n_i);
     b.arg(&k_i);
