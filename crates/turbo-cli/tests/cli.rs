@@ -1088,7 +1088,9 @@ fn tensor_parallel_generates_the_same_text_and_refuses_uneven_splits() {
     let info = turbo(&["info", "--model", m, "--tensor-parallel", "2"], None);
     let shown = text(&info.stdout);
     assert!(
-        shown.contains("2 ranks: 2 heads, 1 KV heads, FFN 64 per rank"),
+        shown.contains(
+            "2 ranks: 2 heads, 1 KV heads, FFN 64 and 150 of the 300-token vocabulary per rank"
+        ) && shown.contains("GB of weights per rank (rank 0 gathers the logits)"),
         "{shown}"
     );
 

@@ -14,7 +14,7 @@ use crate::device::CudaDevice;
 use crate::error::{check_group_alive, CudaError, Result};
 use crate::ops::gemv::GemvGroup;
 use cudarc::driver::{
-    sys, CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    sys, CudaContext, CudaSlice, CudaStream, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use half::bf16;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -64,6 +64,14 @@ pub enum PeerAllReduceKernel {
     Flagged,
     /// Parts staged in each rank's own memory; a barrier, then every rank reads its peers'.
     Pulled,
+}
+
+/// The arguments that end every `kernels/comm.cu` kernel's signature but the table and the abort
+/// flag, which the group holds: the caller's rank, the group's size, the staging room.
+struct CallTail {
+    rank: i32,
+    world: i32,
+    room: i64,
 }
 
 /// Pinned host memory every rank's kernels can read: the abort flag.
@@ -394,7 +402,7 @@ impl PeerRank {
         }
         let step = room / widest;
         let f = dev.function("comm", "gather_parts_to_first_f32")?;
-        let (vocab_i, rank_i, world_i) = (vocab as i64, self.rank as i32, world as i32);
+        let vocab_i = vocab as i64;
         let half = STAGING_HALF_ELEMS as i64;
         for first in (0..rows).step_by(step.max(1)) {
             let n = step.min(rows - first);
@@ -408,26 +416,55 @@ impl PeerRank {
                 _ => out.slice_mut(0..out.len()),
             };
             let n_i = n as i64;
+            let tail = self.call_tail(half);
             let mut l = dev.stream.launch_builder(&f);
             l.arg(&mut dst);
             l.arg(&mine);
             l.arg(&n_i);
             l.arg(&vocab_i);
-            l.arg(&rank_i);
-            l.arg(&world_i);
-            l.arg(&g.tables[self.rank]);
-            l.arg(&half);
-            l.arg(&g.abort.device);
-            let cfg = LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the kernel's arguments; `mine` holds the rank's n rows of its columns,
-            // rank 0's `dst` n rows of the vocabulary (the sizes checked above); each staging half
-            // holds `room` f32 values, at least n rows of the widest part.
-            unsafe { l.launch(cfg) }?;
+            // SAFETY: the kernel's leading arguments; `mine` holds the rank's n rows of its
+            // columns, rank 0's `dst` n rows of the vocabulary (the sizes checked above); each
+            // staging half holds `room` f32 values, at least n rows of the widest part.
+            unsafe { self.launch_with_tail(&mut l, &tail, blocks) }?;
         }
+        Ok(())
+    }
+
+    /// The arguments every comm kernel takes after its own, with the staging `room` of its
+    /// unit.
+    fn call_tail(&self, room: i64) -> CallTail {
+        CallTail {
+            rank: self.rank as i32,
+            world: self.group.tables.len() as i32,
+            room,
+        }
+    }
+
+    /// Pushes `tail` (rank, world, the rank's table, room, the abort flag) after the kernel's own
+    /// arguments and launches `blocks` blocks.
+    ///
+    /// # Safety
+    /// `l` holds the leading arguments of a `comm` kernel whose signature ends with these, over
+    /// buffers of the sizes the kernel reads and writes.
+    unsafe fn launch_with_tail<'a>(
+        &'a self,
+        l: &mut LaunchArgs<'a>,
+        tail: &'a CallTail,
+        blocks: u32,
+    ) -> Result<()> {
+        l.arg(&tail.rank);
+        l.arg(&tail.world);
+        l.arg(&self.group.tables[self.rank]);
+        l.arg(&tail.room);
+        l.arg(&self.group.abort.device);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the caller's contract; the table names buffers of the sizes the kernels
+        // assume, alive as long as the group.
+        unsafe { l.launch(cfg) }?;
         Ok(())
     }
 
@@ -456,27 +493,15 @@ impl PeerRank {
         if n == 0 {
             return Ok(());
         }
-        let g = &*self.group;
         let f = dev.function("comm", kernel)?;
-        let (n_i, rank_i, world_i) = (n as i64, self.rank as i32, g.tables.len() as i32);
+        let n_i = n as i64;
+        let tail = self.call_tail(room);
         let mut l = dev.stream.launch_builder(&f);
         l.arg(x);
         l.arg(&n_i);
-        l.arg(&rank_i);
-        l.arg(&world_i);
-        l.arg(&g.tables[self.rank]);
-        l.arg(&room);
-        l.arg(&g.abort.device);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: every kernel of `comm` takes these arguments; `x` holds `n` values of the
-        // kernel's type; the table names buffers of the sizes the kernels assume, alive as long
-        // as the group.
-        unsafe { l.launch(cfg) }?;
-        Ok(())
+        // SAFETY: every kernel launched here takes (x, n) before the tail; `x` holds `n` values
+        // of the kernel's type.
+        unsafe { self.launch_with_tail(&mut l, &tail, blocks) }
     }
 
     /// Releases every rank waiting in this group's kernels for a rank that will not come, and
