@@ -296,12 +296,18 @@ fn greedy_generation_matches_golden_split_over_3_ranks() {
 /// element), which moves logits by far more than f32 summation order does. Measured by
 /// `teacher_forced_logits_with_a_quantized_kv_cache_match_golden` (which asserts the margin
 /// error stays below it): see docs/kv-quant.md.
+///
+/// The maximum is a heavy tail that moves with the machine: the prompt's products round
+/// differently under AVX-512 and AVX2 (the `gemm` crate's kernels), and a last-bit difference in a
+/// key or value next to a code boundary becomes a whole code. Each bound leaves room for both.
 fn quant_gap_tol(dtype: turbo_core::KvDtype) -> f64 {
     match dtype {
-        // Measured: max 0.615, mean 0.077 over the 432 teacher-forced steps.
+        // Measured over the 432 teacher-forced steps: max 0.615, mean 0.077 (AVX2); max 0.469,
+        // mean 0.074 (AVX-512).
         turbo_core::KvDtype::Int8 => 0.75,
-        // Measured: max 1.38, mean 0.18 (3 mantissa bits: 2^-4 of each element).
-        _ => 1.5,
+        // Measured: max 1.38, mean 0.18 (AVX2); max 2.47, mean 0.19 (AVX-512). 3 mantissa bits:
+        // 2^-4 of each element.
+        _ => 3.0,
     }
 }
 
