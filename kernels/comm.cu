@@ -12,8 +12,9 @@
 //     rank's epoch (calls made so far) and a count of the blocks of the current call that are done.
 // `table` (u64, on each rank): the staging base of every rank, then the signals base of every
 // rank, then the base of every rank's inbox of flagged lines (all_reduce_flagged_bf16),
-// COMM_MAX_RANKS entries each. Every rank launches the same grid for a call (it depends on n
-// only), so block b of every rank handles the same elements and meets only block b of its peers.
+// COMM_MAX_RANKS entries each. Every rank launches the same grid for a call (it depends on the
+// message's size and the group's block cap only), so block b of every rank handles the same
+// elements and meets only block b of its peers.
 #include "common.cuh"
 
 __device__ __forceinline__ void comm_store_release(unsigned* p, unsigned v) {

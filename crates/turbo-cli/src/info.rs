@@ -74,11 +74,15 @@ pub fn run(args: InfoArgs) -> Result<()> {
             true => format!("{most:.3} GB of weights per rank"),
             false => format!("{least:.3}-{most:.3} GB of weights per rank"),
         };
+        let (fewest, most) = (plan.vocab(c, 0).len(), plan.vocab(c, world - 1).len());
+        let vocab = match fewest == most {
+            true => format!("{most}"),
+            false => format!("{fewest}-{most}"),
+        };
         outln!(
-            "tensor par.  {world} ranks: {} heads, {kv}, FFN {} and {} of the {}-token vocabulary per rank; {weights} (rank 0 gathers the logits)",
+            "tensor par.  {world} ranks: {} heads, {kv}, FFN {} and {vocab} of the {}-token vocabulary per rank; {weights} (rank 0 gathers the logits)",
             plan.heads_per_rank,
             plan.ffn_per_rank,
-            plan.vocab(c, 0).len(),
             c.vocab_size,
         )?;
     }

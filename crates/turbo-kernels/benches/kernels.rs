@@ -857,7 +857,7 @@ fn bench_all_reduce(c: &mut Criterion) {
                 .iter()
                 .map(|b| b.upload(&vec![0.5f32; n], rows, 4096).expect("upload"))
                 .collect();
-            for cap in [sms / 2, sms, 2 * sms] {
+            for cap in [sms / 2, sms, (2 * sms).min(turbo_kernels::PEER_MAX_BLOCKS)] {
                 group[0].set_peer_max_blocks(cap);
                 g.throughput(Throughput::Bytes((64 * n * 2) as u64));
                 g.bench_function(format!("tp2_rows{rows}_x64_pulled_blocks{cap}"), |bench| {

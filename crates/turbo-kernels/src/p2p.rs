@@ -246,7 +246,7 @@ impl PeerRank {
             enabled: AtomicBool::new(true),
             kernel: AtomicUsize::new(0),
             // One block an SM: pulled all-reduces of 83-640 rows of 4,096 ran 4-9% faster
-            // than with half the SMs, and no faster with two an SM (docs/perf/tensor-parallel.md).
+            // than with half the SMs, and no faster with 256 (docs/perf/tensor-parallel.md).
             blocks: AtomicU32::new(sms.clamp(1, MAX_BLOCKS) as u32),
             sms,
             alike,

@@ -652,8 +652,8 @@ impl<B: Backend> RankModel<B> {
             Ok(())
         })?;
         // A split model's next step may name these tokens before the host knows them: every
-        // rank takes rank 0's (outside the recorded step, which holds no collective but the
-        // layers' all-reduces).
+        // rank takes rank 0's (outside the recorded step, whose collectives are the embedding's
+        // and the layers' all-reduces and the gather of the logits).
         if matches!(output, Output::TokensLater | Output::SharedTokens) && world > 1 {
             b.broadcast_sampled(batch_layout)?;
         }
