@@ -25,6 +25,23 @@ pub fn vocab_part(vocab: usize, rank: usize, world: usize) -> std::ops::Range<us
     rank * vocab / world..(rank + 1) * vocab / world
 }
 
+/// This rank's part of a table of `vocab` rows split over its group ([`vocab_part`]), or an
+/// error naming `what` when the matrix at hand holds `rows` rows instead.
+pub fn own_vocab_part(
+    what: &str,
+    rows: usize,
+    vocab: usize,
+    info: RankInfo,
+) -> Result<std::ops::Range<usize>> {
+    let part = vocab_part(vocab, info.rank, info.world);
+    match rows == part.len() {
+        true => Ok(part),
+        false => Err(BackendError::Unsupported(format!(
+            "{what} of {rows} rows for rows {part:?} of a vocabulary of {vocab}"
+        ))),
+    }
+}
+
 /// An in-process group of `world` ranks (threads) that sum buffers in a fixed order.
 ///
 /// Every rank deposits its buffer, then each computes `((b_0 + b_1) + b_2) + ...` for itself, so

@@ -24,7 +24,7 @@ use turbo_core::backend::{
     Backend, BatchLayout, BatchRows, KvCompaction, KvRuleCompaction, Result, SampledTokens,
     TokensLater, CARRIED_TOKEN,
 };
-use turbo_core::comm::{vocab_part, RankInfo};
+use turbo_core::comm::{own_vocab_part, RankInfo};
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::SampleParams;
 use turbo_core::{BackendError, WeightMatrix};
@@ -413,7 +413,6 @@ impl CudaBackend {
         )?)
     }
 
-    /// A product with a matrix of blocks ([`crate::matrix::product`]).
     /// The embedding of the batch's tokens from `table`, rows `part` of a vocabulary of `vocab`.
     fn embed_rows(
         &self,
@@ -465,6 +464,7 @@ impl CudaBackend {
         )?)
     }
 
+    /// A product with a matrix of blocks ([`crate::matrix::product`]).
     fn quant_product(
         &self,
         x: &CudaTensor,
@@ -1007,14 +1007,7 @@ impl Backend for CudaBackend {
         vocab: usize,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        let RankInfo { rank, world } = self.rank_info();
-        let part = vocab_part(vocab, rank, world);
-        if table.rows != part.len() {
-            return Err(BackendError::Unsupported(format!(
-                "an embedding part of {} rows for rows {part:?} of a vocabulary of {vocab}",
-                table.rows
-            )));
-        }
+        let part = own_vocab_part("an embedding part", table.rows, vocab, self.rank_info())?;
         self.embed_rows(table, batch, part, vocab, out)
     }
 
@@ -1319,12 +1312,11 @@ impl Backend for CudaBackend {
         if world == 1 {
             return self.logits(x, head, batch);
         }
-        let part = vocab_part(vocab, rank, world);
-        if head.rows != part.len() || vocab != batch.vocab {
+        own_vocab_part("a head part", head.rows, vocab, self.rank_info())?;
+        if vocab != batch.vocab {
             return Err(BackendError::Unsupported(format!(
-                "a head part of {} rows for rows {part:?} of a vocabulary of {vocab}, the batch \
-                 was prepared for {}",
-                head.rows, batch.vocab
+                "logits of a vocabulary of {vocab}, the batch was prepared for {}",
+                batch.vocab
             )));
         }
         let mut mine = lock(&batch.logit_part)?;

@@ -403,7 +403,7 @@ impl PeerRank {
         let step = room / widest;
         let f = dev.function("comm", "gather_parts_to_first_f32")?;
         let vocab_i = vocab as i64;
-        let half = STAGING_HALF_ELEMS as i64;
+        let tail = self.call_tail(STAGING_HALF_ELEMS as i64);
         for first in (0..rows).step_by(step.max(1)) {
             let n = step.min(rows - first);
             // The same grid on every rank: it depends on the widest part only.
@@ -416,7 +416,6 @@ impl PeerRank {
                 _ => out.slice_mut(0..out.len()),
             };
             let n_i = n as i64;
-            let tail = self.call_tail(half);
             let mut l = dev.stream.launch_builder(&f);
             l.arg(&mut dst);
             l.arg(&mine);

@@ -14,7 +14,7 @@ use crate::backend::{
     Backend, BackendError, BatchLayout, BatchRows, KvCompaction, KvScoring, OwnedSpans, Result,
     CARRIED_TOKEN,
 };
-use crate::comm::{vocab_part, CpuGroupMember, RankInfo};
+use crate::comm::{own_vocab_part, vocab_part, CpuGroupMember, RankInfo};
 use crate::sampling::{sample_row, PenaltyLists, SampleParams};
 use crate::WeightMatrix;
 use rayon::prelude::*;
@@ -57,6 +57,30 @@ pub struct CpuBatch {
     cascade: OnceLock<(usize, Vec<CascadeGroup>)>,
     logits: Mutex<Vec<f32>>,
     tokens: Mutex<Vec<u32>>,
+}
+
+/// The embedding of the batch's tokens from `table`, which holds rows `part` of a vocabulary of
+/// `vocab` (all of it, or a tensor-parallel rank's part): other rows' tokens embed as zeros.
+fn embed_rows(
+    table: &WeightMatrix,
+    batch: &CpuBatch,
+    part: std::ops::Range<usize>,
+    vocab: usize,
+    out: &mut HostTensor,
+) -> Result<()> {
+    for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(&batch.ids) {
+        let id = id as usize;
+        if id >= vocab {
+            return Err(BackendError::Unsupported(format!(
+                "token id {id} is outside the vocabulary of {vocab}"
+            )));
+        }
+        match part.contains(&id) {
+            true => table.dequantize_row(id - part.start, row),
+            false => row.fill(0.0),
+        }
+    }
+    Ok(())
 }
 
 fn poisoned<T>(_: T) -> BackendError {
@@ -270,16 +294,7 @@ impl Backend for CpuBackend {
     }
 
     fn embed(&self, table: &WeightMatrix, batch: &CpuBatch, out: &mut HostTensor) -> Result<()> {
-        for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(&batch.ids) {
-            if id as usize >= table.rows {
-                return Err(BackendError::Unsupported(format!(
-                    "token id {id} is outside the vocabulary of {}",
-                    table.rows
-                )));
-            }
-            table.dequantize_row(id as usize, row);
-        }
-        Ok(())
+        embed_rows(table, batch, 0..table.rows, table.rows, out)
     }
 
     fn embed_split(
@@ -289,29 +304,9 @@ impl Backend for CpuBackend {
         vocab: usize,
         out: &mut HostTensor,
     ) -> Result<()> {
-        let info = self.rank_info();
-        let part = vocab_part(vocab, info.rank, info.world);
-        if table.rows != part.len() {
-            return Err(BackendError::Unsupported(format!(
-                "an embedding part of {} rows for rows {part:?} of a vocabulary of {vocab}",
-                table.rows
-            )));
-        }
-        for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(&batch.ids) {
-            let id = id as usize;
-            if id >= vocab {
-                return Err(BackendError::Unsupported(format!(
-                    "token id {id} is outside the vocabulary of {vocab}"
-                )));
-            }
-            match part.contains(&id) {
-                true => table.dequantize_row(id - part.start, row),
-                false => row.fill(0.0),
-            }
-        }
-        Ok(())
+        let part = own_vocab_part("an embedding part", table.rows, vocab, self.rank_info())?;
+        embed_rows(table, batch, part, vocab, out)
     }
-
     fn rms_norm(
         &self,
         x: &HostTensor,
@@ -391,13 +386,7 @@ impl Backend for CpuBackend {
             return self.logits(x, head, batch);
         };
         let info = group.info();
-        let part = vocab_part(vocab, info.rank, info.world);
-        if head.rows != part.len() {
-            return Err(BackendError::Unsupported(format!(
-                "a head part of {} rows for rows {part:?} of a vocabulary of {vocab}",
-                head.rows
-            )));
-        }
+        own_vocab_part("a head part", head.rows, vocab, info)?;
         let mut mine = vec![0.0; x.rows * head.rows];
         linear::linear_with(&x.data, x.rows, head, &mut mine, self.activations);
         let Some(parts) = group.gather_to_first(&mine)? else {
