@@ -8,6 +8,7 @@ Needs numpy and the `gguf` Python package.
 
     python3 benches/random_llama_gguf.py OUT.gguf --shape llama3-70b --dtype q8_0 --tokenizer smollm2-tokenizer.json.gz
     python3 benches/random_llama_gguf.py OUT.gguf --shape llama3-8b --dtype q4_k_m --tokenizer smollm2-tokenizer.json.gz
+    python3 benches/random_llama_gguf.py OUT.gguf --layers 8 --context 16384 --tokenizer smollm2-tokenizer.json.gz  # quick kernel A/B
 """
 import argparse, gzip, json, time
 import numpy as np
@@ -64,13 +65,22 @@ def main():
     ap.add_argument("--shape", default="llama3-8b", choices=SHAPES)
     ap.add_argument("--dtype", default="f16", choices=["f16", "q8_0", "q4_k_m"])
     ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--layers", type=int, help="blocks instead of the shape's (a quick file whose every layer has the "
+                    "shape's cost, e.g. for comparing kernels)")
+    ap.add_argument("--context", type=int, default=8192, help="context length the file declares")
     a = ap.parse_args()
     t0 = time.time()
     tok = json.load(gzip.open(a.tokenizer))
     D, L, H, KV, F, theta = SHAPES[a.shape]
+    if a.layers is not None:
+        if a.layers < 1:
+            ap.error("--layers must be at least 1")
+        L = a.layers
+    if a.context < 1:
+        ap.error("--context must be at least 1")
     V, hd = len(tok["tokenizer.ggml.tokens"]), D // H
     w = gguf.GGUFWriter(a.out, "llama")
-    w.add_context_length(8192); w.add_embedding_length(D); w.add_block_count(L); w.add_feed_forward_length(F)
+    w.add_context_length(a.context); w.add_embedding_length(D); w.add_block_count(L); w.add_feed_forward_length(F)
     w.add_head_count(H); w.add_head_count_kv(KV); w.add_rope_freq_base(theta); w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(hd); w.add_vocab_size(V); w.add_file_type({"f16": 1, "q8_0": 7, "q4_k_m": 15}[a.dtype])
     w.add_tokenizer_model(tok["tokenizer.ggml.model"]); w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
