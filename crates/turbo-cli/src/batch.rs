@@ -50,6 +50,12 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
     if lines.is_empty() {
         bail!("{} holds no requests", args.file.display());
     }
+    // Below --max-batch it is raised to it (every running sequence needs a token a step); 0
+    // is a mistake rather than a request for that.
+    anyhow::ensure!(
+        args.max_batched_tokens > 0,
+        "--max-batched-tokens must be positive"
+    );
     // Ctrl-C while the model loads cancels every request once they are queued: each still gets
     // its line (cancelled), none is lost.
     let early = Arc::new(AtomicBool::new(false));

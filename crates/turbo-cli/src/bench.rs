@@ -169,6 +169,10 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
     }
     if let Some(requests) = args.shared_prefix {
         anyhow::ensure!(args.max_batch > 0, "--max-batch must be positive");
+        anyhow::ensure!(
+            args.max_batched_tokens > 0,
+            "--max-batched-tokens must be positive"
+        );
         return model.run_model(shared_prefix::SharedPrefix {
             requests,
             prefix_tokens: args.prefix_tokens,

@@ -14,19 +14,24 @@ pub struct KvPolicyArgs {
     #[arg(long, default_value = "full")]
     pub kv_policy: PolicyKind,
     /// Keys each sequence keeps, as a fraction of its prompt (0.5 keeps half).
-    #[arg(long, conflicts_with = "kv_budget_tokens")]
+    #[arg(long, conflicts_with = "kv_budget_tokens", allow_hyphen_values = true)]
     pub kv_budget: Option<f64>,
     /// Keys each sequence keeps, as a count.
     #[arg(long)]
     pub kv_budget_tokens: Option<usize>,
     /// Share of the kept keys reserved for the most recent tokens.
-    #[arg(long, default_value_t = BudgetConfig::DEFAULT_RECENT_FRACTION)]
+    #[arg(long, default_value_t = BudgetConfig::DEFAULT_RECENT_FRACTION, allow_hyphen_values = true)]
     pub kv_recent: f64,
     /// First tokens always kept (attention sinks; default 4 for sink, 0 for the others).
     #[arg(long)]
     pub kv_sinks: Option<usize>,
     /// Keyformer's temperature, rising from START to END over the generated tokens.
-    #[arg(long, default_value = "1:2", value_name = "START:END")]
+    #[arg(
+        long,
+        default_value = "1:2",
+        value_name = "START:END",
+        allow_hyphen_values = true
+    )]
     pub keyformer_tau: String,
     /// Choose kept keys per layer and KV head, or once for all (shared).
     #[arg(long, default_value = "per-layer")]

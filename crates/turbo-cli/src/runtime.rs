@@ -97,15 +97,15 @@ fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {
     /// 0 is greedy decoding.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     pub temperature: f32,
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
     pub top_p: f32,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     pub min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
     pub repetition_penalty: f32,
     /// Subtracted from a token's logit once per time it was generated (OpenAI's), in [-2, 2].
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
@@ -186,11 +186,11 @@ pub struct KvArgs {
     #[arg(long, conflicts_with_all = ["kv_cache_gb", "kv_cache_fraction"])]
     pub kv_blocks: Option<usize>,
     /// KV cache size in GB (10^9 bytes).
-    #[arg(long, conflicts_with = "kv_cache_fraction")]
+    #[arg(long, conflicts_with = "kv_cache_fraction", allow_hyphen_values = true)]
     pub kv_cache_gb: Option<f64>,
     /// KV cache size as a fraction (0 < F <= 1) of the device's free memory once the weights
     /// are loaded (on the CPU: of MemAvailable). Default on a GPU: 0.9.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub kv_cache_fraction: Option<f64>,
 }
 
@@ -207,13 +207,13 @@ impl KvArgs {
         if let Some(gb) = self.kv_cache_gb {
             anyhow::ensure!(
                 gb.is_finite() && gb > 0.0,
-                "--kv-cache-gb must be a positive number of GB, got {gb}"
+                "--kv-cache-gb must be a positive number of GB, got {gb:?}"
             );
         }
         if let Some(f) = self.kv_cache_fraction {
             anyhow::ensure!(
                 f > 0.0 && f <= 1.0,
-                "--kv-cache-fraction must be in (0, 1], got {f}"
+                "--kv-cache-fraction must be in (0, 1], got {f:?}"
             );
         }
         Ok(

@@ -594,6 +594,30 @@ fn kv_cache_size_flags() {
         "--kv-cache-gb must be a positive",
     );
     error(&["--kv-cache-gb", "1e-12"], "less than one KV block");
+    // Values that start with a hyphen reach the flags' own checks, and sizes print short.
+    error(
+        &["--kv-cache-gb", "-inf"],
+        "--kv-cache-gb must be a positive",
+    );
+    error(
+        &["--kv-cache-fraction", "-inf"],
+        "--kv-cache-fraction must be in (0, 1]",
+    );
+    error(
+        &["--kv-cache-gb", "5e-324"],
+        "a KV cache of 4.94065646e-315 bytes",
+    );
+    expect_error(
+        &generate_args(
+            p(&model),
+            &["--kv-policy", "keyformer", "--keyformer-tau", "-1:2"],
+        ),
+        "Keyformer temperatures must be finite and positive",
+    );
+    error(
+        &["--max-batched-tokens", "0"],
+        "--max-batched-tokens must be positive",
+    );
     error(&["--kv-blocks", "0"], "--kv-blocks must be positive");
     let both = batch(&["--kv-blocks", "8", "--kv-cache-fraction", "0.5"]);
     expect_usage_error(&both.iter().map(String::as_str).collect::<Vec<_>>());

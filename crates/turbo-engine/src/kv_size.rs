@@ -117,10 +117,10 @@ impl KvSize {
             KvSize::Bytes(bytes) => {
                 if !(bytes.is_finite() && bytes > 0.0) {
                     return config(format!(
-                        "the KV cache size must be a positive number of bytes, got {bytes}"
+                        "the KV cache size must be a positive number of bytes, got {bytes:?}"
                     ));
                 }
-                let what = format!("a KV cache of {bytes} bytes");
+                let what = format!("a KV cache of {} bytes", shown(bytes));
                 match free {
                     Some(free) if bytes > free as f64 => config(format!(
                         "{what} is more than the {free} bytes free on {backend}"
@@ -130,9 +130,11 @@ impl KvSize {
             }
             KvSize::Fraction(f) => {
                 if !(f > 0.0 && f <= 1.0) {
-                    return config(format!("the KV cache fraction must be in (0, 1], got {f}"));
+                    return config(format!(
+                        "the KV cache fraction must be in (0, 1], got {f:?}"
+                    ));
                 }
-                fraction_of_free(f, format!("a KV cache fraction of {f}"))
+                fraction_of_free(f, format!("a KV cache fraction of {f:?}"))
             }
             KvSize::Default {
                 cpu_slots,
@@ -156,6 +158,16 @@ impl KvSize {
             },
         }?;
         Ok(blocks)
+    }
+}
+
+/// A byte count as people read it: whole bytes, or in exponent form where that would take
+/// hundreds of digits (a size of 5e-324 bytes).
+fn shown(bytes: f64) -> String {
+    if (1.0..1e18).contains(&bytes) {
+        format!("{bytes:.0}")
+    } else {
+        format!("{bytes:e}")
     }
 }
 

@@ -546,7 +546,7 @@ impl SafetensorsSet {
             let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(io_err(path))?);
             let bad = |reason: String| LlamaError::Safetensors {
                 file: path.display().to_string(),
-                reason,
+                reason: first_chars(reason, REASON_CHARS),
             };
             let (header_len, meta) =
                 safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {
@@ -790,6 +790,18 @@ pub(crate) fn hf_chat_template(dir: &Path) -> Result<Option<String>> {
             .map(str::to_string),
         _ => None,
     })
+}
+
+/// How much of a parser's message a refusal quotes: serde lists every variant it expected
+/// (30 dtypes), which would make the one-line error hundreds of characters long.
+const REASON_CHARS: usize = 100;
+
+/// `text` cut to its first `n` characters, marked when cut.
+fn first_chars(text: String, n: usize) -> String {
+    match text.char_indices().nth(n) {
+        Some((at, _)) => format!("{}...", &text[..at]),
+        None => text,
+    }
 }
 
 #[cfg(test)]

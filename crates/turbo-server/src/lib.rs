@@ -233,14 +233,25 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
 
 /// The body of a request, at most `limit` bytes.
 async fn read_body(body: Body, limit: usize) -> Result<axum::body::Bytes, ApiError> {
+    use axum::body::HttpBody;
+    let too_large = || {
+        ApiError::invalid(format!("the request body is larger than {limit} bytes"))
+            .status(StatusCode::PAYLOAD_TOO_LARGE)
+            .code("body_too_large")
+    };
+    // A Content-Length far past the limit is refused before any of the body is read: waiting
+    // for a body that large would hold the connection until the client gives up. Up to twice
+    // the limit the body is read up to the limit as before, so that a client still writing the
+    // rest gets the 413 rather than a reset connection.
+    if body.size_hint().lower() > 2 * limit as u64 {
+        return Err(too_large());
+    }
     axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let too_large = std::error::Error::source(&e)
+        let over = std::error::Error::source(&e)
             .is_some_and(|s| s.to_string().contains("length limit"))
             || e.to_string().contains("length limit");
-        if too_large {
-            ApiError::invalid(format!("the request body is larger than {limit} bytes"))
-                .status(StatusCode::PAYLOAD_TOO_LARGE)
-                .code("body_too_large")
+        if over {
+            too_large()
         } else {
             ApiError::invalid(format!("cannot read the request body: {e}"))
         }

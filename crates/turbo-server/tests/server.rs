@@ -554,6 +554,23 @@ fn bad_requests_get_openai_errors() {
             .await
             .unwrap();
         assert_eq!(r.status().as_u16(), 413);
+        // A Content-Length past the limit is answered at once, not after waiting for the body.
+        {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let addr = url.trim_start_matches("http://");
+            let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+            conn.write_all(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000\r\n\r\n{}",
+            )
+            .await
+            .unwrap();
+            let mut head = [0u8; 12];
+            tokio::time::timeout(Duration::from_secs(10), conn.read_exact(&mut head))
+                .await
+                .expect("an answer before the body comes")
+                .unwrap();
+            assert_eq!(&head, b"HTTP/1.1 413", "{}", String::from_utf8_lossy(&head));
+        }
         // Still healthy, and still serving.
         let r = client().get(format!("{url}/health")).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 200);

@@ -73,6 +73,10 @@ pub enum ChatError {
     /// Encoding the rendered text failed.
     #[error("failed to encode the chat prompt: {}", Escaped(.0))]
     Encode(String),
+    /// The template rendered the conversation as no text at all (an empty template, or one
+    /// that ignores the messages it is given): there is no prompt to run.
+    #[error("the model's chat template renders the messages as empty text")]
+    Empty,
 }
 
 /// One message of a conversation (`role` is "system", "user", "assistant", ...).
@@ -237,6 +241,9 @@ impl ChatTemplate {
                 (plain, found)
             }
         };
+        if text.is_empty() {
+            return Err(ChatError::Empty);
+        }
         tokenizer
             .encode_untrusted(&text, &content)
             .map_err(|e| ChatError::Encode(e.to_string()))

@@ -1440,5 +1440,13 @@ mod tests {
             .encode(&tok, &[ChatMessage::new("user", "abcdef")], false)
             .unwrap_err();
         assert!(matches!(err, ChatError::Content), "{err}");
+        // A template that renders nothing (empty, or deaf to the messages) gives no prompt.
+        for source in ["", "{% if false %}{{ messages }}{% endif %}"] {
+            let t = ChatTemplate::new(source, "", "").unwrap();
+            let err = t
+                .encode(&tok, &[ChatMessage::new("user", "hello")], true)
+                .unwrap_err();
+            assert!(matches!(err, ChatError::Empty), "{source:?}: {err}");
+        }
     }
 }
