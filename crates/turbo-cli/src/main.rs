@@ -104,7 +104,9 @@ fn exit_code(result: anyhow::Result<()>) -> ExitCode {
 /// A command line clap refuses: its first line (`error: ...`, naming what was wrong) and exit
 /// code 2, as for any other refusal one line; `--help` and `--version` print as usual.
 /// Lets every option that takes a value take a negative number, so that `--threads -1` is refused
-/// by the option's own check, naming it, rather than taken for an unknown flag `-1`.
+/// by the option's own check, naming it, rather than taken for an unknown flag `-1`. Clap's test
+/// of "a number" does not take `-inf` or a pair such as `-1:2`: the floating-point options and
+/// `--keyformer-tau` allow any value that starts with a hyphen where they are defined.
 fn numbers_may_be_negative(cmd: clap::Command) -> clap::Command {
     cmd.mut_args(|a| match a.get_action().takes_values() {
         true => a.allow_negative_numbers(true),
