@@ -1,6 +1,7 @@
 //! Tensor parallelism on GPUs (NCCL, and the all-reduce through peer-mapped memory): a model
-//! split over 2 GPUs against the same model on one GPU and on the CPU, and the peer all-reduce
-//! against sums made on the host. Skips with a message unless two GPUs and NCCL are present.
+//! split over 2 and 4 GPUs against the same model on one GPU and on the CPU, and the peer
+//! all-reduce against sums made on the host. Skips with a message unless two GPUs (four for the
+//! 4-rank parts) and NCCL are present.
 //!
 //! Tolerances: a split GPU run differs from the whole one by the bf16 rounding of the partial
 //! residual updates before their sum (each rank's W_o and W_down products round to bf16, then the
@@ -143,11 +144,11 @@ fn split_matches_one_gpu_and_the_cpu(group: Vec<CudaBackend>) {
             _ => CudaBackend::group(0, world).unwrap(),
         };
         let rank0 = backends[0].clone();
-        let two = Llama::new_parallel(backends, &loaded.config, &loaded.weights).unwrap();
-        let two_logits = engine_logits(&two, &tokens);
+        let split = Llama::new_parallel(backends, &loaded.config, &loaded.weights).unwrap();
+        let split_logits = engine_logits(&split, &tokens);
         let (vs_one, vs_cpu) = (
-            rel_diff(&two_logits, &one_logits),
-            rel_diff(&two_logits, &cpu),
+            rel_diff(&split_logits, &one_logits),
+            rel_diff(&split_logits, &cpu),
         );
         eprintln!(
             "{dtype}: tp {world} vs 1 GPU {vs_one:.2e}, vs CPU {vs_cpu:.2e} (1 GPU vs CPU {:.2e})",
@@ -167,12 +168,12 @@ fn split_matches_one_gpu_and_the_cpu(group: Vec<CudaBackend>) {
             .collect();
         let (want, one) = greedy(one, &loaded, &prompts);
         let before = rank0.graph_stats();
-        let (got, overlapped, two) = greedy_stepping(two, &loaded, &prompts, true);
+        let (got, overlapped, split) = greedy_stepping(split, &loaded, &prompts, true);
         let after = rank0.graph_stats();
         // Overlapped steps: rank 1 embeds the tokens rank 0 sampled, which it takes on its
         // device. Stepping one at a time runs the same steps.
         assert!(overlapped > 0, "{dtype}: no step overlapped");
-        let (alone, none, _) = greedy_stepping(two, &loaded, &prompts, false);
+        let (alone, none, _) = greedy_stepping(split, &loaded, &prompts, false);
         assert_eq!(none, 0);
         assert_eq!(alone, got, "{dtype}: overlapped vs one step at a time");
         eprintln!(
