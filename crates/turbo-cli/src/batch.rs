@@ -30,6 +30,17 @@ pub struct BatchArgs {
     pub step_profile: Option<PathBuf>,
 }
 
+/// The tokens a step may hold, from `--max-batched-tokens`: below `--max-batch` it is raised to
+/// it (every running sequence needs a token a step); 0 is a mistake rather than a request for
+/// that.
+pub(crate) fn tokens_per_step(max_batched_tokens: usize, max_batch: usize) -> Result<usize> {
+    anyhow::ensure!(
+        max_batched_tokens > 0,
+        "--max-batched-tokens must be positive"
+    );
+    Ok(max_batched_tokens.max(max_batch))
+}
+
 /// One request's failure, as its line of output.
 #[derive(Serialize)]
 struct FailedLine<'a> {
@@ -50,12 +61,7 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
     if lines.is_empty() {
         bail!("{} holds no requests", args.file.display());
     }
-    // Below --max-batch it is raised to it (every running sequence needs a token a step); 0
-    // is a mistake rather than a request for that.
-    anyhow::ensure!(
-        args.max_batched_tokens > 0,
-        "--max-batched-tokens must be positive"
-    );
+    let step_tokens = tokens_per_step(args.max_batched_tokens, args.max_batch)?;
     // Ctrl-C while the model loads cancels every request once they are queued: each still gets
     // its line (cancelled), none is lost.
     let early = Arc::new(AtomicBool::new(false));
@@ -66,7 +72,7 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
     let engine = Arc::new(Engine::start(EngineConfig {
         kv: args.kv.size(args.max_batch, 4096)?,
         max_batch: args.max_batch,
-        max_batched_tokens: args.max_batched_tokens.max(args.max_batch),
+        max_batched_tokens: step_tokens,
         prefill_chunk: 512,
         max_pending: lines.len(),
         profile_steps: args.step_profile.is_some(),

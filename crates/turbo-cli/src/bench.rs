@@ -169,10 +169,8 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
     }
     if let Some(requests) = args.shared_prefix {
         anyhow::ensure!(args.max_batch > 0, "--max-batch must be positive");
-        anyhow::ensure!(
-            args.max_batched_tokens > 0,
-            "--max-batched-tokens must be positive"
-        );
+        let max_batched_tokens =
+            crate::batch::tokens_per_step(args.max_batched_tokens, args.max_batch)?;
         return model.run_model(shared_prefix::SharedPrefix {
             requests,
             prefix_tokens: args.prefix_tokens,
@@ -180,7 +178,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             gen_tokens: args.gen_tokens.unwrap_or(16),
             repeats: args.repeats.unwrap_or(1),
             max_batch: args.max_batch,
-            max_batched_tokens: args.max_batched_tokens.max(args.max_batch),
+            max_batched_tokens,
             kv: args.kv,
             json: args.json,
             model: path.display().to_string(),
