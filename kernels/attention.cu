@@ -973,6 +973,26 @@ ATTN_PREFILL_KERNEL(128, 4, 2, 32, 2)
 #define DEC_ROWS 16
 #define DEC_KEYS 16
 #define DEC_STAGES 3
+// The logits kernels load K and V with an L2 evict-first policy: the step reads them once, and
+// the logits they write (~7 MB a layer at 13 rows of 4k keys) then stay in L2 for the passes that
+// read them next (attn_logits_gumbel, kv_score_logit_add) instead of being pushed out by the
+// ~230 MB of KV streamed after them. On an H200 this took the logits' DRAM writes from 6.3 MB a
+// layer to 35 KB and a scored decode step 0.8-1.2% faster.
+
+// pf_cp_async16 with an L2 eviction policy (from dec_l2_evict_first): for data read once, so that
+// it leaves L2 before what a later kernel of the step reads again.
+__device__ __forceinline__ void dec_cp_async16_hint(void* dst, const void* src, bool valid,
+                                                    unsigned long long policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(pf_smem(dst)), "l"(src),
+                 "r"(valid ? 16 : 0), "l"(policy)
+                 : "memory");
+}
+
+__device__ __forceinline__ unsigned long long dec_l2_evict_first() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
 // Ring stages with a quantized cache (K and V codes and scales of 16 keys: 4.2 KB at d 128). Six
 // measured 4-10% slower than four on an H100 (docs/kv-quant.md).
 #define DEC_STAGES_Q 4
@@ -998,7 +1018,7 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
                                             uint32_t* __restrict__ counters,
                                             __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out,
                                             const uint32_t* __restrict__ logit_at, float* __restrict__ logits,
-                                            int layer, float* __restrict__ score_lse,
+                                            float* __restrict__ score_lse,
                                             float2* __restrict__ part_score) {
     static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
     constexpr int KSTEPS = HD / 16;            // k-steps of Q·Kᵀ
@@ -1029,28 +1049,16 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     const int nh = min(DEC_ROWS, group - DEC_ROWS * sub);
     const uint32_t* table = tables + it2.x;
     const size_t slot_stride = (size_t)n_kv_heads * HD;
-    // Where this row's logits go (LOGITS only): [head][stride] f32 from logit_base, or nowhere;
-    // and the scoring policy's f that turns each logit x into what is written: x (softmax) or
-    // (x + g) / tau with g the key's Gumbel draw for this (row, layer, head).
+    // Where this row's logits go (LOGITS only): [head][stride] f32 from logit_base, or nowhere.
+    // The kernel writes the plain scaled logits x whatever the scoring policy: a Gumbel policy's
+    // f(x) = (x + g) / tau and its normaliser are attn_logits_gumbel's, a pass of full occupancy
+    // after this one (here the draws' arithmetic would stall a kernel that runs 2 CTAs an SM).
     uint32_t logit_base = ATTN_NO_STATE, logit_stride = 0;
-    bool noisy = false;
-    float inv_tau = 1.f;
-    unsigned long long gumbel_base = 0ull;
     if constexpr (LOGITS) {
         const uint4 la = reinterpret_cast<const uint4*>(logit_at)[2 * token];
         logit_base = la.x;
         logit_stride = la.y;
-        if (logit_base != ATTN_NO_STATE && la.z == 2u) {
-            const uint4 lb = reinterpret_cast<const uint4*>(logit_at)[2 * token + 1];
-            noisy = true;
-            inv_tau = 1.f / __uint_as_float(la.w);
-            gumbel_base = score_gumbel_base((unsigned long long)lb.x | ((unsigned long long)lb.y << 32), lb.z,
-                                            (unsigned)layer);
-        }
     }
-    // Each thread's running (max, sum of exp) of f over the keys it wrote, rows g and g + 8
-    // (natural log domain): the normaliser logsumexp_j f(x_j) of the eviction scores.
-    float fm[2] = {attn_neg_inf(), attn_neg_inf()}, fl[2] = {0.f, 0.f};
     const __nv_bfloat16* kb = k_cache + (size_t)kvh * HD;
     const __nv_bfloat16* vb = v_cache + (size_t)kvh * HD;
 
@@ -1060,6 +1068,7 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
 
     // Copies step i's K and V rows into ring stage i % DEC_STAGES (zeros past k1) as one group.
     const int cc = lane % CPR;
+    const unsigned long long kv_policy = LOGITS ? dec_l2_evict_first() : 0ull;
     auto issue = [&](int i) {
         const uint32_t base = first + (uint32_t)(DEC_KEYS * DEC_WARPS * i);
         if constexpr (QUANT) {
@@ -1107,6 +1116,11 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             if (valid) {
                 const uint32_t b = block_shift >= 0 ? key >> block_shift : key / (uint32_t)block_size;
                 off = ((size_t)table[b] * (size_t)block_size + (key - b * (uint32_t)block_size)) * slot_stride + cc * 8;
+            }
+            if constexpr (LOGITS) {
+                dec_cp_async16_hint(st + pf_swz<HD>(r, cc), kb + off, valid, kv_policy);
+                dec_cp_async16_hint(st + TILE + pf_swz<HD>(r, cc), vb + off, valid, kv_policy);
+                continue;
             }
             pf_cp_async16(st + pf_swz<HD>(r, cc), kb + off, valid);
             pf_cp_async16(st + TILE + pf_swz<HD>(r, cc), vb + off, valid);
@@ -1219,69 +1233,16 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             }
         }
         if constexpr (LOGITS) {
-            // f(x) of this row's scored keys, x = scale q.k, for the eviction scores.
+            // This row's scored keys' logits x = scale q.k, for the eviction scores.
             if (logit_base != ATTN_NO_STATE) {
-                // The Gumbel draws this lane's logits need. With at most 4 query heads in the
-                // tile only lanes 0-15 hold logits (rows g < 4): lanes 16-31 draw the second
-                // half of their keys (n = 1) and pass it down, so that the whole warp shares the
-                // hashes and logs instead of half of it doing them all.
-                float nz[2][4];
-#pragma unroll
-                for (int n = 0; n < 2; n++) nz[n][0] = nz[n][1] = nz[n][2] = nz[n][3] = 0.f;
-                if (noisy) {
-                    if (nh <= 4) {
-                        const int gr = g & 3, nn = g >> 2;
-                        const uint32_t kk = base + (uint32_t)(8 * nn + 2 * t);
-                        float d0 = 0.f, d1 = 0.f;
-                        if (gr < nh) {
-                            d0 = score_gumbel_at(gumbel_base, (unsigned)(h0 + gr), kk);
-                            d1 = score_gumbel_at(gumbel_base, (unsigned)(h0 + gr), kk + 1u);
-                        }
-                        nz[0][0] = d0;
-                        nz[0][1] = d1;
-                        nz[1][0] = __shfl_down_sync(0xffffffffu, d0, 16);
-                        nz[1][1] = __shfl_down_sync(0xffffffffu, d1, 16);
-                    } else {
-#pragma unroll
-                        for (int n = 0; n < 2; n++) {
-#pragma unroll
-                            for (int e = 0; e < 4; e++) {
-                                const int r = g + 8 * (e >> 1);
-                                if (r < nh)
-                                    nz[n][e] = score_gumbel_at(gumbel_base, (unsigned)(h0 + r),
-                                                               base + (uint32_t)(8 * n + 2 * t + (e & 1)));
-                            }
-                        }
-                    }
-                }
-                float y[2][4];
 #pragma unroll
                 for (int n = 0; n < 2; n++) {
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const uint32_t key = base + (uint32_t)(8 * n + 2 * t + (e & 1));
                         const int r = g + 8 * (e >> 1);
-                        y[n][e] = attn_neg_inf();
-                        if (key < k1 && r < nh) {
-                            float v = s[n][e] * scale;
-                            if (noisy) v = (v + nz[n][e]) * inv_tau;
-                            logits[(size_t)logit_base + (size_t)(h0 + r) * logit_stride + key] = v;
-                            y[n][e] = v;
-                        }
-                    }
-                }
-                // Softmax (H2O) needs no normaliser of its own: f(x) = x, whose logsumexp is the
-                // attention's lse, written below.
-#pragma unroll
-                for (int h = 0; h < 2 && noisy; h++) {
-                    const float mx = fmaxf(fmaxf(fm[h], fmaxf(y[0][2 * h], y[0][2 * h + 1])),
-                                           fmaxf(y[1][2 * h], y[1][2 * h + 1]));
-                    if (mx != attn_neg_inf()) {
-                        float sum = fl[h] * __expf(fm[h] - mx);  // 0 while fm is -inf
-#pragma unroll
-                        for (int n = 0; n < 2; n++) sum += __expf(y[n][2 * h] - mx) + __expf(y[n][2 * h + 1] - mx);
-                        fm[h] = mx;
-                        fl[h] = sum;
+                        if (key < k1 && r < nh)
+                            logits[(size_t)logit_base + (size_t)(h0 + r) * logit_stride + key] = s[n][e] * scale;
                     }
                 }
             }
@@ -1406,47 +1367,8 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             dst[QUANT ? (2 * t + 1) * NT + n : 8 * n + 2 * t + 1] = o[n][2 * h + 1] * ou;
         }
     }
-    // The normaliser's (max, sum) of each row over this CTA's keys: a quad holds a row's keys,
-    // the warps' through shared memory (after the output states).
-    float* const sm_fm = sm_l + DEC_WARPS * DEC_ROWS;  // [warp][row]
-    float* const sm_fl = sm_fm + DEC_WARPS * DEC_ROWS;  // [warp][row]
-    if constexpr (LOGITS) {
-        if (logit_base != ATTN_NO_STATE && noisy) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                float mq = fmaxf(fm[h], __shfl_xor_sync(0xffffffffu, fm[h], 1));
-                mq = fmaxf(mq, __shfl_xor_sync(0xffffffffu, mq, 2));
-                float lq = mq == attn_neg_inf() ? 0.f : fl[h] * __expf(fm[h] - mq);
-                lq += __shfl_xor_sync(0xffffffffu, lq, 1);
-                lq += __shfl_xor_sync(0xffffffffu, lq, 2);
-                if (t == 0) {
-                    sm_fm[warp * DEC_ROWS + g + 8 * h] = mq;
-                    sm_fl[warp * DEC_ROWS + g + 8 * h] = lq;
-                }
-            }
-        }
-    }
     __syncthreads();
     const bool direct = state == ATTN_NO_STATE;
-    if constexpr (LOGITS) {
-        if (logit_base != ATTN_NO_STATE && noisy && tid < nh) {
-            float mx = attn_neg_inf();
-#pragma unroll
-            for (int w = 0; w < DEC_WARPS; w++) mx = fmaxf(mx, sm_fm[w * DEC_ROWS + tid]);
-            float sum = 0.f;
-#pragma unroll
-            for (int w = 0; w < DEC_WARPS; w++) {
-                const float mw = sm_fm[w * DEC_ROWS + tid];
-                if (mw != attn_neg_inf()) sum += sm_fl[w * DEC_ROWS + tid] * __expf(mw - mx);
-            }
-            const size_t head = (size_t)(h0 + tid);
-            if (direct) {
-                score_lse[(size_t)token * (size_t)n_heads + head] = sum > 0.f ? mx + logf(sum) : attn_neg_inf();
-            } else {
-                part_score[(size_t)state * (size_t)n_heads + head] = make_float2(mx, sum);
-            }
-        }
-    }
     for (int idx = tid; idx < nh * HD; idx += DEC_THREADS) {
         const int r = idx / HD, d = idx % HD;
         float mx = attn_neg_inf();
@@ -1476,9 +1398,9 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             if (d == 0) part_lse[dst] = lse;
         }
         if constexpr (LOGITS) {
-            // Softmax scores: the normaliser is this lse (a split row's pairs (lse, 1) merge to
-            // the row's).
-            if (logit_base != ATTN_NO_STATE && !noisy && d == 0) {
+            // The softmax of the logits has this lse as its normaliser (a split row's pairs
+            // (lse, 1) merge to the row's).
+            if (logit_base != ATTN_NO_STATE && d == 0) {
                 if (direct) {
                     score_lse[(size_t)token * (size_t)n_heads + head] = lse;
                 } else {
@@ -1522,7 +1444,7 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
         uint32_t* __restrict__ counters, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) { \
         attn_decode<HD, false, KIND>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size, \
                                block_shift, scale, part_o, part_lse, counters, out, lse_out, nullptr,      \
-                               nullptr, 0, nullptr, nullptr);                                              \
+                               nullptr, nullptr, nullptr);                                                 \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) attn_decode_logits_##NAME##HD(           \
         const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
@@ -1530,19 +1452,92 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
         const uint32_t* __restrict__ items, int n_heads, int group, int n_kv_heads, int block_size,      \
         int block_shift, float scale, float* __restrict__ part_o, float* __restrict__ part_lse,          \
         uint32_t* __restrict__ counters, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out,   \
-        const uint32_t* __restrict__ logit_at, float* __restrict__ logits, int layer,                     \
-        float* __restrict__ score_lse, float2* __restrict__ part_score) {                                 \
+        const uint32_t* __restrict__ logit_at, float* __restrict__ logits, float* __restrict__ score_lse, \
+        float2* __restrict__ part_score) {                                                                \
         attn_decode<HD, true, KIND>(q, k_cache, v_cache, tables, items, n_heads, group, n_kv_heads, block_size, \
                               block_shift, scale, part_o, part_lse, counters, out, lse_out, logit_at,     \
-                              logits, layer, score_lse, part_score);                                      \
+                              logits, score_lse, part_score);                                             \
     }
 
 // attn_decode_logits_d*: the same, and for rows whose logit_at entry (8 words a token: logits
 // offset, row stride, function (1 softmax, 2 Gumbel softmax), tau (f32 bits), seed lo, seed hi,
-// position, unused) has an offset other than ATTN_NO_STATE, each CTA also writes f(x) of its
-// keys' scaled logits x to logits[offset + head * stride + key], and the row's normaliser
-// logsumexp_j f(x_j) per head to score_lse[token][head] (split rows through part_score, merged by
-// the last range): the eviction scores' inputs, so that scoring a decode step reads no key
-// twice and its logits once.
+// position, keys the row sees) has an offset other than ATTN_NO_STATE, each CTA also writes its
+// keys' scaled logits x to logits[offset + head * stride + key], and the row's lse per head to
+// score_lse[token][head] (split rows through part_score, merged by the last range): the
+// eviction scores' inputs, so that scoring a decode step reads no key twice and its logits once.
+// For softmax scores (H2O) these are f(x) = x and its normaliser; Gumbel rows are finished by
+// attn_logits_gumbel.
 ATTN_DECODE_KERNEL(64)
 ATTN_DECODE_KERNEL(128)
+
+// Keyformer's f(x) = (x + g) / tau over the logits attn_decode_logits_d* wrote: one CTA per
+// (query row of `rows`, head); rows whose logit_at entry is not a Gumbel softmax (function 2)
+// return at once. The CTA replaces each of the row's logits x by f(x), g the Gumbel draw of
+// (seed, position, layer, head, key) (turbo_keyformer::gumbel), and writes the row's normaliser
+// logsumexp_j f(x_j) to score_lse[token][head] in place of the attention's lse. A pass of its
+// own because it runs at full occupancy: drawn inside the 2-CTA attention kernel, the hashes and
+// logs added a fifth to that kernel's time (on an H200, 512 threads a CTA measured 1% faster a
+// step than 256 or 1024, and 4 keys a round as fast as 8 or 16). The grid is fixed by the step's
+// rows, so a recorded step replays it for any key counts.
+#define GUMBEL_THREADS 512
+#define GUMBEL_UNROLL 4
+
+extern "C" __global__ void __launch_bounds__(GUMBEL_THREADS)
+    attn_logits_gumbel(const uint32_t* __restrict__ logit_at, const uint32_t* __restrict__ rows,
+                       float* __restrict__ logits, float* __restrict__ score_lse, int n_heads, int layer) {
+    __shared__ float red_m[GUMBEL_THREADS / TURBO_WARP], red_l[GUMBEL_THREADS / TURBO_WARP];
+    const unsigned token = rows[blockIdx.x], head = blockIdx.y;
+    constexpr unsigned nt = GUMBEL_THREADS;
+    const uint4 la = reinterpret_cast<const uint4*>(logit_at)[2 * token];
+    if (la.x == ATTN_NO_STATE || la.z != 2u) return;
+    const uint4 lb = reinterpret_cast<const uint4*>(logit_at)[2 * token + 1];
+    const float inv_tau = 1.f / __uint_as_float(la.w);
+    const unsigned long long gb =
+        score_gumbel_base((unsigned long long)lb.x | ((unsigned long long)lb.y << 32), lb.z, (unsigned)layer);
+    const unsigned n = lb.w;
+    float* row = logits + (size_t)la.x + (size_t)head * la.y;
+    // The thread's running (max, sum of exp) over its keys, GUMBEL_UNROLL keys a round (one
+    // correction of the sum per round).
+    float m = attn_neg_inf(), l = 0.f;
+    for (unsigned j0 = threadIdx.x; j0 < n; j0 += nt * GUMBEL_UNROLL) {
+        float v[GUMBEL_UNROLL];
+        float mx = m;
+#pragma unroll
+        for (int u = 0; u < GUMBEL_UNROLL; u++) {
+            const unsigned j = j0 + (unsigned)u * nt;
+            v[u] = attn_neg_inf();
+            if (j < n) {
+                v[u] = (row[j] + score_gumbel_at(gb, head, j)) * inv_tau;
+                row[j] = v[u];
+                mx = fmaxf(mx, v[u]);
+            }
+        }
+        // mx is finite: key j0 < n is in this round.
+        float sum = l * __expf(m - mx);  // 0 while m is -inf
+#pragma unroll
+        for (int u = 0; u < GUMBEL_UNROLL; u++) sum += __expf(v[u] - mx);
+        m = mx;
+        l = sum;
+    }
+    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
+    float wm = m;
+#pragma unroll
+    for (int o = TURBO_WARP / 2; o > 0; o /= 2) wm = fmaxf(wm, __shfl_xor_sync(0xffffffffu, wm, o));
+    float wl = wm == attn_neg_inf() ? 0.f : l * __expf(m - wm);
+#pragma unroll
+    for (int o = TURBO_WARP / 2; o > 0; o /= 2) wl += __shfl_xor_sync(0xffffffffu, wl, o);
+    if (lane == 0) {
+        red_m[warp] = wm;
+        red_l[warp] = wl;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float mx = attn_neg_inf();
+        for (unsigned w = 0; w < nt / TURBO_WARP; w++) mx = fmaxf(mx, red_m[w]);
+        float sum = 0.f;
+        for (unsigned w = 0; w < nt / TURBO_WARP; w++) {
+            if (red_m[w] != attn_neg_inf()) sum += red_l[w] * __expf(red_m[w] - mx);
+        }
+        score_lse[(size_t)token * (size_t)n_heads + head] = sum > 0.f ? mx + logf(sum) : attn_neg_inf();
+    }
+}

@@ -28,6 +28,7 @@ use turbo_core::comm::{own_vocab_part, RankInfo};
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::SampleParams;
 use turbo_core::{BackendError, WeightMatrix};
+use turbo_keyformer::ScoreFunction;
 
 pub use crate::kv::CudaKvCache;
 
@@ -70,6 +71,9 @@ struct StepShape {
     sampling: bool,
     /// Whether the step scores keys for KV eviction (its scoring kernels are recorded too).
     scored: bool,
+    /// Whether any of its rows scores with Gumbel noise (Keyformer), whose pass over the logits is
+    /// recorded too.
+    gumbel: bool,
     /// The KV cache's id: a recording names the cache it ran on.
     cache: u64,
 }
@@ -526,6 +530,10 @@ impl CudaBackend {
             .scoring
             .iter()
             .any(|s| s.is_some_and(|s| s.function.needs_scores()));
+        let gumbel = layout
+            .scoring
+            .iter()
+            .any(|s| s.is_some_and(|s| matches!(s.function, ScoreFunction::GumbelSoftmax(_))));
         if scored && scored_logits > ops::attention::MAX_LOGITS {
             return None;
         }
@@ -553,6 +561,7 @@ impl CudaBackend {
             rows,
             split,
             scored,
+            gumbel,
         })
     }
 }
@@ -563,6 +572,7 @@ struct GraphShape {
     rows: usize,
     split: usize,
     scored: bool,
+    gumbel: bool,
 }
 
 fn to_bf16(v: &[f32]) -> Vec<bf16> {
@@ -954,6 +964,7 @@ impl Backend for CudaBackend {
             rows: g.rows,
             split: g.split,
             scored: g.scored,
+            gumbel: g.gumbel,
             sampling: layout.sampling.is_some(),
             cache: cache.id(),
         });

@@ -402,6 +402,9 @@ pub enum LogitScoring {
 /// Words per query row of the logit table (`kernels/attention.cu`, attn_decode_logits_d*).
 const LOGIT_WORDS: usize = 8;
 
+/// Threads of `attn_logits_gumbel` (`GUMBEL_THREADS` in kernels/attention.cu).
+const GUMBEL_THREADS: u32 = 512;
+
 /// Where the row kernel writes f(x) of the logits of the rows asked for (the KV eviction scores'
 /// input): span `s`'s are `[row][n_heads][kv_len]` f32 from `bases[s]`, each row filling the keys
 /// it sees; and each row's normalisers.
@@ -410,8 +413,13 @@ struct LogitRows {
     /// Per span, the offset of its logits in the buffer, or `None` (not written).
     bases: Vec<Option<u32>>,
     /// Per query row, [`LOGIT_WORDS`] words: its logits' offset (`NO_STATE` for none), row stride,
-    /// function, tau, seed and position.
+    /// function, tau, seed, position and the keys the row sees.
     at: Range<usize>,
+    /// The query rows whose scores are a Gumbel softmax, whose f(x) and normaliser a pass after
+    /// the attention writes (`attn_logits_gumbel`), and their count: every row of a plan with a
+    /// fixed split (a recorded step replays the pass for whichever rows are Gumbel then), else
+    /// just those (a prompt chunk's thousands of rows are not walked). `None` without any.
+    gumbel_rows: Option<(Range<usize>, usize)>,
 }
 
 /// A row kernel's launch: its work items, and how many CTAs each item takes (`grid.y`).
@@ -919,6 +927,7 @@ impl AttentionPlan {
         let logit_rows = match has_logits {
             true => {
                 let mut at = vec![0; LOGIT_WORDS * n_tokens];
+                let mut gumbel: Vec<u32> = Vec::new();
                 for t in 0..n_tokens {
                     at[LOGIT_WORDS * t] = NO_STATE;
                 }
@@ -933,7 +942,10 @@ impl AttentionPlan {
                                 tau,
                                 seed,
                                 position,
-                            } => (2, tau, seed, position.wrapping_add(r as u32)),
+                            } => {
+                                gumbel.push(t as u32);
+                                (2, tau, seed, position.wrapping_add(r as u32))
+                            }
                         };
                         at[LOGIT_WORDS * t..LOGIT_WORDS * (t + 1)].copy_from_slice(&[
                             base + (r * n_heads * span.kv_len) as u32,
@@ -943,13 +955,18 @@ impl AttentionPlan {
                             seed as u32,
                             (seed >> 32) as u32,
                             position,
-                            0,
+                            (span.kv_len - span.n_q + r + 1) as u32,
                         ]);
                     }
                 }
+                if fixed.is_some() && !gumbel.is_empty() {
+                    gumbel = (0..n_tokens as u32).collect();
+                }
+                let n_gumbel = gumbel.len();
                 Some(LogitRows {
                     bases: logit_bases,
                     at: meta.push(&at),
+                    gumbel_rows: (n_gumbel > 0).then(|| (meta.push(&gumbel), n_gumbel)),
                 })
             }
             false => None,
@@ -1214,11 +1231,9 @@ impl AttentionPlan {
                 None => b.arg(&null),
             };
             let logit_at = self.logit_rows.as_ref().map(|l| section(&l.at));
-            let layer_i = layer as i32;
             if let Some(at) = &logit_at {
                 b.arg(at)
                     .arg(&mut self.logits)
-                    .arg(&layer_i)
                     .arg(&mut self.score_lse)
                     .arg(&mut self.part_score);
             }
@@ -1236,6 +1251,35 @@ impl AttentionPlan {
             // floats of the logits buffer, sized to all of them when planning, its normalisers
             // are its token's n_heads floats of score_lse (n_tokens × n_heads) and its split
             // states' pairs lie in part_score (2 × slots × n_heads).
+            unsafe { b.launch(cfg)? };
+        }
+        if let Some((l, (rows, n_rows))) = self
+            .logit_rows
+            .as_ref()
+            .and_then(|l| Some((l, l.gumbel_rows.clone()?)))
+        {
+            let at = section(&l.at);
+            let rows = section(&rows);
+            let layer_i = layer as i32;
+            let f = dev.function("attention", "attn_logits_gumbel")?;
+            let mut b = dev.stream.launch_builder(&f);
+            b.arg(&at)
+                .arg(&rows)
+                .arg(&mut self.logits)
+                .arg(&mut self.score_lse)
+                .arg(&n_heads_i)
+                .arg(&layer_i);
+            let cfg = LaunchConfig {
+                grid_dim: (n_rows as u32, n_heads as u32, 1),
+                block_dim: (GUMBEL_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match attn_logits_gumbel's parameters; `rows` names n_rows
+            // tokens below n_tokens, and every row's entry
+            // names its span's logits (rows × heads × kv_len floats of the buffer, sized when
+            // planning) with the keys the row sees at most kv_len, and its normalisers are its
+            // token's n_heads floats of score_lse; the row kernel launched before on this stream
+            // wrote both.
             unsafe { b.launch(cfg)? };
         }
 
