@@ -17,7 +17,8 @@
 //   store f32, add to the residual stream, or SwiGLU over a [gate; up] pair of rows. The block
 //   stages x (times the norm's weights) in shared memory as f32: read from global memory at the
 //   lanes' chunk strides, x took most of the L1 traffic. 4- and 5-bit codes are decoded as
-//   1 + c / 128 (one permute per value; see code_unit).
+//   1 + c / 128 (one permute per value; see code_unit). qgemv_loop_<type>_m1 (and _norm_) are the
+//   one-token products whose blocks loop over groups of rows, staging x once (see qgemv).
 // - dequant_<type>: rows decoded to bf16 (the feed of the cuBLASLt products for larger steps),
 //   each value computed as GGML's reference dequantiser computes it (quant.rs on the host), then
 //   rounded once to bf16.
@@ -377,19 +378,24 @@ struct XTile {
     static constexpr int VALUES = X_TILE_VALUES / M;
 };
 
-// out[m * ld + unit] per token m < tokens, for each warp's G consecutive units; R == 2: unit j is
-// rows j and units + j, stored as SwiGLU. The block stages x a tile at a time (times g and the
-// squares summed with NORM); each warp's lanes then take the tile's chunks lane, lane + 32, ... of
-// its rows. Dynamic shared memory: x_tile_words(M, min(XTile<M>::VALUES, k)) 16-byte words.
-template <class T, int M, int R, bool NORM, int G = WarpUnits<M, R>::value, bool UNIT = true>
-__device__ __forceinline__ void qgemv(const uint8_t* __restrict__ w, long long row_bytes,
-                                      const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
-                                      float eps, void* out, int tokens, int units, int k, int ld, int mode) {
+// Group `group` of the product (see qgemv; without LOOP, blockIdx.x's): its units' dot products over
+// every tile of x, stored. With `stage` the block stages each tile (and computes the norm's scale
+// into `scale`); without, x's single tile is in place from the block's earlier group. Block-wide
+// with `stage`.
+template <class T, int M, int R, bool NORM, int G, bool UNIT, bool LOOP>
+__device__ __forceinline__ void qgemv_group(const uint8_t* __restrict__ w, long long row_bytes,
+                                            const __nv_bfloat16* __restrict__ x,
+                                            const __nv_bfloat16* __restrict__ g, float eps, void* out, int tokens,
+                                            int units, int k, int ld, int mode, int group, bool stage,
+                                            float (&scale)[M]) {
     constexpr int ROWS = G * R, TILE = XTile<M>::VALUES;
     constexpr bool UNIT_OK = UNIT && T::UNIT_CODES;
     extern __shared__ float4 qgemv_x[];
     const int lane = threadIdx.x % TURBO_WARP;
-    const int first = (blockIdx.x * (blockDim.x / TURBO_WARP) + threadIdx.x / TURBO_WARP) * G;
+    // (blockIdx.x read here, after the lane, keeps the one-token kernels' code as it was before the
+    // looping form: ptxas scheduled the Q6_K products 3% slower with the reads swapped.)
+    const int first = ((LOOP ? group : (int)blockIdx.x) * (int)(blockDim.x / TURBO_WARP) +
+                       (int)(threadIdx.x / TURBO_WARP)) * G;
     const bool active = first < units;  // uniform per warp; an idle warp still stages x
     const uint8_t* row[ROWS];
 #pragma unroll
@@ -408,34 +414,36 @@ __device__ __forceinline__ void qgemv(const uint8_t* __restrict__ w, long long r
     }
     for (int t0 = 0; t0 < k; t0 += TILE) {
         const int tn = k - t0 < TILE ? k - t0 : TILE;
-        __syncthreads();  // the previous tile is read
-        for (int i = threadIdx.x; i < M * (tn / 8); i += blockDim.x) {
-            const int m = i / (tn / 8), e8 = 8 * (i % (tn / 8));
-            float f[8];
-            if (m < tokens) {
-                bf16x8_unpack(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * k + t0 + e8)), f);
-            } else {
+        if (stage) {
+            __syncthreads();  // the previous tile is read
+            for (int i = threadIdx.x; i < M * (tn / 8); i += blockDim.x) {
+                const int m = i / (tn / 8), e8 = 8 * (i % (tn / 8));
+                float f[8];
+                if (m < tokens) {
+                    bf16x8_unpack(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * k + t0 + e8)), f);
+                } else {
 #pragma unroll
-                for (int e = 0; e < 8; e++) f[e] = 0.f;
-            }
-            if (NORM) {
-                float gf[8];
-                bf16x8_unpack(__ldg(reinterpret_cast<const uint4*>(g + t0 + e8)), gf);
-                float part = 0.f;
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    part = fmaf(f[e], f[e], part);
-                    f[e] *= gf[e];
+                    for (int e = 0; e < 8; e++) f[e] = 0.f;
                 }
+                if (NORM) {
+                    float gf[8];
+                    bf16x8_unpack(__ldg(reinterpret_cast<const uint4*>(g + t0 + e8)), gf);
+                    float part = 0.f;
 #pragma unroll
-                for (int mm = 0; mm < M; mm++)
-                    if (mm == m) ss[mm] += part;  // registers, not an indexed array
+                    for (int e = 0; e < 8; e++) {
+                        part = fmaf(f[e], f[e], part);
+                        f[e] *= gf[e];
+                    }
+#pragma unroll
+                    for (int mm = 0; mm < M; mm++)
+                        if (mm == m) ss[mm] += part;  // registers, not an indexed array
+                }
+                const int v = (m * stride + e8) / 4;
+                qgemv_x[x_word<T>(v)] = make_float4(f[0], f[1], f[2], f[3]);
+                qgemv_x[x_word<T>(v + 1)] = make_float4(f[4], f[5], f[6], f[7]);
             }
-            const int v = (m * stride + e8) / 4;
-            qgemv_x[x_word<T>(v)] = make_float4(f[0], f[1], f[2], f[3]);
-            qgemv_x[x_word<T>(v + 1)] = make_float4(f[4], f[5], f[6], f[7]);
+            __syncthreads();
         }
-        __syncthreads();
         if (active) {
             for (int c = t0 / T::CHUNK + lane; c < (t0 + tn) / T::CHUNK; c += TURBO_WARP) {
                 typename T::Raw raw[ROWS];
@@ -445,9 +453,10 @@ __device__ __forceinline__ void qgemv(const uint8_t* __restrict__ w, long long r
             }
         }
     }
-    float scale[M];
+    if (stage) {
 #pragma unroll
-    for (int m = 0; m < M; m++) scale[m] = NORM ? rsqrtf(block_sum(ss[m]) / (float)k + eps) : 1.f;
+        for (int m = 0; m < M; m++) scale[m] = NORM ? rsqrtf(block_sum(ss[m]) / (float)k + eps) : 1.f;
+    }
     if (!active) return;
 #pragma unroll
     for (int m = 0; m < M; m++) {
@@ -475,6 +484,37 @@ __device__ __forceinline__ void qgemv(const uint8_t* __restrict__ w, long long r
                                                                        : dot[m][u]);
             }
         }
+    }
+}
+
+// out[m * ld + unit] per token m < tokens, for each warp's G consecutive units; R == 2: unit j is
+// rows j and units + j, stored as SwiGLU. The block stages x a tile at a time (times g and the
+// squares summed with NORM); each warp's lanes then take the tile's chunks lane, lane + 32, ... of
+// its rows. Dynamic shared memory: x_tile_words(M, min(XTile<M>::VALUES, k)) 16-byte words.
+//
+// With LOOP, a block takes groups of QGEMV_WARPS * G units blockIdx.x, blockIdx.x + gridDim.x,
+// ...: where x fits one tile (k <= XTile<M>::VALUES) the launch makes only the blocks that are
+// resident at once, and each stages x (and the norm's scale) once for all of its groups, instead
+// of a block a group staging it again. With several tiles the launch makes a block per group.
+// Measured on an H200 (benches/quant_kernels/qx.cu): Q4_K gate/up with SwiGLU 119 -> 71 us at 4
+// tokens and 48 -> 44 at 2; the Q6_K LM head (128256 rows, one token) 178 -> 154 us. One-token
+// products of a few waves of groups ran 2-5% slower looping, so they have both forms and ops::quant
+// loops only over many waves.
+template <class T, int M, int R, bool NORM, int G = WarpUnits<M, R>::value, bool UNIT = true, bool LOOP = (M > 1)>
+__device__ __forceinline__ void qgemv(const uint8_t* __restrict__ w, long long row_bytes,
+                                      const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
+                                      float eps, void* out, int tokens, int units, int k, int ld, int mode) {
+    float scale[M];
+    if constexpr (LOOP) {
+        const int warps = blockDim.x / TURBO_WARP, groups = (units + warps * G - 1) / (warps * G);
+        // The block's first group stages x (every tile of it: with several tiles the block has
+        // only this group); later groups find x's single tile in place.
+        for (int group = blockIdx.x; group < groups; group += gridDim.x)
+            qgemv_group<T, M, R, NORM, G, UNIT, true>(w, row_bytes, x, g, eps, out, tokens, units, k, ld, mode,
+                                                      group, group == (int)blockIdx.x, scale);
+    } else {
+        qgemv_group<T, M, R, NORM, G, UNIT, false>(w, row_bytes, x, g, eps, out, tokens, units, k, ld, mode, 0,
+                                                   true, scale);
     }
 }
 
@@ -578,9 +618,25 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
         qgemv<T, M, 2, true>(w, row_bytes, x, g, eps, out, tokens, units, k, ld, mode);                       \
     }
 
+// One-token products that loop over groups of rows (the LOOP form), for many waves of groups.
+#define QGEMV_ROW_LOOP_KERNELS(T)                                                                             \
+    extern "C" __global__ void __launch_bounds__(QGEMV_WARPS * TURBO_WARP) qgemv_loop_##T##_m1(               \
+        const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, const __nv_bfloat16* g, float eps,      \
+        void* out, int tokens, int units, int k, int ld, int mode) {                                          \
+        qgemv<T, 1, 1, false, WarpUnits<1, 1>::value, true, true>(w, row_bytes, x, g, eps, out, tokens, units, k, \
+                                                                  ld, mode);                                  \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(QGEMV_WARPS * TURBO_WARP) qgemv_norm_loop_##T##_m1(          \
+        const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, const __nv_bfloat16* g, float eps,      \
+        void* out, int tokens, int units, int k, int ld, int mode) {                                          \
+        qgemv<T, 1, 1, true, WarpUnits<1, 1>::value, true, true>(w, row_bytes, x, g, eps, out, tokens, units, k, \
+                                                                 ld, mode);                                   \
+    }
+
 // Every kernel of one type.
 #define QUANT_TYPE_KERNELS(T)                                                                                 \
     QGEMV_KERNELS(T, 1)                                                                                       \
+    QGEMV_ROW_LOOP_KERNELS(T)                                                                                 \
     QGEMV_KERNELS(T, 2)                                                                                       \
     QGEMV_KERNELS(T, 4)                                                                                       \
     QGEMV_KERNELS(T, 8)                                                                                       \

@@ -17,11 +17,11 @@
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
 
-template <class T, int M, int R, bool NORM, int G, bool UNIT>
+template <class T, int M, int R, bool NORM, int G, bool UNIT, bool LOOP>
 __global__ void __launch_bounds__(128) kq(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x,
                                              const __nv_bfloat16* g, float eps, void* out, int tokens, int units,
                                              int k, int ld, int mode) {
-    qgemv<T, M, R, NORM, G, UNIT>(w, row_bytes, x, g, eps, out, tokens, units, k, ld, mode);
+    qgemv<T, M, R, NORM, G, UNIT, LOOP>(w, row_bytes, x, g, eps, out, tokens, units, k, ld, mode);
 }
 template <class T>
 __global__ void __launch_bounds__(256) kds(const uint8_t* w, long long rb, int rows, int k, __nv_bfloat16* out) {
@@ -73,17 +73,23 @@ static float to_f(const uint8_t* p, int mode) {
     uint32_t b = (uint32_t)*reinterpret_cast<const uint16_t*>(p) << 16; float f; memcpy(&f, &b, 4); return f;
 }
 
-template <class T, int M, int R, bool NORM, int G, bool UNIT>
+template <class T, int M, int R, bool NORM, int G, bool UNIT, bool LOOP = (M > 1)>
 void run_variant(const char* type, const char* shape, std::vector<Buf>& ws, int rows, int k, int mode,
                  const __nv_bfloat16* x, const __nv_bfloat16* g, void* out, void* ref, size_t out_bytes, bool first) {
     int units = rows / R;
     long long rb = (long long)k / T::BLOCK_VALUES * T::BLOCK_BYTES;
     int per_block = 4 * G;
-    dim3 grid((units + per_block - 1) / per_block), block(128);
     int tile = XTile<M>::VALUES < k ? XTile<M>::VALUES : k;
     size_t smem = (size_t)x_tile_words(M, tile) * 16;
-    auto kern = kq<T, M, R, NORM, G, UNIT>;
+    auto kern = kq<T, M, R, NORM, G, UNIT, LOOP>;
     if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    // As ops::quant launches it: a looping kernel where x fits one tile gets only the blocks
+    // resident at once.
+    int groups = (units + per_block - 1) / per_block, resident = 0, sms = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kern, 128, smem));
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    if (LOOP && k <= XTile<M>::VALUES && resident * sms < groups) groups = resident * sms;
+    dim3 grid(groups), block(128);
     auto launch = [&](int i) { kern<<<grid, block, smem>>>(ws[i % ws.size()].p, rb, x, g, 1e-5f, out, M, units, k, units, mode); };
     CK(cudaMemset(out, 0, out_bytes)); launch(0); CK(cudaDeviceSynchronize()); CK(cudaGetLastError());
     double err = 0, mag = 0;
@@ -101,8 +107,8 @@ void run_variant(const char* type, const char* shape, std::vector<Buf>& ws, int 
     static const int iters = getenv("QX_ITERS") ? atoi(getenv("QX_ITERS")) : 200;
     float us = time_us(iters, launch);
     double gbs = (double)rb * rows / us / 1e3;
-    printf("%s %-16s m%d G%d %s: %8.2f us  %7.1f GB/s  |diff| %.2e of %.2e\n", type, shape, M, G,
-           UNIT && T::UNIT_CODES ? "unit" : "int ", us, gbs, err, mag);
+    printf("%s %-16s m%d G%d %s%s: %8.2f us  %7.1f GB/s  |diff| %.2e of %.2e\n", type, shape, M, G,
+           UNIT && T::UNIT_CODES ? "unit" : "int ", LOOP ? " loop" : "", us, gbs, err, mag);
 }
 
 template <class T, int M, int R, bool NORM>
@@ -120,6 +126,8 @@ void shape_runs(const char* type, const char* shape, int rows, int k, int mode) 
     if (T::UNIT_CODES) V(GD, false, false);
     if (M <= 2) V(G2, true, false);
 #undef V
+    // One token: the looping form too (ops::quant takes it for many waves of groups).
+    if (M == 1) run_variant<T, M, R, NORM, GD, true, true>(type, shape, ws, rows, k, mode, x, g, out, ref, out_bytes, false);
     for (auto& b : ws) CK(cudaFree(b.p));
     CK(cudaFree(out)); CK(cudaFree(ref));
 }
