@@ -25,7 +25,8 @@ pub struct ServeArgs {
     /// Batch slots: requests that run at once.
     #[arg(long, default_value_t = 64)]
     max_batch: usize,
-    /// Tokens per forward pass (decode tokens plus prefill chunks).
+    /// Tokens per forward pass (decode tokens plus prefill chunks); below --max-batch it is
+    /// raised to it.
     #[arg(long, default_value_t = 2048)]
     max_batched_tokens: usize,
     /// Requests running or queued at once; past it, new ones get 429.
@@ -49,12 +50,14 @@ pub struct ServeArgs {
 pub fn run(args: ServeArgs) -> Result<()> {
     anyhow::ensure!(args.max_batch > 0, "--max-batch must be positive");
     anyhow::ensure!(args.max_pending > 0, "--max-pending must be positive");
+    let max_batched_tokens =
+        crate::batch::tokens_per_step(args.max_batched_tokens, args.max_batch)?;
     let shutdown_timeout = seconds("--shutdown-timeout", args.shutdown_timeout)?;
     let max_queue_wait = seconds("--max-queue-wait", args.max_queue_wait)?;
     let engine = Arc::new(Engine::start(EngineConfig {
         kv: args.kv.size(args.max_batch, 4096)?,
         max_batch: args.max_batch,
-        max_batched_tokens: args.max_batched_tokens.max(args.max_batch),
+        max_batched_tokens,
         prefill_chunk: 512,
         max_pending: args.max_pending,
         ..EngineConfig::new(args.model.options()?)

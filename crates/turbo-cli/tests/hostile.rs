@@ -160,6 +160,11 @@ fn each_size_a_user_controls_has_a_largest_value_and_a_clear_error_above_it() {
         &["bench", "--repeats", "1001"],
         "--repeats must be at most 1000",
     );
+    // The server refuses a step of no tokens, as the batch commands do, before it listens.
+    tool(
+        &["serve", "--max-batched-tokens", "0"],
+        "--max-batched-tokens must be positive",
+    );
     tool(&["bench", "--multi-round", "1000000000"], "rounds of ~");
     tool(
         &["bench", "--shared-prefix", "65537", "--prefix-tokens", "8"],
