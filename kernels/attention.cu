@@ -1487,7 +1487,6 @@ extern "C" __global__ void __launch_bounds__(GUMBEL_THREADS)
                        float* __restrict__ logits, float* __restrict__ score_lse, int n_heads, int layer) {
     __shared__ float red_m[GUMBEL_THREADS / TURBO_WARP], red_l[GUMBEL_THREADS / TURBO_WARP];
     const unsigned token = rows[blockIdx.x], head = blockIdx.y;
-    constexpr unsigned nt = GUMBEL_THREADS;
     const uint4 la = reinterpret_cast<const uint4*>(logit_at)[2 * token];
     if (la.x == ATTN_NO_STATE || la.z != 2u) return;
     const uint4 lb = reinterpret_cast<const uint4*>(logit_at)[2 * token + 1];
@@ -1499,12 +1498,12 @@ extern "C" __global__ void __launch_bounds__(GUMBEL_THREADS)
     // The thread's running (max, sum of exp) over its keys, GUMBEL_UNROLL keys a round (one
     // correction of the sum per round).
     float m = attn_neg_inf(), l = 0.f;
-    for (unsigned j0 = threadIdx.x; j0 < n; j0 += nt * GUMBEL_UNROLL) {
+    for (unsigned j0 = threadIdx.x; j0 < n; j0 += GUMBEL_THREADS * GUMBEL_UNROLL) {
         float v[GUMBEL_UNROLL];
         float mx = m;
 #pragma unroll
         for (int u = 0; u < GUMBEL_UNROLL; u++) {
-            const unsigned j = j0 + (unsigned)u * nt;
+            const unsigned j = j0 + (unsigned)u * GUMBEL_THREADS;
             v[u] = attn_neg_inf();
             if (j < n) {
                 v[u] = (row[j] + score_gumbel_at(gb, head, j)) * inv_tau;
@@ -1520,12 +1519,8 @@ extern "C" __global__ void __launch_bounds__(GUMBEL_THREADS)
         l = sum;
     }
     const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
-    float wm = m;
-#pragma unroll
-    for (int o = TURBO_WARP / 2; o > 0; o /= 2) wm = fmaxf(wm, __shfl_xor_sync(0xffffffffu, wm, o));
-    float wl = wm == attn_neg_inf() ? 0.f : l * __expf(m - wm);
-#pragma unroll
-    for (int o = TURBO_WARP / 2; o > 0; o /= 2) wl += __shfl_xor_sync(0xffffffffu, wl, o);
+    const float wm = warp_max(m);
+    const float wl = warp_sum(wm == attn_neg_inf() ? 0.f : l * __expf(m - wm));
     if (lane == 0) {
         red_m[warp] = wm;
         red_l[warp] = wl;
@@ -1533,9 +1528,9 @@ extern "C" __global__ void __launch_bounds__(GUMBEL_THREADS)
     __syncthreads();
     if (threadIdx.x == 0) {
         float mx = attn_neg_inf();
-        for (unsigned w = 0; w < nt / TURBO_WARP; w++) mx = fmaxf(mx, red_m[w]);
+        for (int w = 0; w < GUMBEL_THREADS / TURBO_WARP; w++) mx = fmaxf(mx, red_m[w]);
         float sum = 0.f;
-        for (unsigned w = 0; w < nt / TURBO_WARP; w++) {
+        for (int w = 0; w < GUMBEL_THREADS / TURBO_WARP; w++) {
             if (red_m[w] != attn_neg_inf()) sum += red_l[w] * __expf(red_m[w] - mx);
         }
         score_lse[(size_t)token * (size_t)n_heads + head] = sum > 0.f ? mx + logf(sum) : attn_neg_inf();

@@ -416,10 +416,10 @@ struct LogitRows {
     /// function, tau, seed, position and the keys the row sees.
     at: Range<usize>,
     /// The query rows whose scores are a Gumbel softmax, whose f(x) and normaliser a pass after
-    /// the attention writes (`attn_logits_gumbel`), and their count: every row of a plan with a
-    /// fixed split (a recorded step replays the pass for whichever rows are Gumbel then), else
-    /// just those (a prompt chunk's thousands of rows are not walked). `None` without any.
-    gumbel_rows: Option<(Range<usize>, usize)>,
+    /// the attention writes (`attn_logits_gumbel`), one u32 token index each: every row of a plan
+    /// with a fixed split (a recorded step replays the pass for whichever rows are Gumbel then),
+    /// else just those (a prompt chunk's thousands of rows are not walked). `None` without any.
+    gumbel_rows: Option<Range<usize>>,
 }
 
 /// A row kernel's launch: its work items, and how many CTAs each item takes (`grid.y`).
@@ -962,11 +962,10 @@ impl AttentionPlan {
                 if fixed.is_some() && !gumbel.is_empty() {
                     gumbel = (0..n_tokens as u32).collect();
                 }
-                let n_gumbel = gumbel.len();
                 Some(LogitRows {
                     bases: logit_bases,
                     at: meta.push(&at),
-                    gumbel_rows: (n_gumbel > 0).then(|| (meta.push(&gumbel), n_gumbel)),
+                    gumbel_rows: (!gumbel.is_empty()).then(|| meta.push(&gumbel)),
                 })
             }
             false => None,
@@ -1253,13 +1252,12 @@ impl AttentionPlan {
             // states' pairs lie in part_score (2 × slots × n_heads).
             unsafe { b.launch(cfg)? };
         }
-        if let Some((l, (rows, n_rows))) = self
+        if let Some((at, rows)) = self
             .logit_rows
             .as_ref()
-            .and_then(|l| Some((l, l.gumbel_rows.clone()?)))
+            .and_then(|l| Some((section(&l.at), section(l.gumbel_rows.as_ref()?))))
         {
-            let at = section(&l.at);
-            let rows = section(&rows);
+            let n_rows = rows.len();
             let layer_i = layer as i32;
             let f = dev.function("attention", "attn_logits_gumbel")?;
             let mut b = dev.stream.launch_builder(&f);
@@ -1275,11 +1273,10 @@ impl AttentionPlan {
                 shared_mem_bytes: 0,
             };
             // SAFETY: the arguments match attn_logits_gumbel's parameters; `rows` names n_rows
-            // tokens below n_tokens, and every row's entry
-            // names its span's logits (rows × heads × kv_len floats of the buffer, sized when
-            // planning) with the keys the row sees at most kv_len, and its normalisers are its
-            // token's n_heads floats of score_lse; the row kernel launched before on this stream
-            // wrote both.
+            // tokens below n_tokens, and every row's entry names its span's logits (rows × heads
+            // × kv_len floats of the buffer, sized when planning) with the keys the row sees at
+            // most kv_len, and its normalisers are its token's n_heads floats of score_lse; the
+            // row kernel launched before on this stream wrote both.
             unsafe { b.launch(cfg)? };
         }
 
