@@ -1053,11 +1053,21 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
     // The kernel writes the plain scaled logits x whatever the scoring policy: a Gumbel policy's
     // f(x) = (x + g) / tau and its normaliser are attn_logits_gumbel's, a pass of full occupancy
     // after this one (here the draws' arithmetic would stall a kernel that runs 2 CTAs an SM).
-    uint32_t logit_base = ATTN_NO_STATE, logit_stride = 0;
+    // Rows g and g + 8 of the tile (this lane's rows in the fragments) have their heads' rows
+    // of logits at lrow[0] and lrow[1] (null: not written). Rows are an even number of floats
+    // apart and start even (`ops::attention::logit_row_stride`), and the keys a lane holds come
+    // in even-aligned pairs, so the writes below are float2s.
+    uint32_t logit_base = ATTN_NO_STATE;
+    float* lrow[2] = {nullptr, nullptr};
     if constexpr (LOGITS) {
         const uint4 la = reinterpret_cast<const uint4*>(logit_at)[2 * token];
         logit_base = la.x;
-        logit_stride = la.y;
+        if (logit_base != ATTN_NO_STATE) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (g + 8 * h < nh) lrow[h] = logits + (size_t)logit_base + (size_t)(h0 + g + 8 * h) * la.y;
+            }
+        }
     }
     const __nv_bfloat16* kb = k_cache + (size_t)kvh * HD;
     const __nv_bfloat16* vb = v_cache + (size_t)kvh * HD;
@@ -1233,16 +1243,19 @@ __device__ __forceinline__ void attn_decode(const __nv_bfloat16* __restrict__ q,
             }
         }
         if constexpr (LOGITS) {
-            // This row's scored keys' logits x = scale q.k, for the eviction scores.
-            if (logit_base != ATTN_NO_STATE) {
+            // This row's scored keys' logits x = scale q.k, for the eviction scores: keys
+            // key and key + 1 of rows g (h = 0) and g + 8 (h = 1).
 #pragma unroll
-                for (int n = 0; n < 2; n++) {
+            for (int n = 0; n < 2; n++) {
+                const uint32_t key = base + (uint32_t)(8 * n + 2 * t);
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const uint32_t key = base + (uint32_t)(8 * n + 2 * t + (e & 1));
-                        const int r = g + 8 * (e >> 1);
-                        if (key < k1 && r < nh)
-                            logits[(size_t)logit_base + (size_t)(h0 + r) * logit_stride + key] = s[n][e] * scale;
+                for (int h = 0; h < 2; h++) {
+                    if (lrow[h] == nullptr) continue;
+                    const float x0 = s[n][2 * h] * scale, x1 = s[n][2 * h + 1] * scale;
+                    if (key + 1 < k1) {
+                        *reinterpret_cast<float2*>(lrow[h] + key) = make_float2(x0, x1);
+                    } else if (key < k1) {
+                        lrow[h][key] = x0;
                     }
                 }
             }

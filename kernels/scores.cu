@@ -537,7 +537,8 @@ extern "C" __global__ void kv_score_gather(float* __restrict__ out, const unsign
 // ------------------------------------------------------------------------------------------------
 // Scores from logits: the spans whose rows the decode attention kernel computed with
 // attn_decode_logits_d*, which wrote f(x) of their scaled logits x = scale q.k to `logits` (span
-// s's rows at `row_base`, [row][n_heads][kv_len], each row filling the keys it sees) and each
+// s's rows at `row_base`, [row][n_heads][stride] with stride kv_len rounded up to even, each row
+// filling the keys it sees) and each
 // row's normaliser logsumexp_j f(x_j) to `lse` ([token][n_heads]). One kernel, reading no key,
 // with a launch shape fixed by the step's row count alone (so that a recorded decode step replays
 // it whatever its key counts):
@@ -553,16 +554,21 @@ extern "C" __global__ void kv_score_gather(float* __restrict__ out, const unsign
 // Tables: spans as above, with row_base the span's logits offset (padding spans are all zeros).
 #define LOGIT_THREADS 256
 
+// The distance between a span's rows of logits: kv_len rounded up to even, so that the attention
+// kernel writes pairs of keys as float2s (ops::attention::logit_row_stride).
+__device__ __forceinline__ size_t score_logit_stride(unsigned kv_len) { return (size_t)kv_len + (kv_len & 1u); }
+
 // One KV head's increment for key j: sum over rows r0.. and the group's query heads of
 // exp(f(x) - lse).
 __device__ __forceinline__ float score_logit_inc(const float* __restrict__ logits, const float* __restrict__ lse,
                                                  const ScoreSpan& p, unsigned j, unsigned r0, int g, int group,
                                                  int n_heads) {
     float inc = 0.f;
+    const size_t stride = score_logit_stride(p.kv_len);
     for (unsigned r = r0; r < p.n_q; r++) {
-        const float* y = logits + (size_t)p.row_base + ((size_t)r * n_heads + (size_t)g * group) * p.kv_len + j;
+        const float* y = logits + (size_t)p.row_base + ((size_t)r * n_heads + (size_t)g * group) * stride + j;
         const float* row_lse = lse + ((size_t)p.q_start + r) * n_heads + (size_t)g * group;
-        for (int h = 0; h < group; h++) inc += __expf(y[(size_t)h * p.kv_len] - row_lse[h]);
+        for (int h = 0; h < group; h++) inc += __expf(y[(size_t)h * stride] - row_lse[h]);
     }
     return inc;
 }
@@ -594,6 +600,7 @@ extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
             // A decode row: four KV heads at a time, their query heads' logits loaded together
             // (independent loads in flight, where the loop below waits on each in turn).
             const float* y = logits + (size_t)p.row_base + j;
+            const size_t stride = score_logit_stride(p.kv_len);
             const float* row_lse = lse + (size_t)p.q_start * n_heads;
             for (int g = g_first; g < n_kv_heads; g += g_step) {
                 float inc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -602,7 +609,7 @@ extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
 #pragma unroll
                     for (int u = 0; u < 4; u++) {
                         const int head = (g + u) * group + h;
-                        inc[u] += __expf(y[(size_t)head * p.kv_len] - row_lse[head]);
+                        inc[u] += __expf(y[(size_t)head * stride] - row_lse[head]);
                     }
                 }
                 float4 v = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(s + g);

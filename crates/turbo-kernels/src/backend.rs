@@ -327,6 +327,9 @@ impl CudaBackend {
         // launched directly finished.
         let graphs_on =
             self.graphs.load(Ordering::Relaxed) && (self.nccl.is_none() || self.peer().is_some());
+        // Every step ends joined with the side stream: a recording must end with all its
+        // streams joined, and what follows a step may read what side work wrote.
+        let mut step = || step().and_then(|()| Ok(self.dev.join_side()?));
         let Some(shape) = batch.shape.filter(|_| graphs_on) else {
             return step();
         };
@@ -349,7 +352,11 @@ impl CudaBackend {
                     .map_err(CudaError::from)?;
                 let recorded = step();
                 // The capture always ends, also when the step failed part-way.
-                let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+                // Each kernel keeps the priority of the stream it was recorded on (the side
+                // stream's passes run below the step's own kernels, see `CudaDevice::fork_side`).
+                let graph = stream.end_capture(
+                    cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY,
+                );
                 recorded?;
                 let graph = graph.map_err(CudaError::from)?.ok_or_else(|| {
                     BackendError::Device("recording a step captured no work".into())
@@ -1460,6 +1467,8 @@ impl Backend for CudaBackend {
     }
 
     fn compact_kv(&self, cache: &mut CudaKvCache, compaction: &KvCompaction) -> Result<()> {
+        // Scores a step added on the side stream are read and moved below.
+        self.dev.join_side()?;
         let spec = *cache.spec();
         compaction.check(&spec)?;
         if compaction.kept_per_row == 0 {
@@ -1495,6 +1504,8 @@ impl Backend for CudaBackend {
         cache: &mut CudaKvCache,
         compaction: &KvRuleCompaction,
     ) -> Result<()> {
+        // Scores a step added on the side stream are read and moved below.
+        self.dev.join_side()?;
         let spec = *cache.spec();
         let KvRuleCompaction {
             block_table,
@@ -1597,7 +1608,7 @@ impl Backend for CudaBackend {
             layer,
             geometry,
             scale,
-            attention.scored_logits(),
+            attention.scored_logits_unjoined(),
         )?)
     }
 
@@ -1607,6 +1618,8 @@ impl Backend for CudaBackend {
         block_table: &[u32],
         keys: usize,
     ) -> Result<Vec<f32>> {
+        // Scores a step added on the side stream are read and moved below.
+        self.dev.join_side()?;
         let spec = *cache.spec();
         if cache.scores().is_none() {
             return Err(BackendError::Unsupported(

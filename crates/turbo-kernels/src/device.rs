@@ -4,10 +4,11 @@ use crate::error::{CudaError, Result};
 use crate::lt::LtMatmul;
 use crate::ptx::{KernelModule, MODULES};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Environment variable naming a directory of kernel modules that replace the embedded ones: a
@@ -40,6 +41,7 @@ pub(crate) const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 pub struct CudaDevice {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
+    side: SideStream,
     pub(crate) blas: LtMatmul,
     pub(crate) blas_workspace: CudaSlice<u8>,
     sm_count: usize,
@@ -49,6 +51,17 @@ pub struct CudaDevice {
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     /// Dynamic shared memory each function has been opted in to, beyond the default 48 KiB.
     smem_opt_in: Mutex<HashMap<(&'static str, &'static str), usize>>,
+}
+
+/// A second stream of the device, and the two events that order it against the main one.
+struct SideStream {
+    stream: Arc<CudaStream>,
+    /// Recorded on the main stream by `fork_side`, waited for by the side stream.
+    forked: CudaEvent,
+    /// Recorded on the side stream by `join_side`, waited for by the main stream.
+    done: CudaEvent,
+    /// Whether work was issued on the side stream since the last join.
+    pending: AtomicBool,
 }
 
 impl CudaDevice {
@@ -62,12 +75,24 @@ impl CudaDevice {
             }));
         }
         let ctx = CudaContext::new(ordinal)?;
-        // SAFETY: all of this device's work is issued on the one stream made below, in order, so
-        // cudarc's per-buffer events (which order uses across streams) have nothing to order.
+        // SAFETY: this device's work is issued on the stream made below, in order, and on the
+        // side stream only between `fork_side` and `join_side`, whose events order it; cudarc's
+        // per-buffer events (which order uses across streams) would add nothing.
         unsafe { ctx.disable_event_tracking() };
         // A stream of its own rather than the legacy default stream, which cannot be captured
         // into a graph.
-        let stream = ctx.new_stream()?;
+        // The main stream at the highest priority and the side stream at the lowest: the block
+        // scheduler then starts a side kernel's blocks only where the step's own kernels leave
+        // room, instead of delaying them (recorded steps keep the priorities:
+        // `CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY`).
+        let (least, greatest) = cudarc::driver::result::stream::get_priority_range()?;
+        let stream = ctx.new_stream_with_priority(greatest)?;
+        let side = SideStream {
+            stream: ctx.new_stream_with_priority(least)?,
+            forked: ctx.new_event(None)?,
+            done: ctx.new_event(None)?,
+            pending: AtomicBool::new(false),
+        };
         let blas = LtMatmul::new()?;
         let blas_workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
         let sm_count = ctx
@@ -80,6 +105,7 @@ impl CudaDevice {
         Ok(CudaDevice {
             ctx,
             stream,
+            side,
             blas,
             blas_workspace,
             sm_count,
@@ -88,6 +114,29 @@ impl CudaDevice {
             functions: Mutex::new(HashMap::new()),
             smem_opt_in: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The side stream, after it was made to wait for the work issued on [`CudaDevice::stream`]
+    /// so far: for work that nothing later in the step reads (the KV eviction scores' passes over
+    /// a layer's logits), so that it runs beside the step's next kernels rather than between
+    /// them. Until [`CudaDevice::join_side`], the caller orders every other use of what that work
+    /// touches.
+    pub fn fork_side(&self) -> Result<&CudaStream> {
+        self.side.forked.record(&self.stream)?;
+        self.side.stream.wait(&self.side.forked)?;
+        self.side.pending.store(true, Ordering::Relaxed);
+        Ok(&self.side.stream)
+    }
+
+    /// Makes [`CudaDevice::stream`] wait for everything issued on the side stream (nothing when
+    /// nothing was issued since the last join). A step recorded into a CUDA graph joins before
+    /// its recording ends, and anything that reads what side work wrote joins first.
+    pub fn join_side(&self) -> Result<()> {
+        if self.side.pending.swap(false, Ordering::Relaxed) {
+            self.side.done.record(&self.side.stream)?;
+            self.stream.wait(&self.side.done)?;
+        }
+        Ok(())
     }
 
     /// Streaming multiprocessors.

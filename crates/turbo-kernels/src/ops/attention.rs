@@ -399,6 +399,13 @@ pub enum LogitScoring {
     GumbelSoftmax { tau: f32, seed: u64, position: u32 },
 }
 
+/// The distance in floats between two rows of a span's logits of `kv_len` keys: even, so that
+/// the decode kernel writes a lane's two adjacent keys as one 8-byte store (every span's logits
+/// then start even too).
+pub fn logit_row_stride(kv_len: usize) -> usize {
+    kv_len + (kv_len & 1)
+}
+
 /// Words per query row of the logit table (`kernels/attention.cu`, attn_decode_logits_d*).
 const LOGIT_WORDS: usize = 8;
 
@@ -406,7 +413,7 @@ const LOGIT_WORDS: usize = 8;
 const GUMBEL_THREADS: u32 = 512;
 
 /// Where the row kernel writes f(x) of the logits of the rows asked for (the KV eviction scores'
-/// input): span `s`'s are `[row][n_heads][kv_len]` f32 from `bases[s]`, each row filling the keys
+/// input): span `s`'s are `[row][n_heads][logit_row_stride(kv_len)]` f32 from `bases[s]`, each row filling the keys
 /// it sees; and each row's normalisers.
 #[derive(Debug)]
 struct LogitRows {
@@ -549,6 +556,8 @@ impl AttentionPlan {
         logit_scoring: &[Option<LogitScoring>],
         reuse: Option<AttentionPlan>,
     ) -> Result<(Self, bool)> {
+        // The side stream may still read the tables and logits this plan reuses.
+        dev.join_side()?;
         let KvLayout {
             block_size,
             n_kv_heads,
@@ -738,7 +747,7 @@ impl AttentionPlan {
                 {
                     continue;
                 }
-                let need = span.n_q * n_heads * span.kv_len;
+                let need = span.n_q * n_heads * logit_row_stride(span.kv_len);
                 if logit_len + need > MAX_LOGITS {
                     // Past the bound the span's scores read the keys instead.
                     continue;
@@ -947,9 +956,10 @@ impl AttentionPlan {
                                 (2, tau, seed, position.wrapping_add(r as u32))
                             }
                         };
+                        let stride = logit_row_stride(span.kv_len);
                         at[LOGIT_WORDS * t..LOGIT_WORDS * (t + 1)].copy_from_slice(&[
-                            base + (r * n_heads * span.kv_len) as u32,
-                            span.kv_len as u32,
+                            base + (r * n_heads * stride) as u32,
+                            stride as u32,
                             function,
                             tau.to_bits(),
                             seed as u32,
@@ -1040,7 +1050,8 @@ impl AttentionPlan {
     }
 
     /// Where span `s`'s scaled logits start in [`AttentionPlan::logits`] after [`AttentionPlan::run`]
-    /// (`[row][n_heads][kv_len]`, each row filling the keys it sees), if the plan writes them.
+    /// (`[row][n_heads][logit_row_stride(kv_len)]`, each row filling the keys it sees), if the
+    /// plan writes them.
     pub fn logit_base(&self, s: usize) -> Option<u32> {
         self.logit_rows.as_ref()?.bases.get(s).copied().flatten()
     }
@@ -1048,7 +1059,14 @@ impl AttentionPlan {
     /// What the last [`AttentionPlan::run`] wrote for the eviction scores: f(x) of the logits
     /// (see [`AttentionPlan::logit_base`]) and the `[n_tokens][n_heads]` normalisers
     /// logsumexp_j f(x_j) of their rows.
-    pub fn scored_logits(&self) -> (&CudaSlice<f32>, &CudaSlice<f32>) {
+    /// Joins the device's side stream first, where the noise pass may still be running.
+    pub fn scored_logits(&self, dev: &CudaDevice) -> Result<(&CudaSlice<f32>, &CudaSlice<f32>)> {
+        dev.join_side()?;
+        Ok(self.scored_logits_unjoined())
+    }
+
+    /// [`AttentionPlan::scored_logits`] for work issued on the side stream after the noise pass.
+    pub(crate) fn scored_logits_unjoined(&self) -> (&CudaSlice<f32>, &CudaSlice<f32>) {
         (&self.logits, &self.score_lse)
     }
 
@@ -1207,6 +1225,11 @@ impl AttentionPlan {
         }
 
         if let Some(r) = &self.rows {
+            if self.logit_rows.is_some() {
+                // The last layer's eviction scores may still be reading the logits on the side
+                // stream.
+                dev.join_side()?;
+            }
             let items = section(&r.items);
             let f = dev.function_with_smem("attention", r.kernel, r.smem)?;
             let mut b = dev.stream.launch_builder(&f);
@@ -1260,7 +1283,9 @@ impl AttentionPlan {
             let n_rows = rows.len();
             let layer_i = layer as i32;
             let f = dev.function("attention", "attn_logits_gumbel")?;
-            let mut b = dev.stream.launch_builder(&f);
+            // Nothing else of the step reads the noised logits but the scores' key sums, which
+            // follow on the same stream ([`crate::ops::scores::ScorePlan::run`]).
+            let mut b = dev.fork_side()?.launch_builder(&f);
             b.arg(&at)
                 .arg(&rows)
                 .arg(&mut self.logits)
@@ -1276,7 +1301,8 @@ impl AttentionPlan {
             // tokens below n_tokens, and every row's entry names its span's logits (rows × heads
             // × kv_len floats of the buffer, sized when planning) with the keys the row sees at
             // most kv_len, and its normalisers are its token's n_heads floats of score_lse; the
-            // row kernel launched before on this stream wrote both.
+            // row kernel, which the side stream waits for, wrote both, and nothing touches them
+            // again before the next layer's row kernel joins the side stream.
             unsafe { b.launch(cfg)? };
         }
 

@@ -2,11 +2,11 @@
 //! tiles, the two kernels that add one layer's increments into the cache's scores, and the gather
 //! that reads a sequence's scores back for the host's choice of kept keys.
 
-use super::attention::LogitScoring;
+use super::attention::{logit_row_stride, LogitScoring};
 use super::{check, reuse_or_alloc};
 use crate::device::CudaDevice;
 use crate::error::{CudaError, Result};
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg};
 use half::bf16;
 use std::ops::Range;
 use turbo_attention::{KvDtype, QuerySpan};
@@ -209,6 +209,8 @@ impl ScorePlan {
         fixed: Option<FixedScoring>,
         old: Option<ScorePlan>,
     ) -> Result<(ScorePlan, bool)> {
+        // The side stream may still read the tables this plan reuses.
+        dev.join_side()?;
         let max_blocks = spec.max_blocks;
         let geometry = ScoreGeometry::of(spec);
         let scored: Vec<(&QuerySpan, KvScoring, Option<u32>)> = spans
@@ -285,7 +287,8 @@ impl ScorePlan {
             match logit_base {
                 Some(base) => {
                     l_words.extend(span_words(span, c, table_start, *base, 0, 0));
-                    logit_len = logit_len.max(*base as usize + span.n_q * n_heads * span.kv_len);
+                    logit_len = logit_len
+                        .max(*base as usize + span.n_q * n_heads * logit_row_stride(span.kv_len));
                     longest_logit_span = longest_logit_span.max(span.kv_len);
                 }
                 None => {
@@ -419,7 +422,18 @@ impl ScorePlan {
             },
         )?;
         if self.n_logit_rows > 0 {
-            self.run_from_logits(dev, scored_logits, scores, geometry)?;
+            // A decode step's key sums: nothing later in the step reads this layer's scores, so
+            // they run on the side stream, after the noise pass there, beside the layer's
+            // products. A step that also scores prompt rows (below, on the main stream, into the
+            // same scores) keeps both on the main stream.
+            let stream = match self.n_rows {
+                0 => dev.fork_side()?,
+                _ => {
+                    dev.join_side()?;
+                    &*dev.stream
+                }
+            };
+            self.run_from_logits(dev, stream, scored_logits, scores, geometry)?;
         }
         if self.n_rows == 0 {
             return Ok(());
@@ -493,6 +507,7 @@ impl ScorePlan {
     fn run_from_logits(
         &mut self,
         dev: &CudaDevice,
+        stream: &CudaStream,
         (logits, lse): (&CudaSlice<f32>, &CudaSlice<f32>),
         scores: &mut CudaSlice<f32>,
         geometry: ScoreGeometry,
@@ -519,7 +534,7 @@ impl ScorePlan {
         ]
         .map(|v| v as i32);
         let f = dev.function("scores", "kv_score_logit_add")?;
-        let mut b = dev.stream.launch_builder(&f);
+        let mut b = stream.launch_builder(&f);
         b.arg(logits).arg(scores).arg(&tables).arg(&spans).arg(lse);
         for a in &ints {
             b.arg(a);
@@ -534,7 +549,7 @@ impl ScorePlan {
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match the kernel's signature; every span's logits were sized by
-        // the attention plan that gave its base (rows × heads × kv_len, checked against the
+        // the attention plan that gave its base (rows × heads × row stride, checked against the
         // buffer above), its rows' normalisers are their tokens' (checked above), padding spans
         // have no rows and return at once, and the block tables were checked against the cache.
         unsafe { b.launch(cfg) }?;
