@@ -531,7 +531,7 @@ impl CudaBackend {
             .iter()
             .zip(layout.scoring)
             .filter(|(_, c)| c.is_some_and(|c| c.function.needs_scores()))
-            .map(|(s, _)| layout.n_heads * s.kv_len)
+            .map(|(s, _)| layout.n_heads * ops::attention::logit_row_stride(s.kv_len))
             .sum();
         let scored = layout
             .scoring
