@@ -329,7 +329,12 @@ impl CudaBackend {
             self.graphs.load(Ordering::Relaxed) && (self.nccl.is_none() || self.peer().is_some());
         // Every step ends joined with the side stream: a recording must end with all its
         // streams joined, and what follows a step may read what side work wrote.
-        let mut step = || step().and_then(|()| Ok(self.dev.join_side()?));
+        let mut step = || {
+            let ran = step();
+            // Also after a failure part-way, so that a recording ends with its streams joined.
+            let joined = self.dev.join_side();
+            ran.and(joined.map_err(BackendError::from))
+        };
         let Some(shape) = batch.shape.filter(|_| graphs_on) else {
             return step();
         };

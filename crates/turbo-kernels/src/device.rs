@@ -41,7 +41,7 @@ pub(crate) const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 pub struct CudaDevice {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    side: SideStream,
+    side: Arc<SideStream>,
     pub(crate) blas: LtMatmul,
     pub(crate) blas_workspace: CudaSlice<u8>,
     sm_count: usize,
@@ -54,7 +54,8 @@ pub struct CudaDevice {
 }
 
 /// A second stream of the device, and the two events that order it against the main one.
-struct SideStream {
+pub(crate) struct SideStream {
+    main: Arc<CudaStream>,
     stream: Arc<CudaStream>,
     /// Recorded on the main stream by `fork_side`, waited for by the side stream.
     forked: CudaEvent,
@@ -62,6 +63,28 @@ struct SideStream {
     done: CudaEvent,
     /// Whether work was issued on the side stream since the last join.
     pending: AtomicBool,
+}
+
+/// See [`CudaDevice::side_guard`].
+pub(crate) struct SideGuard(Arc<SideStream>);
+
+impl Drop for SideGuard {
+    fn drop(&mut self) {
+        // Nothing to report to: a failed join leaves the device in an error state that the next
+        // call on it reports.
+        let _ = self.0.join();
+    }
+}
+
+impl SideStream {
+    /// [`CudaDevice::join_side`].
+    pub(crate) fn join(&self) -> Result<()> {
+        if self.pending.swap(false, Ordering::Relaxed) {
+            self.done.record(&self.stream)?;
+            self.main.wait(&self.done)?;
+        }
+        Ok(())
+    }
 }
 
 impl CudaDevice {
@@ -87,12 +110,13 @@ impl CudaDevice {
         // `CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY`).
         let (least, greatest) = cudarc::driver::result::stream::get_priority_range()?;
         let stream = ctx.new_stream_with_priority(greatest)?;
-        let side = SideStream {
+        let side = Arc::new(SideStream {
+            main: stream.clone(),
             stream: ctx.new_stream_with_priority(least)?,
             forked: ctx.new_event(None)?,
             done: ctx.new_event(None)?,
             pending: AtomicBool::new(false),
-        };
+        });
         let blas = LtMatmul::new()?;
         let blas_workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
         let sm_count = ctx
@@ -132,11 +156,14 @@ impl CudaDevice {
     /// nothing was issued since the last join). A step recorded into a CUDA graph joins before
     /// its recording ends, and anything that reads what side work wrote joins first.
     pub fn join_side(&self) -> Result<()> {
-        if self.side.pending.swap(false, Ordering::Relaxed) {
-            self.side.done.record(&self.side.stream)?;
-            self.stream.wait(&self.side.done)?;
-        }
-        Ok(())
+        self.side.join()
+    }
+
+    /// A guard for buffers that side work may use, declared before them in their owner: it
+    /// joins the side stream when dropped, so that their frees, ordered on the main stream,
+    /// come after that work.
+    pub(crate) fn side_guard(&self) -> SideGuard {
+        SideGuard(self.side.clone())
     }
 
     /// Streaming multiprocessors.

@@ -31,7 +31,7 @@
 //! of a row, merged).
 
 use super::{check, reuse_or_alloc};
-use crate::device::CudaDevice;
+use crate::device::{CudaDevice, SideGuard};
 use crate::error::Result;
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -464,6 +464,8 @@ struct SharedLaunch {
 /// rows, how their keys are split, and where partial states go, with all of it (block tables
 /// included) uploaded to the device in one copy.
 pub struct AttentionPlan {
+    /// First, so that it is dropped first: the noise pass may run on the side stream.
+    _side: SideGuard,
     layout: KvLayout,
     n_heads: usize,
     n_tokens: usize,
@@ -1020,6 +1022,7 @@ impl AttentionPlan {
             }
         };
         let plan = AttentionPlan {
+            _side: dev.side_guard(),
             layout,
             n_heads,
             n_tokens,

@@ -4,7 +4,7 @@
 
 use super::attention::{logit_row_stride, LogitScoring};
 use super::{check, reuse_or_alloc};
-use crate::device::CudaDevice;
+use crate::device::{CudaDevice, SideGuard};
 use crate::error::{CudaError, Result};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -108,6 +108,8 @@ fn tile_kernels(head_dim: usize, dtype: KvDtype) -> (&'static str, &'static str,
 /// logits; the others (prompt chunks) from the queries and the cached keys. A plan may have no
 /// work (a step that scores nothing): it keeps its buffers for the next step that does.
 pub struct ScorePlan {
+    /// First, so that it is dropped first: the key sums may run on the side stream.
+    _side: SideGuard,
     upload: CudaSlice<u32>,
     spans: Range<usize>,
     rows: Range<usize>,
@@ -354,6 +356,7 @@ impl ScorePlan {
                 .map_err(CudaError::from)?;
         }
         let plan = ScorePlan {
+            _side: dev.side_guard(),
             upload,
             spans: spans_r,
             rows: rows_r,
