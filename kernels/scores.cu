@@ -537,9 +537,9 @@ extern "C" __global__ void kv_score_gather(float* __restrict__ out, const unsign
 // ------------------------------------------------------------------------------------------------
 // Scores from logits: the spans whose rows the decode attention kernel computed with
 // attn_decode_logits_d*, which wrote f(x) of their scaled logits x = scale q.k to `logits` (span
-// s's rows at `row_base`, [row][n_heads][stride] with stride kv_len rounded up to even, each row
-// filling the keys it sees) and each
-// row's normaliser logsumexp_j f(x_j) to `lse` ([token][n_heads]). One kernel, reading no key,
+// s's rows at `row_base`, [row][n_heads][stride], stride kv_len rounded up to even, each row
+// filling the keys it sees) and each row's normaliser logsumexp_j f(x_j) to `lse`
+// ([token][n_heads]). One kernel, reading no key,
 // with a launch shape fixed by the step's row count alone (so that a recorded decode step replays
 // it whatever its key counts):
 //   kv_score_logit_add  grid (span x part of its keys, sub-range of the part): each span's keys

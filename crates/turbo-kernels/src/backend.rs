@@ -1623,7 +1623,7 @@ impl Backend for CudaBackend {
         block_table: &[u32],
         keys: usize,
     ) -> Result<Vec<f32>> {
-        // Scores a step added on the side stream are read and moved below.
+        // Scores a step added on the side stream are read below.
         self.dev.join_side()?;
         let spec = *cache.spec();
         if cache.scores().is_none() {

@@ -413,8 +413,8 @@ const LOGIT_WORDS: usize = 8;
 const GUMBEL_THREADS: u32 = 512;
 
 /// Where the row kernel writes f(x) of the logits of the rows asked for (the KV eviction scores'
-/// input): span `s`'s are `[row][n_heads][logit_row_stride(kv_len)]` f32 from `bases[s]`, each row filling the keys
-/// it sees; and each row's normalisers.
+/// input): span `s`'s are `[row][n_heads][logit_row_stride(kv_len)]` f32 from `bases[s]`, each
+/// row filling the keys it sees; and each row's normalisers.
 #[derive(Debug)]
 struct LogitRows {
     /// Per span, the offset of its logits in the buffer, or `None` (not written).
@@ -1062,6 +1062,7 @@ impl AttentionPlan {
     /// What the last [`AttentionPlan::run`] wrote for the eviction scores: f(x) of the logits
     /// (see [`AttentionPlan::logit_base`]) and the `[n_tokens][n_heads]` normalisers
     /// logsumexp_j f(x_j) of their rows.
+    ///
     /// Joins the device's side stream first, where the noise pass may still be running.
     pub fn scored_logits(&self, dev: &CudaDevice) -> Result<(&CudaSlice<f32>, &CudaSlice<f32>)> {
         dev.join_side()?;
@@ -1229,8 +1230,8 @@ impl AttentionPlan {
 
         if let Some(r) = &self.rows {
             if self.logit_rows.is_some() {
-                // The last layer's eviction scores may still be reading the logits on the side
-                // stream.
+                // The previous layer's eviction scores may still be reading the logits on the
+                // side stream.
                 dev.join_side()?;
             }
             let items = section(&r.items);
@@ -1302,8 +1303,8 @@ impl AttentionPlan {
             };
             // SAFETY: the arguments match attn_logits_gumbel's parameters; `rows` names n_rows
             // tokens below n_tokens, and every row's entry names its span's logits (rows × heads
-            // × kv_len floats of the buffer, sized when planning) with the keys the row sees at
-            // most kv_len, and its normalisers are its token's n_heads floats of score_lse; the
+            // × row stride floats of the buffer, sized when planning) with the keys the row sees
+            // at most kv_len, and its normalisers are its token's n_heads floats of score_lse; the
             // row kernel, which the side stream waits for, wrote both, and nothing touches them
             // again before the next layer's row kernel joins the side stream.
             unsafe { b.launch(cfg)? };
