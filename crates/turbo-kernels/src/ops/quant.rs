@@ -22,6 +22,12 @@ const WARPS: usize = 4;
 /// (`kernels/quant.cu`'s `X_TILE_VALUES`).
 const X_TILE_VALUES: usize = 16384;
 
+/// Whether an `m`-token product's x, over rows of `cols` values, fits one tile: its blocks can
+/// then stage x once and loop over groups of rows.
+fn x_fits_one_tile(m: usize, cols: usize) -> bool {
+    cols <= X_TILE_VALUES / m
+}
+
 /// Shared memory of an `m`-token decode-step product over rows of `cols` values: a tile of x in
 /// f32 with one 16-byte word of padding per 8 (`x_tile_words` in the kernel).
 fn x_tile_bytes(m: usize, cols: usize) -> usize {
@@ -156,7 +162,7 @@ pub fn qgemv(
     // whose blocks each stage x tile by tile for their one group (on an H200, Q4_K gate/up of
     // 28672x4096 took 221.7 µs for 8 tokens in one launch and 71.1 µs for 4).
     let half = QGEMV_MAX_TOKENS / 2;
-    if tokens > half && w.cols > X_TILE_VALUES / QGEMV_MAX_TOKENS && w.cols <= X_TILE_VALUES / half
+    if tokens > half && !x_fits_one_tile(QGEMV_MAX_TOKENS, w.cols) && x_fits_one_tile(half, w.cols)
     {
         product.launch(dev, &x.slice(..half * w.cols), half, dst.rows_from(0))?;
         return product.launch(
@@ -301,7 +307,7 @@ fn product_launch(
             f.occupancy_max_active_blocks_per_multiprocessor((WARPS * 32) as u32, smem, None)?;
         Ok((per_sm as usize).max(1) * dev.sm_count())
     };
-    if cols > X_TILE_VALUES / m {
+    if !x_fits_one_tile(m, cols) {
         return Ok((f, groups));
     }
     if m > 1 {
