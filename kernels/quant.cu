@@ -518,6 +518,175 @@ __device__ __forceinline__ void qgemv(const uint8_t* __restrict__ w, long long r
     }
 }
 
+// -- one-token products on tensor cores (Q4_K) ------------------------------------------------------
+//
+// The CUDA-core products above spend a decode and a multiply-add per weight and token. Here a warp
+// takes a tile of 16 rows and multiplies its codes on mma.sync (m16n8k16, bf16 in, f32 out), whose
+// 8 columns hold the 8 sub-blocks of a super-block rather than tokens: B is block-diagonal, column
+// n holding x over sub-block n and zeros elsewhere, so each accumulator is one (row, sub-block)
+// sum, and each lane scales exactly the sums it holds. Lane (g, p) (g = lane / 4, p = lane % 4)
+// holds rows g and g + 8 at k-rows 2p, 2p + 1 (sub-block 2p: the low nibbles of chunk p) and
+// 2p + 8, 2p + 9 (sub-block 2p + 1: its high nibbles), so it loads and decodes only chunk p of its
+// two rows, and its accumulators are its own sub-blocks' sums. Codes are exact in bf16 as 128 + c
+// (one byte permute per pair), x is bf16 already, so every product is exact and sums are f32; an
+// mma of ones over the same B gives each sub-block's Σx, which turns Σ (128 + c) x into Σ c x and
+// carries the minimum. The warps of a block split the tile's super-blocks and add their sums in
+// shared memory. x is taken as it is (no norm: callers normalize first, rounding to bf16 as the
+// unfused path does).
+//
+// Measured on an H200 (benches/quant_kernels/qx.cu, 8B shapes, µs, qgemv -> here): QKV 6144x4096
+// 10.8 -> 8.4, O 9.6 -> 7.1, gate/up + SwiGLU 31.4 -> 24.9 (4 warps), down 4096x14336 23.4 -> 15.8,
+// a 49152-row LM head 48.1 -> 37.0 (4 warps). Tried and slower: loading the next super-block
+// before using the current one (more registers, fewer blocks per SM), and two x arrays instead of
+// masks (fewer blocks per SM).
+
+__device__ __forceinline__ void qmma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// bf16 pair (128 + c0, 128 + c1) of the codes (< 128) in the bytes of v that `sel` picks (0x4140:
+// bytes 0 and 1; 0x4342: bytes 2 and 3): each byte becomes the mantissa under 128's exponent.
+// `sel` comes in a register: given as constants, the selectors were materialized again for every
+// permute (ptxas reused their registers).
+__device__ __forceinline__ uint32_t code_pair(uint32_t v, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, 0x43, %2;" : "=r"(d) : "r"(v), "r"(sel));
+    return d;
+}
+
+// Scales and minimums of sub-blocks 2p and 2p + 1 of a Q4_K super-block (header words 1-3) as
+// floats: sc[h], m[h] for sub-block 2p + h. Four sub-blocks' six-bit values are unpacked at once
+// and the lane's two bytes picked.
+__device__ __forceinline__ void q4k_scales2(const uint4& head, int p, float (&sc)[2], float (&m)[2]) {
+    const uint32_t s0 = head.y, s1 = head.z, s2 = head.w;
+    uint32_t scw, mw;
+    if (p < 2) {  // sub-blocks 0-3: the low six bits of bytes 0-3 and 4-7
+        scw = s0 & 0x3F3F3F3Fu;
+        mw = s1 & 0x3F3F3F3Fu;
+    } else {  // sub-blocks 4-7: nibbles of bytes 8-11 and the top two bits of bytes 0-3 / 4-7
+        scw = (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
+        mw = ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+    }
+    const unsigned at = 16u * (unsigned)(p & 1);
+    scw >>= at;
+    mw >>= at;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        sc[h] = __int_as_float(__byte_perm(scw, 0x4B000000u, 0x7440u | (unsigned)h)) - 8388608.f;
+        m[h] = __int_as_float(__byte_perm(mw, 0x4B000000u, 0x7440u | (unsigned)h)) - 8388608.f;
+    }
+}
+
+__device__ __forceinline__ uint4 ldg16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// Grid: ceil(units / UNITS) blocks of W warps, UNITS = 16 rows (R == 1) or 8 SwiGLU units (R == 2:
+// rows g are gates, rows g + 8 the matching ups, stored as silu(gate) · up). One token; mode as
+// qgemv's; k % 256 == 0.
+template <int R, int W>
+__device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long long row_bytes,
+                                          const __nv_bfloat16* __restrict__ x, void* out, int units, int k,
+                                          int mode) {
+    constexpr int UNITS = R == 2 ? 8 : 16, SB_BYTES = 144;
+    __shared__ float part[W][16];
+    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
+    const int p = lane % 4, gq = lane / 4;
+    const int unit0 = blockIdx.x * UNITS;
+    const int ra = min(unit0 + gq, units - 1);
+    const int rb = R == 2 ? ra + units : min(unit0 + gq + 8, units - 1);
+    const uint8_t* wa = w + (size_t)ra * (size_t)row_bytes;
+    const uint8_t* wb = w + (size_t)rb * (size_t)row_bytes;
+    // B: lane (g, p) holds column g; its k-rows 2p.. belong to sub-block 2p, 2p + 8.. to 2p + 1.
+    // The lane whose column is one of those loads x over it; every other B value is zero.
+    const bool on_a = gq == 2 * p, on_b = gq == 2 * p + 1;
+    const uint32_t mask_a = on_a ? ~0u : 0u, mask_b = on_b ? ~0u : 0u;
+    const int x_at = 64 * p + (on_b ? 32 : 0);
+    const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+    // Selectors the compiler cannot fold (threadIdx.x < 2^16), so that they stay in registers.
+    const uint32_t opaque = threadIdx.x >> 16, sel01 = 0x4140u | opaque, sel23 = 0x4342u | opaque;
+    float acc_a = 0.f, acc_b = 0.f;
+    uint32_t xw[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) xw[i] = 0u;
+    for (int sb = warp; sb < k / 256; sb += W) {
+        const uint8_t* pa = wa + (size_t)sb * SB_BYTES;
+        const uint8_t* pb = wb + (size_t)sb * SB_BYTES;
+        const uint4 ha = ldg16(pa), hb = ldg16(pb);
+        const uint4 qa0 = ldg16(pa + 16 + 32 * p), qa1 = ldg16(pa + 32 + 32 * p);
+        const uint4 qb0 = ldg16(pb + 16 + 32 * p), qb1 = ldg16(pb + 32 + 32 * p);
+        if (on_a || on_b) {
+            const uint4* xs = reinterpret_cast<const uint4*>(x + (size_t)sb * 256 + x_at);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const uint4 v = __ldg(xs + i);
+                xw[4 * i] = v.x, xw[4 * i + 1] = v.y, xw[4 * i + 2] = v.z, xw[4 * i + 3] = v.w;
+            }
+        }
+        const uint32_t qa[8] = {qa0.x, qa0.y, qa0.z, qa0.w, qa1.x, qa1.y, qa1.z, qa1.w};
+        const uint32_t qb[8] = {qb0.x, qb0.y, qb0.z, qb0.w, qb1.x, qb1.y, qb1.z, qb1.w};
+        float c[4] = {0.f, 0.f, 0.f, 0.f}, s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int t = 0; t < 16; t += 2) {
+            // k-step t takes values 2t, 2t + 1 of each sub-block: bytes 0-1 of word t / 2, then 2-3.
+            const uint32_t la = qa[t / 2] & 0x0F0F0F0Fu, lb = qb[t / 2] & 0x0F0F0F0Fu;
+            const uint32_t ua = (qa[t / 2] >> 4) & 0x0F0F0F0Fu, ub = (qb[t / 2] >> 4) & 0x0F0F0F0Fu;
+            const uint32_t a0[4] = {code_pair(la, sel01), code_pair(lb, sel01), code_pair(ua, sel01),
+                                    code_pair(ub, sel01)};
+            const uint32_t b00 = xw[t] & mask_a, b01 = xw[t] & mask_b;
+            qmma_16816(c, a0, b00, b01);
+            qmma_16816(s, ones, b00, b01);
+            const uint32_t a1[4] = {code_pair(la, sel23), code_pair(lb, sel23), code_pair(ua, sel23),
+                                    code_pair(ub, sel23)};
+            const uint32_t b10 = xw[t + 1] & mask_a, b11 = xw[t + 1] & mask_b;
+            qmma_16816(c, a1, b10, b11);
+            qmma_16816(s, ones, b10, b11);
+        }
+        // c[0], c[1]: row a, sub-blocks 2p, 2p + 1 (c[2], c[3]: row b), each Σ (128 + code) x; s
+        // holds each sub-block's Σx. Row sum: d Σ sc (c - 128 s) - dmin Σ m s.
+        float sca[2], ma[2], scb[2], mb[2];
+        q4k_scales2(ha, p, sca, ma);
+        q4k_scales2(hb, p, scb, mb);
+        const float2 dma = __half22float2(*reinterpret_cast<const __half2*>(&ha.x));
+        const float2 dmb = __half22float2(*reinterpret_cast<const __half2*>(&hb.x));
+        const float ca = fmaf(sca[1], fmaf(-128.f, s[1], c[1]), sca[0] * fmaf(-128.f, s[0], c[0]));
+        const float na = fmaf(ma[1], s[1], ma[0] * s[0]);
+        const float cb = fmaf(scb[1], fmaf(-128.f, s[3], c[3]), scb[0] * fmaf(-128.f, s[2], c[2]));
+        const float nb = fmaf(mb[1], s[3], mb[0] * s[2]);
+        acc_a = fmaf(-dma.y, na, fmaf(dma.x, ca, acc_a));
+        acc_b = fmaf(-dmb.y, nb, fmaf(dmb.x, cb, acc_b));
+    }
+    acc_a += __shfl_xor_sync(0xFFFFFFFFu, acc_a, 1);
+    acc_a += __shfl_xor_sync(0xFFFFFFFFu, acc_a, 2);
+    acc_b += __shfl_xor_sync(0xFFFFFFFFu, acc_b, 1);
+    acc_b += __shfl_xor_sync(0xFFFFFFFFu, acc_b, 2);
+    if (p == 0) {
+        part[warp][gq] = acc_a;
+        part[warp][gq + 8] = acc_b;
+    }
+    __syncthreads();
+    const int i = threadIdx.x;
+    if (i >= UNITS || unit0 + i >= units) return;
+    const int unit = unit0 + i;
+    float v = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < W; wi++) v += part[wi][i];
+    if (R == 2) {
+        float up = 0.f;
+#pragma unroll
+        for (int wi = 0; wi < W; wi++) up += part[wi][i + 8];
+        const float gate = round_to_bf16(v);
+        up = round_to_bf16(up);
+        static_cast<__nv_bfloat16*>(out)[unit] = __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up);
+    } else if (mode == QGEMV_STORE_F32) {
+        static_cast<float*>(out)[unit] = v;
+    } else {
+        __nv_bfloat16* o = static_cast<__nv_bfloat16*>(out);
+        o[unit] = __float2bfloat16_rn(mode == QGEMV_ADD_RESIDUAL ? __bfloat162float(o[unit]) + v : v);
+    }
+}
+
 // Chunk c of a row decoded to bf16, eight values at a time: put(at, word) gets values at .. at + 7
 // of the row. Each value is computed as GGML's reference computes it: fl(fl(scale * q) + bias), no
 // fused multiply-add, the bias only for types with a minimum.
@@ -650,8 +819,27 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
         embed<T>(w, row_bytes, rows, first, limit, ids, n, k, out);                                           \
     }
 
+// The tensor-core one-token products (Q4_K's module only), with W = 8 and 4 warps a block.
+#define QMMA1_KERNELS(W)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(W * TURBO_WARP)                                              \
+        qmma1_Q4_K_w##W(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, void* out, int units,   \
+                        int k, int mode) {                                                                    \
+        qmma1_q4k<1, W>(w, row_bytes, x, out, units, k, mode);                                                \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(W * TURBO_WARP) qmma1_swiglu_Q4_K_w##W(                      \
+        const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, void* out, int units, int k, int mode) { \
+        qmma1_q4k<2, W>(w, row_bytes, x, out, units, k, mode);                                                \
+    }
+
 // The indirection expands QUANT_TYPE before it is pasted into the kernels' names.
 #define QUANT_KERNELS_OF(T) QUANT_TYPE_KERNELS(T)
+#define QUANT_PASTE(a, b) a##b
+#define QUANT_IS_Q4_K(T) QUANT_PASTE(QUANT_IS_Q4_K_, T)
+#define QUANT_IS_Q4_K_Q4_K 1
 #ifdef QUANT_TYPE
 QUANT_KERNELS_OF(QUANT_TYPE)
+#if QUANT_IS_Q4_K(QUANT_TYPE)
+QMMA1_KERNELS(8)
+QMMA1_KERNELS(4)
+#endif
 #endif

@@ -23,6 +23,11 @@ __global__ void __launch_bounds__(128) kq(const uint8_t* w, long long row_bytes,
                                              int k, int ld, int mode) {
     qgemv<T, M, R, NORM, G, UNIT, LOOP>(w, row_bytes, x, g, eps, out, tokens, units, k, ld, mode);
 }
+template <int R, int W>
+__global__ void __launch_bounds__(W * 32) kmma(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x,
+                                                void* out, int units, int k, int mode) {
+    qmma1_q4k<R, W>(w, row_bytes, x, out, units, k, mode);
+}
 template <class T>
 __global__ void __launch_bounds__(256) kds(const uint8_t* w, long long rb, int rows, int k, __nv_bfloat16* out) {
     dequant<T>(w, rb, rows, k, out);
@@ -132,6 +137,43 @@ void shape_runs(const char* type, const char* shape, int rows, int k, int mode) 
     CK(cudaFree(out)); CK(cudaFree(ref));
 }
 
+// The tensor-core one-token Q4_K product (qmma1) against qgemv (no norm) on the same weights and x
+// (`./qx mma`).
+template <int R, int W>
+void mma_variant(const char* shape, std::vector<Buf>& ws, int rows, int k, int mode, const __nv_bfloat16* x, void* out, void* ref, size_t out_bytes) {
+    int units = rows / R, per = R == 2 ? 8 : 16;
+    long long rb = (long long)k / 256 * 144;
+    auto launch = [&](int i) { kmma<R, W><<<(units + per - 1) / per, W * 32>>>(ws[i % ws.size()].p, rb, x, out, units, k, mode); };
+    CK(cudaMemset(out, 0, out_bytes)); launch(0); CK(cudaDeviceSynchronize()); CK(cudaGetLastError());
+    std::vector<uint8_t> a(out_bytes), b(out_bytes);
+    CK(cudaMemcpy(a.data(), out, out_bytes, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), ref, out_bytes, cudaMemcpyDeviceToHost));
+    size_t es = mode == QGEMV_STORE_F32 ? 4 : 2;
+    double err = 0, mag = 0;
+    for (int i = 0; i < units; i++) {
+        float fa = to_f(a.data() + i * es, mode), fb = to_f(b.data() + i * es, mode);
+        err = fmax(err, fabs((double)fa - fb)); mag = fmax(mag, fabs((double)fb));
+        if (!(fa == fa)) err = 1e30;
+    }
+    static const int iters = getenv("QX_ITERS") ? atoi(getenv("QX_ITERS")) : 200;
+    float us = time_us(iters, launch);
+    printf("Q4_K %-16s mma1 w%d: %8.2f us  %7.1f GB/s  |diff| %.2e of %.2e\n", shape, W, us, (double)rb * rows / us / 1e3, err, mag);
+}
+
+template <int R>
+void mma_runs(const char* shape, int rows, int k, int mode) {
+    if (getenv("QX_SHAPE") && !strstr(shape, getenv("QX_SHAPE"))) return;
+    auto ws = make_weights<Q4_K>(rows, k, 256u << 20);
+    const __nv_bfloat16* x = rand_bf16(k);
+    const __nv_bfloat16* g = rand_bf16(k);
+    size_t out_bytes = (size_t)rows * 4;
+    void *out, *ref; CK(cudaMalloc(&out, out_bytes)); CK(cudaMalloc(&ref, out_bytes));
+    run_variant<Q4_K, 1, R, false, WarpUnits<1, R>::value, true>("Q4_K", shape, ws, rows, k, mode, x, g, out, ref, out_bytes, true);
+    mma_variant<R, 8>(shape, ws, rows, k, mode, x, out, ref, out_bytes);
+    mma_variant<R, 4>(shape, ws, rows, k, mode, x, out, ref, out_bytes);
+    for (auto& w : ws) CK(cudaFree(w.p));
+    CK(cudaFree(out)); CK(cudaFree(ref));
+}
+
 template <class T>
 void dequant_runs(const char* type, int rows, int k) {
     if (getenv("QX_SHAPE")) return;
@@ -165,6 +207,14 @@ void all_shapes(const char* type) {
 int main(int argc, char** argv) {
     cudaDeviceProp p; CK(cudaGetDeviceProperties(&p, 0)); printf("%s\n", p.name);
     std::string only = argc > 1 ? argv[1] : "";
+    if (only == "mma") {
+        mma_runs<1>("qkv", 6144, 4096, QGEMV_STORE_BF16);
+        mma_runs<1>("o_residual", 4096, 4096, QGEMV_ADD_RESIDUAL);
+        mma_runs<2>("gate_up_swiglu", 28672, 4096, QGEMV_STORE_BF16);
+        mma_runs<1>("down_residual", 4096, 14336, QGEMV_ADD_RESIDUAL);
+        mma_runs<1>("lm_head_f32", 49152, 4096, QGEMV_STORE_F32);
+        return 0;
+    }
     if (only.empty() || only == "Q4_K") all_shapes<Q4_K>("Q4_K");
     if (only.empty() || only == "Q6_K") {
         all_shapes<Q6_K>("Q6_K");

@@ -1099,7 +1099,8 @@ impl Backend for CudaBackend {
                     GemvOut::Bf16(&mut out.data),
                 );
             }
-            None if x.rows <= QGEMV_MAX_TOKENS => {
+            // (Tensor-core products take x normalized by the unfused path below.)
+            None if x.rows <= QGEMV_MAX_TOKENS && !w.takes_normalized_x(x.rows) => {
                 return self.quant_product(x, w, Some(norm), ProductOut::Bf16(&mut out.data));
             }
             _ => {}
@@ -1127,11 +1128,26 @@ impl Backend for CudaBackend {
                 let shape = (w_gate_up.rows, w_gate_up.cols);
                 return self.gemv(x, data, shape, Some(norm), GemvOut::SwiGlu(&mut out.data));
             }
+            None if w_gate_up.takes_normalized_x(x.rows) => {
+                self.rms_norm(x, weight, eps, normed)?;
+                let fused = crate::matrix::swiglu_product(
+                    &self.dev,
+                    normed,
+                    w_gate_up,
+                    None,
+                    &mut out.data,
+                )?;
+                if fused {
+                    return Ok(());
+                }
+                self.linear(normed, w_gate_up, gate_up)?;
+                return self.swiglu(gate_up, out);
+            }
             None if crate::matrix::swiglu_product(
                 &self.dev,
                 x,
                 w_gate_up,
-                norm,
+                Some(norm),
                 &mut out.data,
             )? =>
             {

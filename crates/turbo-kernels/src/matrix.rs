@@ -56,6 +56,14 @@ impl CudaMatrix {
         }
     }
 
+    /// Whether a `tokens`-token product with this matrix takes x already normalized: some band
+    /// runs on tensor cores ([`ops::quant::takes_normalized_x`]), which apply no norm.
+    pub fn takes_normalized_x(&self, tokens: usize) -> bool {
+        self.block_types()
+            .into_iter()
+            .any(|t| ops::quant::takes_normalized_x(t, tokens))
+    }
+
     /// The block types of the matrix's bands (empty for bf16).
     pub fn block_types(&self) -> Vec<DType> {
         match &self.store {
@@ -274,14 +282,15 @@ fn decoded_product<T: GemmOut>(
     Ok(())
 }
 
-/// `[gate; up]` times the normalized `x`, then SwiGLU, in one kernel per step of at most
+/// `[gate; up]` times the normalized `x` (normalized here by `norm`, or by the caller where
+/// [`CudaMatrix::takes_normalized_x`]), then SwiGLU, in one kernel per step of at most
 /// [`QGEMV_MAX_TOKENS`] tokens when the matrix is one band (gate and up of one type); `false`
 /// when the caller must take the unfused path.
 pub fn swiglu_product(
     dev: &CudaDevice,
     x: &CudaTensor,
     w: &CudaMatrix,
-    norm: GemvNorm,
+    norm: Option<GemvNorm>,
     out: &mut CudaSlice<bf16>,
 ) -> Result<bool> {
     let MatrixStore::Blocks(bands) = &w.store else {
@@ -300,7 +309,7 @@ pub fn swiglu_product(
         &x.data,
         x.rows,
         &band.rows(w.cols),
-        Some(norm),
+        norm,
         QuantOut::SwiGlu(&mut view),
         units,
     )?;

@@ -232,31 +232,66 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
                 );
             }
 
-            // With the RMSNorm first (the normalized x is not rounded to bf16).
+            // With the RMSNorm first (the normalized x is not rounded to bf16). Products on
+            // tensor cores refuse a norm: they take x normalized by the unfused kernel, rounded
+            // to bf16, and the reference is then taken from those values.
             let eps = 1e-5;
-            let mut xn = xf.clone();
-            for t in 0..tokens {
-                let row = &mut xn[t * cols..(t + 1) * cols];
-                let ms = row.iter().map(|v| v * v).sum::<f64>() / cols as f64;
-                let inv = 1.0 / (ms + eps as f64).sqrt();
-                for (v, gv) in row.iter_mut().zip(&g) {
-                    *v *= gv.to_f64() * inv;
-                }
-            }
-            let (want_n, mag_n) = reference(&wf, &xn, tokens, rows, cols);
-            let unit_n = unit_code_bound(dtype, &wf, &xn, tokens, rows, cols);
-            let mut out = dev.stream.alloc_zeros::<bf16>(tokens * rows).unwrap();
-            let mut view = out.slice_mut(0..);
             let norm = GemvNorm {
                 weight: &g_dev,
                 eps,
             };
+            let mma = quant::takes_normalized_x(dtype, tokens);
+            let mut xn_dev = dev.stream.alloc_zeros::<bf16>(tokens * cols).unwrap();
+            let xn = if mma {
+                let mut view = dev.stream.alloc_zeros::<bf16>(rows).unwrap();
+                let mut view = view.slice_mut(0..);
+                let refused = quant::qgemv(
+                    dev,
+                    &x_dev,
+                    tokens,
+                    &q,
+                    Some(norm),
+                    QuantOut::Bf16(&mut view),
+                    rows,
+                );
+                assert!(refused.is_err(), "{dtype}: a norm on tensor cores");
+                turbo_kernels::ops::norm::rms_norm(
+                    dev,
+                    &x_dev,
+                    &g_dev,
+                    tokens,
+                    cols,
+                    eps,
+                    &mut xn_dev,
+                )
+                .unwrap();
+                to_f64(&dev.stream.clone_dtoh(&xn_dev).unwrap())
+            } else {
+                let mut xn = xf.clone();
+                for t in 0..tokens {
+                    let row = &mut xn[t * cols..(t + 1) * cols];
+                    let ms = row.iter().map(|v| v * v).sum::<f64>() / cols as f64;
+                    let inv = 1.0 / (ms + eps as f64).sqrt();
+                    for (v, gv) in row.iter_mut().zip(&g) {
+                        *v *= gv.to_f64() * inv;
+                    }
+                }
+                xn
+            };
+            let (x_in, norm_in) = match mma {
+                true => (&xn_dev, None),
+                false => (&x_dev, Some(norm)),
+            };
+            let (want_n, mag_n) = reference(&wf, &xn, tokens, rows, cols);
+            let unit_n = unit_code_bound(dtype, &wf, &xn, tokens, rows, cols);
+            let mut out = dev.stream.alloc_zeros::<bf16>(tokens * rows).unwrap();
+            let mut view = out.slice_mut(0..);
             quant::qgemv(
                 dev,
-                &x_dev,
+                x_in,
                 tokens,
                 &q,
-                Some(norm),
+                norm_in,
                 QuantOut::Bf16(&mut view),
                 rows,
             )
@@ -276,16 +311,16 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
             let units = rows / 2;
             let mut out = dev.stream.alloc_zeros::<bf16>(tokens * units).unwrap();
             let mut view = out.slice_mut(0..);
-            let norm = GemvNorm {
+            let norm_in = norm_in.map(|_| GemvNorm {
                 weight: &g_dev,
                 eps,
-            };
+            });
             quant::qgemv(
                 dev,
-                &x_dev,
+                x_in,
                 tokens,
                 &q,
-                Some(norm),
+                norm_in,
                 QuantOut::SwiGlu(&mut view),
                 units,
             )

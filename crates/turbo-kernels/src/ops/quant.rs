@@ -35,6 +35,13 @@ fn x_tile_bytes(m: usize, cols: usize) -> usize {
     (m * stride / 4 + m * stride / 32 + 1) * 16
 }
 
+/// Whether a `tokens`-token product over `dtype` blocks runs on tensor cores. Those products take
+/// x as it is: a caller with a norm normalizes x first ([`qgemv`] refuses a norm for them), and
+/// a SwiGLU product of one token may then come without one.
+pub fn takes_normalized_x(dtype: DType, tokens: usize) -> bool {
+    tokens == 1 && names(dtype).is_some_and(|n| n.mma1.is_some())
+}
+
 /// Whether the GPU keeps weights of `dtype` as blocks and decodes them in its kernels.
 pub fn supports(dtype: DType) -> bool {
     names(dtype).is_some()
@@ -108,6 +115,8 @@ pub fn qgemv(
 ) -> Result<()> {
     let (names, row_bytes) = w.check("qgemv")?;
     let swiglu = matches!(out, QuantOut::SwiGlu(_));
+    // (K-quant rows are whole super-blocks of 256: `check` saw whole blocks.)
+    let mma = takes_normalized_x(w.dtype, tokens);
     let units = if swiglu { w.rows / 2 } else { w.rows };
     let out_len = match &out {
         QuantOut::Bf16(o) | QuantOut::AddTo(o) | QuantOut::SwiGlu(o) => o.len(),
@@ -118,20 +127,26 @@ pub fn qgemv(
             && units > 0
             && ld >= units
             && ld <= i32::MAX as usize
-            && (!swiglu || (w.rows.is_multiple_of(2) && norm.is_some()))
+            && (!swiglu || (w.rows.is_multiple_of(2) && (norm.is_some() || mma)))
+            && (!mma || norm.is_none())
             && x.len() >= tokens * w.cols
             && out_len >= (tokens - 1) * ld + units
             && norm.as_ref().is_none_or(|n| n.weight.len() >= w.cols),
         || {
             format!(
                 "qgemv: x {} / out {out_len} elements for tokens={tokens} rows={} cols={} ld={ld} \
-                 (1 to {QGEMV_MAX_TOKENS} tokens, SwiGLU with a norm)",
+                 (1 to {QGEMV_MAX_TOKENS} tokens, SwiGLU with a norm; one-token {} products \
+                 take normalized x)",
                 x.len(),
                 w.rows,
-                w.cols
+                w.cols,
+                w.dtype
             )
         },
     )?;
+    if mma {
+        return mma1_launch(dev, names, w, row_bytes, x, units, out);
+    }
     let kind = match (&norm, swiglu) {
         (None, _) => 0,
         (Some(_), false) => 1,
@@ -280,6 +295,58 @@ impl Product<'_> {
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
+}
+
+/// Tensor-core one-token products use blocks of 4 warps from this many blocks per SM, else 8:
+/// measured on an H200, 8 warps were faster for 256-384 blocks (O, QKV and down of the 8B shape),
+/// 4 for 1,792-3,072 (gate/up and the LM head).
+const MMA1_FEW_WARPS_FROM: usize = 4;
+
+/// A one-token product on tensor cores (`qmma1_*`): a block per 16 rows (8 SwiGLU units).
+fn mma1_launch(
+    dev: &CudaDevice,
+    names: &KernelNames,
+    w: &QuantRows,
+    row_bytes: usize,
+    x: &CudaSlice<bf16>,
+    units: usize,
+    out: QuantOut,
+) -> Result<()> {
+    let swiglu = matches!(out, QuantOut::SwiGlu(_));
+    let blocks = units.div_ceil(if swiglu { 8 } else { 16 });
+    let few = blocks >= MMA1_FEW_WARPS_FROM * dev.sm_count();
+    let warps: u32 = if few { 4 } else { 8 };
+    let mma1 = names.mma1.ok_or_else(|| {
+        crate::error::CudaError::Shape(format!("no tensor-core products for {}", w.dtype))
+    })?;
+    let f = dev.function(names.module, mma1[swiglu as usize][few as usize])?;
+    let mode: i32 = match out {
+        QuantOut::F32(_) => 1,
+        QuantOut::AddTo(_) => 2,
+        QuantOut::Bf16(_) | QuantOut::SwiGlu(_) => 0,
+    };
+    let (row_bytes_i, units_i, k_i) = (row_bytes as i64, units as i32, w.cols as i32);
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(w.bytes);
+    b.arg(&row_bytes_i);
+    b.arg(x);
+    match out {
+        QuantOut::Bf16(o) | QuantOut::AddTo(o) | QuantOut::SwiGlu(o) => b.arg(o),
+        QuantOut::F32(o) => b.arg(o),
+    };
+    b.arg(&units_i);
+    b.arg(&k_i);
+    b.arg(&mode);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (warps * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; `qgemv` checked the sizes (one token:
+    // x holds `cols` values, the output `units`), rows are whole super-blocks, the buffer holds
+    // its padding, and device allocations keep x's 16-byte loads aligned.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
 }
 
 /// One-token products loop over groups of rows (`qgemv_loop_*`) from this many waves of groups.
@@ -459,10 +526,16 @@ struct KernelNames {
     gemv_loop: [&'static str; 2],
     dequant: &'static str,
     embed: &'static str,
+    /// One-token products on tensor cores, `[plain, SwiGLU][8, 4 warps a block]`, for the types
+    /// that have them (`qmma1_*` in kernels/quant.cu).
+    mma1: Option<[[&'static str; 2]; 2]>,
 }
 
 macro_rules! kernel_names {
     ($module:literal, $t:literal) => {
+        kernel_names!($module, $t, None)
+    };
+    ($module:literal, $t:literal, $mma1:expr) => {
         KernelNames {
             module: $module,
             gemv: [
@@ -491,6 +564,7 @@ macro_rules! kernel_names {
             ],
             dequant: concat!("dequant_", $t),
             embed: concat!("embed_", $t),
+            mma1: $mma1,
         }
     };
 }
@@ -500,7 +574,14 @@ static Q4_1: KernelNames = kernel_names!("quant_q4_1", "Q4_1");
 static Q5_0: KernelNames = kernel_names!("quant_q5_0", "Q5_0");
 static Q5_1: KernelNames = kernel_names!("quant_q5_1", "Q5_1");
 static Q8_0: KernelNames = kernel_names!("quant_q8_0", "Q8_0");
-static Q4_K: KernelNames = kernel_names!("quant_q4_k", "Q4_K");
+static Q4_K: KernelNames = kernel_names!(
+    "quant_q4_k",
+    "Q4_K",
+    Some([
+        ["qmma1_Q4_K_w8", "qmma1_Q4_K_w4"],
+        ["qmma1_swiglu_Q4_K_w8", "qmma1_swiglu_Q4_K_w4"]
+    ])
+);
 static Q5_K: KernelNames = kernel_names!("quant_q5_k", "Q5_K");
 static Q6_K: KernelNames = kernel_names!("quant_q6_k", "Q6_K");
 
