@@ -78,6 +78,18 @@ static float to_f(const uint8_t* p, int mode) {
     uint32_t b = (uint32_t)*reinterpret_cast<const uint16_t*>(p) << 16; float f; memcpy(&f, &b, 4); return f;
 }
 
+// The largest |out - ref| over the first n outputs, and the largest |ref| (a NaN makes err 1e30).
+static void compare(const void* out, const void* ref, size_t out_bytes, int mode, size_t n, double& err, double& mag) {
+    std::vector<uint8_t> a(out_bytes), b(out_bytes);
+    CK(cudaMemcpy(a.data(), out, out_bytes, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), ref, out_bytes, cudaMemcpyDeviceToHost));
+    size_t es = mode == QGEMV_STORE_F32 ? 4 : 2;
+    for (size_t i = 0; i < n; i++) {
+        float fa = to_f(a.data() + i * es, mode), fb = to_f(b.data() + i * es, mode);
+        err = fmax(err, fabs((double)fa - fb)); mag = fmax(mag, fabs((double)fb));
+        if (!(fa == fa)) err = 1e30;
+    }
+}
+
 template <class T, int M, int R, bool NORM, int G, bool UNIT, bool LOOP = (M > 1)>
 void run_variant(const char* type, const char* shape, std::vector<Buf>& ws, int rows, int k, int mode,
                  const __nv_bfloat16* x, const __nv_bfloat16* g, void* out, void* ref, size_t out_bytes, bool first) {
@@ -99,16 +111,7 @@ void run_variant(const char* type, const char* shape, std::vector<Buf>& ws, int 
     CK(cudaMemset(out, 0, out_bytes)); launch(0); CK(cudaDeviceSynchronize()); CK(cudaGetLastError());
     double err = 0, mag = 0;
     if (first) CK(cudaMemcpy(ref, out, out_bytes, cudaMemcpyDeviceToDevice));
-    else {
-        std::vector<uint8_t> a(out_bytes), b(out_bytes);
-        CK(cudaMemcpy(a.data(), out, out_bytes, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), ref, out_bytes, cudaMemcpyDeviceToHost));
-        size_t es = mode == QGEMV_STORE_F32 ? 4 : 2, n = (size_t)M * units;
-        for (size_t i = 0; i < n; i++) {
-            float fa = to_f(a.data() + i * es, mode), fb = to_f(b.data() + i * es, mode);
-            err = fmax(err, fabs((double)fa - fb)); mag = fmax(mag, fabs((double)fb));
-            if (!(fa == fa)) err = 1e30;
-        }
-    }
+    else compare(out, ref, out_bytes, mode, (size_t)M * units, err, mag);
     static const int iters = getenv("QX_ITERS") ? atoi(getenv("QX_ITERS")) : 200;
     float us = time_us(iters, launch);
     double gbs = (double)rb * rows / us / 1e3;
@@ -145,15 +148,8 @@ void mma_variant(const char* shape, std::vector<Buf>& ws, int rows, int k, int m
     long long rb = (long long)k / 256 * 144;
     auto launch = [&](int i) { kmma<R, W><<<(units + per - 1) / per, W * 32>>>(ws[i % ws.size()].p, rb, x, out, units, k, mode); };
     CK(cudaMemset(out, 0, out_bytes)); launch(0); CK(cudaDeviceSynchronize()); CK(cudaGetLastError());
-    std::vector<uint8_t> a(out_bytes), b(out_bytes);
-    CK(cudaMemcpy(a.data(), out, out_bytes, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), ref, out_bytes, cudaMemcpyDeviceToHost));
-    size_t es = mode == QGEMV_STORE_F32 ? 4 : 2;
     double err = 0, mag = 0;
-    for (int i = 0; i < units; i++) {
-        float fa = to_f(a.data() + i * es, mode), fb = to_f(b.data() + i * es, mode);
-        err = fmax(err, fabs((double)fa - fb)); mag = fmax(mag, fabs((double)fb));
-        if (!(fa == fa)) err = 1e30;
-    }
+    compare(out, ref, out_bytes, mode, (size_t)units, err, mag);
     static const int iters = getenv("QX_ITERS") ? atoi(getenv("QX_ITERS")) : 200;
     float us = time_us(iters, launch);
     printf("Q4_K %-16s mma1 w%d: %8.2f us  %7.1f GB/s  |diff| %.2e of %.2e\n", shape, W, us, (double)rb * rows / us / 1e3, err, mag);
