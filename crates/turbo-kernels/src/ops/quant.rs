@@ -135,12 +135,14 @@ pub fn qgemv(
         || {
             format!(
                 "qgemv: x {} / out {out_len} elements for tokens={tokens} rows={} cols={} ld={ld} \
-                 (1 to {QGEMV_MAX_TOKENS} tokens, SwiGLU with a norm; one-token {} products \
-                 take normalized x)",
+                 (1 to {QGEMV_MAX_TOKENS} tokens, SwiGLU with a norm{})",
                 x.len(),
                 w.rows,
                 w.cols,
-                w.dtype
+                match mma {
+                    true => format!("; one-token {} products take normalized x", w.dtype),
+                    false => String::new(),
+                }
             )
         },
     )?;
