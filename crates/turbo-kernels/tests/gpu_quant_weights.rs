@@ -243,8 +243,8 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
             let mma = quant::takes_normalized_x(dtype, tokens);
             let mut xn_dev = dev.stream.alloc_zeros::<bf16>(tokens * cols).unwrap();
             let xn = if mma {
-                let mut view = dev.stream.alloc_zeros::<bf16>(rows).unwrap();
-                let mut view = view.slice_mut(0..);
+                let mut unused = dev.stream.alloc_zeros::<bf16>(rows).unwrap();
+                let mut view = unused.slice_mut(0..);
                 let refused = quant::qgemv(
                     dev,
                     &x_dev,

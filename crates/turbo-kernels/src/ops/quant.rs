@@ -146,9 +146,6 @@ pub fn qgemv(
             )
         },
     )?;
-    if mma {
-        return mma1_launch(dev, names, w, row_bytes, x, units, out);
-    }
     let kind = match (&norm, swiglu) {
         (None, _) => 0,
         (Some(_), false) => 1,
@@ -163,6 +160,18 @@ pub fn qgemv(
         QuantOut::Bf16(o) | QuantOut::AddTo(o) | QuantOut::SwiGlu(o) => Dst::Bf16(o.slice_mut(..)),
         QuantOut::F32(o) => Dst::F32(o.slice_mut(..)),
     };
+    if let (true, Some(mma1)) = (mma, names.mma1) {
+        let shape = (units, swiglu);
+        return mma1_launch(
+            dev,
+            (names.module, mma1),
+            w,
+            row_bytes,
+            x,
+            shape,
+            (mode, dst),
+        );
+    }
     let product = Product {
         names,
         row_bytes,
@@ -304,37 +313,29 @@ impl Product<'_> {
 /// 4 for 1,792-3,072 (gate/up and the LM head).
 const MMA1_FEW_WARPS_FROM: usize = 4;
 
-/// A one-token product on tensor cores (`qmma1_*`): a block per 16 rows (8 SwiGLU units).
+/// A one-token product on tensor cores (`qmma1_*`, from `(module, names)`): a block per 16 rows
+/// (8 SwiGLU units), `units` outputs, written to `dst` in qgemv's output `mode`.
 fn mma1_launch(
     dev: &CudaDevice,
-    names: &KernelNames,
+    (module, names): (&'static str, [[&'static str; 2]; 2]),
     w: &QuantRows,
     row_bytes: usize,
     x: &CudaSlice<bf16>,
-    units: usize,
-    out: QuantOut,
+    (units, swiglu): (usize, bool),
+    (mode, mut dst): (i32, Dst<'_>),
 ) -> Result<()> {
-    let swiglu = matches!(out, QuantOut::SwiGlu(_));
     let blocks = units.div_ceil(if swiglu { 8 } else { 16 });
     let few = blocks >= MMA1_FEW_WARPS_FROM * dev.sm_count();
     let warps: u32 = if few { 4 } else { 8 };
-    let mma1 = names.mma1.ok_or_else(|| {
-        crate::error::CudaError::Shape(format!("no tensor-core products for {}", w.dtype))
-    })?;
-    let f = dev.function(names.module, mma1[swiglu as usize][few as usize])?;
-    let mode: i32 = match out {
-        QuantOut::F32(_) => 1,
-        QuantOut::AddTo(_) => 2,
-        QuantOut::Bf16(_) | QuantOut::SwiGlu(_) => 0,
-    };
+    let f = dev.function(module, names[swiglu as usize][few as usize])?;
     let (row_bytes_i, units_i, k_i) = (row_bytes as i64, units as i32, w.cols as i32);
     let mut b = dev.stream.launch_builder(&f);
     b.arg(w.bytes);
     b.arg(&row_bytes_i);
     b.arg(x);
-    match out {
-        QuantOut::Bf16(o) | QuantOut::AddTo(o) | QuantOut::SwiGlu(o) => b.arg(o),
-        QuantOut::F32(o) => b.arg(o),
+    match &mut dst {
+        Dst::Bf16(o) => b.arg(o),
+        Dst::F32(o) => b.arg(o),
     };
     b.arg(&units_i);
     b.arg(&k_i);
