@@ -367,3 +367,9 @@ __device__ __forceinline__ uint2 comm_pull_line(const uint4* src, unsigned epoch
     }
     return make_uint2(v.x, v.z);
 }
+
+// Waits until at most N of this thread's newest cp.async groups are still in flight.
+template <int N>
+__device__ __forceinline__ void pf_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}

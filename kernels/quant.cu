@@ -531,14 +531,14 @@ __device__ __forceinline__ void qgemv(const uint8_t* __restrict__ w, long long r
 // (one byte permute per pair), x is bf16 already, so every product is exact and sums are f32; an
 // mma of ones over the same B gives each sub-block's Σx, which turns Σ (128 + c) x into Σ c x and
 // carries the minimum. The warps of a block split the tile's super-blocks and add their sums in
-// shared memory. x is taken as it is (no norm: callers normalize first, rounding to bf16 as the
-// unfused path does).
+// shared memory (qmma1_q4k below: weights staged in shared memory, the norm optionally fused).
 //
-// Measured on an H200 (benches/quant_kernels/qx.cu, 8B shapes, µs, qgemv -> here): QKV 6144x4096
-// 10.8 -> 8.4, O 9.6 -> 7.1, gate/up + SwiGLU 31.4 -> 24.9 (4 warps), down 4096x14336 23.4 -> 15.8,
-// a 49152-row LM head 48.1 -> 37.0 (4 warps). Tried and slower: loading the next super-block
-// before using the current one (more registers, fewer blocks per SM), and two x arrays instead of
-// masks (fewer blocks per SM).
+// Measured on an H200 (benches/quant_kernels/qx.cu, 8B shapes, µs, qgemv -> the first form, which
+// loaded each super-block into registers): QKV 6144x4096 10.8 -> 8.4, O 9.6 -> 7.1, gate/up +
+// SwiGLU 31.4 -> 24.9 (4 warps), down 4096x14336 23.4 -> 15.8, a 49152-row LM head 48.1 -> 37.0 (4
+// warps). Tried and slower: loading the next super-block into registers before using the current
+// one (more registers, fewer blocks per SM), and two x arrays instead of masks (fewer blocks per
+// SM).
 
 __device__ __forceinline__ void qmma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
@@ -580,90 +580,83 @@ __device__ __forceinline__ void q4k_scales2(const uint4& head, int p, float (&sc
     }
 }
 
-__device__ __forceinline__ uint4 ldg16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-
-// Grid: ceil(units / UNITS) blocks of W warps, UNITS = 16 rows (R == 1) or 8 SwiGLU units (R == 2:
-// rows g are gates, rows g + 8 the matching ups, stored as silu(gate) · up). One token; mode as
-// qgemv's; k % 256 == 0.
-template <int R, int W>
-__device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long long row_bytes,
-                                          const __nv_bfloat16* __restrict__ x, void* out, int units, int k,
-                                          int mode) {
-    constexpr int UNITS = R == 2 ? 8 : 16, SB_BYTES = 144;
-    __shared__ float part[W][16];
-    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
-    const int p = lane % 4, gq = lane / 4;
-    const int unit0 = blockIdx.x * UNITS;
-    const int ra = min(unit0 + gq, units - 1);
-    const int rb = R == 2 ? ra + units : min(unit0 + gq + 8, units - 1);
-    const uint8_t* wa = w + (size_t)ra * (size_t)row_bytes;
-    const uint8_t* wb = w + (size_t)rb * (size_t)row_bytes;
-    // B: lane (g, p) holds column g; its k-rows 2p.. belong to sub-block 2p, 2p + 8.. to 2p + 1.
-    // The lane whose column is one of those loads x over it; every other B value is zero.
-    const bool on_a = gq == 2 * p, on_b = gq == 2 * p + 1;
-    const uint32_t mask_a = on_a ? ~0u : 0u, mask_b = on_b ? ~0u : 0u;
-    const int x_at = 64 * p + (on_b ? 32 : 0);
-    const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
-    // Selectors the compiler cannot fold (threadIdx.x < 2^16), so that they stay in registers.
-    const uint32_t opaque = threadIdx.x >> 16, sel01 = 0x4140u | opaque, sel23 = 0x4342u | opaque;
-    float acc_a = 0.f, acc_b = 0.f;
-    uint32_t xw[16];
-#pragma unroll
-    for (int i = 0; i < 16; i++) xw[i] = 0u;
-    for (int sb = warp; sb < k / 256; sb += W) {
-        const uint8_t* pa = wa + (size_t)sb * SB_BYTES;
-        const uint8_t* pb = wb + (size_t)sb * SB_BYTES;
-        const uint4 ha = ldg16(pa), hb = ldg16(pb);
-        const uint4 qa0 = ldg16(pa + 16 + 32 * p), qa1 = ldg16(pa + 32 + 32 * p);
-        const uint4 qb0 = ldg16(pb + 16 + 32 * p), qb1 = ldg16(pb + 32 + 32 * p);
-        if (on_a || on_b) {
-            const uint4* xs = reinterpret_cast<const uint4*>(x + (size_t)sb * 256 + x_at);
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const uint4 v = __ldg(xs + i);
-                xw[4 * i] = v.x, xw[4 * i + 1] = v.y, xw[4 * i + 2] = v.z, xw[4 * i + 3] = v.w;
-            }
-        }
-        const uint32_t qa[8] = {qa0.x, qa0.y, qa0.z, qa0.w, qa1.x, qa1.y, qa1.z, qa1.w};
-        const uint32_t qb[8] = {qb0.x, qb0.y, qb0.z, qb0.w, qb1.x, qb1.y, qb1.z, qb1.w};
-        float c[4] = {0.f, 0.f, 0.f, 0.f}, s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int t = 0; t < 16; t += 2) {
-            // k-step t takes values 2t, 2t + 1 of each sub-block: bytes 0-1 of word t / 2, then 2-3.
-            const uint32_t la = qa[t / 2] & 0x0F0F0F0Fu, lb = qb[t / 2] & 0x0F0F0F0Fu;
-            const uint32_t ua = (qa[t / 2] >> 4) & 0x0F0F0F0Fu, ub = (qb[t / 2] >> 4) & 0x0F0F0F0Fu;
-            const uint32_t a0[4] = {code_pair(la, sel01), code_pair(lb, sel01), code_pair(ua, sel01),
-                                    code_pair(ub, sel01)};
-            const uint32_t b00 = xw[t] & mask_a, b01 = xw[t] & mask_b;
-            qmma_16816(c, a0, b00, b01);
-            qmma_16816(s, ones, b00, b01);
-            const uint32_t a1[4] = {code_pair(la, sel23), code_pair(lb, sel23), code_pair(ua, sel23),
-                                    code_pair(ub, sel23)};
-            const uint32_t b10 = xw[t + 1] & mask_a, b11 = xw[t + 1] & mask_b;
-            qmma_16816(c, a1, b10, b11);
-            qmma_16816(s, ones, b10, b11);
-        }
-        // c[0], c[1]: row a, sub-blocks 2p, 2p + 1 (c[2], c[3]: row b), each Σ (128 + code) x; s
-        // holds each sub-block's Σx. Row sum: d Σ sc (c - 128 s) - dmin Σ m s.
-        float sca[2], ma[2], scb[2], mb[2];
-        q4k_scales2(ha, p, sca, ma);
-        q4k_scales2(hb, p, scb, mb);
-        const float2 dma = __half22float2(*reinterpret_cast<const __half2*>(&ha.x));
-        const float2 dmb = __half22float2(*reinterpret_cast<const __half2*>(&hb.x));
-        const float ca = fmaf(sca[1], fmaf(-128.f, s[1], c[1]), sca[0] * fmaf(-128.f, s[0], c[0]));
-        const float na = fmaf(ma[1], s[1], ma[0] * s[0]);
-        const float cb = fmaf(scb[1], fmaf(-128.f, s[3], c[3]), scb[0] * fmaf(-128.f, s[2], c[2]));
-        const float nb = fmaf(mb[1], s[3], mb[0] * s[2]);
-        acc_a = fmaf(-dma.y, na, fmaf(dma.x, ca, acc_a));
-        acc_b = fmaf(-dmb.y, nb, fmaf(dmb.x, cb, acc_b));
+// What a lane of the one-token Q4_K mma kernels keeps for every super-block. B: lane (g, p) holds
+// column g; its k-rows 2p.. belong to sub-block 2p, 2p + 8.. to 2p + 1. The lane whose column is
+// one of those loads x over it (on_a, on_b); every other B value is zero (the masks).
+struct Mma1Lane {
+    int p, gq;
+    bool on_a, on_b;
+    uint32_t mask_a, mask_b, sel01, sel23;
+    int x_at;  // the lane's first x value within a super-block (when on_a or on_b)
+    __device__ Mma1Lane() {
+        const int lane = threadIdx.x % TURBO_WARP;
+        p = lane % 4;
+        gq = lane / 4;
+        on_a = gq == 2 * p;
+        on_b = gq == 2 * p + 1;
+        mask_a = on_a ? ~0u : 0u;
+        mask_b = on_b ? ~0u : 0u;
+        x_at = 64 * p + (on_b ? 32 : 0);
+        // Selectors the compiler cannot fold (threadIdx.x < 2^16), so that they stay in registers.
+        const uint32_t opaque = threadIdx.x >> 16;
+        sel01 = 0x4140u | opaque;
+        sel23 = 0x4342u | opaque;
     }
+};
+
+// One super-block of the lane's rows a (g) and b (g + 8) added into acc_a and acc_b: headers ha and
+// hb, the lane's chunk p of each row (qa, qb: 32 bytes), x over the lane's column (xw; only read
+// where the lane is on_a or on_b).
+__device__ __forceinline__ void q4k_mma_superblock(const Mma1Lane& l, const uint4& ha, const uint4& hb,
+                                                   const uint32_t (&qa)[8], const uint32_t (&qb)[8],
+                                                   const uint32_t (&xw)[16], float& acc_a, float& acc_b) {
+    const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+    float c[4] = {0.f, 0.f, 0.f, 0.f}, s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int t = 0; t < 16; t += 2) {
+        // k-step t takes values 2t, 2t + 1 of each sub-block: bytes 0-1 of word t / 2, then 2-3.
+        const uint32_t la = qa[t / 2] & 0x0F0F0F0Fu, lb = qb[t / 2] & 0x0F0F0F0Fu;
+        const uint32_t ua = (qa[t / 2] >> 4) & 0x0F0F0F0Fu, ub = (qb[t / 2] >> 4) & 0x0F0F0F0Fu;
+        const uint32_t a0[4] = {code_pair(la, l.sel01), code_pair(lb, l.sel01), code_pair(ua, l.sel01),
+                                code_pair(ub, l.sel01)};
+        const uint32_t b00 = xw[t] & l.mask_a, b01 = xw[t] & l.mask_b;
+        qmma_16816(c, a0, b00, b01);
+        qmma_16816(s, ones, b00, b01);
+        const uint32_t a1[4] = {code_pair(la, l.sel23), code_pair(lb, l.sel23), code_pair(ua, l.sel23),
+                                code_pair(ub, l.sel23)};
+        const uint32_t b10 = xw[t + 1] & l.mask_a, b11 = xw[t + 1] & l.mask_b;
+        qmma_16816(c, a1, b10, b11);
+        qmma_16816(s, ones, b10, b11);
+    }
+    // c[0], c[1]: row a, sub-blocks 2p, 2p + 1 (c[2], c[3]: row b), each Σ (128 + code) x; s
+    // holds each sub-block's Σx. Row sum: d Σ sc (c - 128 s) - dmin Σ m s.
+    float sca[2], ma[2], scb[2], mb[2];
+    q4k_scales2(ha, l.p, sca, ma);
+    q4k_scales2(hb, l.p, scb, mb);
+    const float2 dma = __half22float2(*reinterpret_cast<const __half2*>(&ha.x));
+    const float2 dmb = __half22float2(*reinterpret_cast<const __half2*>(&hb.x));
+    const float ca = fmaf(sca[1], fmaf(-128.f, s[1], c[1]), sca[0] * fmaf(-128.f, s[0], c[0]));
+    const float na = fmaf(ma[1], s[1], ma[0] * s[0]);
+    const float cb = fmaf(scb[1], fmaf(-128.f, s[3], c[3]), scb[0] * fmaf(-128.f, s[2], c[2]));
+    const float nb = fmaf(mb[1], s[3], mb[0] * s[2]);
+    acc_a = fmaf(-dma.y, na, fmaf(dma.x, ca, acc_a));
+    acc_b = fmaf(-dmb.y, nb, fmaf(dmb.x, cb, acc_b));
+}
+
+// The block's sums of rows a and b (each warp's part of the super-blocks) added and stored as
+// qgemv's mode says (R == 2: SwiGLU of gate row a and up row b).
+template <int R, int W>
+__device__ __forceinline__ void qmma1_store(float (&part)[W][16], float acc_a, float acc_b, int unit0, int units,
+                                            void* out, int mode) {
+    constexpr int UNITS = R == 2 ? 8 : 16;
+    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
     acc_a += __shfl_xor_sync(0xFFFFFFFFu, acc_a, 1);
     acc_a += __shfl_xor_sync(0xFFFFFFFFu, acc_a, 2);
     acc_b += __shfl_xor_sync(0xFFFFFFFFu, acc_b, 1);
     acc_b += __shfl_xor_sync(0xFFFFFFFFu, acc_b, 2);
-    if (p == 0) {
-        part[warp][gq] = acc_a;
-        part[warp][gq + 8] = acc_b;
+    if (lane % 4 == 0) {
+        part[warp][lane / 4] = acc_a;
+        part[warp][lane / 4 + 8] = acc_b;
     }
     __syncthreads();
     const int i = threadIdx.x;
@@ -685,6 +678,242 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
         __nv_bfloat16* o = static_cast<__nv_bfloat16*>(out);
         o[unit] = __float2bfloat16_rn(mode == QGEMV_ADD_RESIDUAL ? __bfloat162float(o[unit]) + v : v);
     }
+}
+
+// The widest x that the one-token products normalize themselves (in shared memory, bf16).
+constexpr int MMA1_NORM_MAX_K = 8192;
+
+// x's RMSNorm times g into `normed` (k / 8 words of shared memory), as rms_norm_bf16 computes it
+// (f32, rounded once to bf16), by the whole block; returns once every thread can read it.
+__device__ __forceinline__ void normalize_to_shared(const __nv_bfloat16* __restrict__ x,
+                                                    const __nv_bfloat16* __restrict__ g, float eps, int k,
+                                                    uint4* normed) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const uint4* gv = reinterpret_cast<const uint4*>(g);
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < k / 8; i += blockDim.x) {
+        float f[8];
+        bf16x8_unpack(__ldg(xv + i), f);
+#pragma unroll
+        for (int e = 0; e < 8; e++) ss = fmaf(f[e], f[e], ss);
+    }
+    const float inv = rsqrtf(block_sum(ss) / (float)k + eps);
+    for (int i = threadIdx.x; i < k / 8; i += blockDim.x) {
+        float f[8], gf[8];
+        bf16x8_unpack(__ldg(xv + i), f);
+        bf16x8_unpack(__ldg(gv + i), gf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) f[e] = f[e] * inv * gf[e];
+        normed[i] = bf16x8_pack(f);
+    }
+    __syncthreads();
+}
+
+// Grid: ceil(units / UNITS) blocks of W warps, UNITS = 16 rows (R == 1) or 8 SwiGLU units (R == 2:
+// rows g are gates, rows g + 8 the matching ups, stored as silu(gate) · up). One token; mode as
+// qgemv's; k % 256 == 0; with NORM, k <= MMA1_NORM_MAX_K.
+//
+// Warp w takes super-blocks w, w + W, ... and copies each (its 16 rows' blocks, and x over it)
+// into its own S slots of shared memory with cp.async, S super-blocks ahead of the one it
+// multiplies: loads in flight take no registers, so a warp keeps S super-blocks coming while it
+// computes (measured on an H200, 8B shapes, µs against loading into registers as each super-block
+// comes, 8 warps / 4 warps: QKV 9.1 / 9.6 -> 9.1, gate/up 27.7 / 26.8 -> 25.3, down 16.3 / 22.1 ->
+// 14.5, the 49152-row LM head 42.2 / 39.6 -> 38.0; reading the same bytes with nothing else takes
+// 6.1, 18.4, 10.5 and 29.2).
+//
+// With NORM the block first computes x's RMSNorm times g, as rms_norm_bf16 does (f32, rounded once
+// to bf16), into shared memory while its first weights are in flight, instead of a separate launch
+// writing it to global memory; x is then not copied per super-block.
+template <int R, int W, int S, bool NORM>
+__device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long long row_bytes,
+                                          const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
+                                          float eps, void* out, int units, int k, int mode) {
+    constexpr int UNITS = R == 2 ? 8 : 16, SB_BYTES = 144, SB_WORDS = 9;
+    // A slot: x over the super-block (32 words, without NORM), then the 16 rows' blocks.
+    constexpr int X_WORDS = NORM ? 0 : 32, SLOT_WORDS = X_WORDS + 16 * SB_WORDS;
+    __shared__ float part[W][16];
+    __shared__ uint4 stage[W][S][SLOT_WORDS];
+    __shared__ uint4 normed[NORM ? MMA1_NORM_MAX_K / 8 : 1];
+    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
+    const Mma1Lane l;
+    const int unit0 = blockIdx.x * UNITS;
+    // The lane copies word c = lane + 32 j (j < 5, c < 144) of the rows' blocks: word c % 9 of row
+    // c / 9, at wbase + off[j] for super-block 0 (offsets from the block's first row fit 32 bits).
+    // (A form whose blocks loop over several tiles, computing the norm once, kept more registers
+    // and was 1-8% slower on every shape.)
+    const uint8_t* wbase = w + (size_t)unit0 * (size_t)row_bytes;
+    uint32_t off[5];
+#pragma unroll
+    for (int j = 0; j < 5; j++) {
+        const int c = min(lane + 32 * j, 16 * SB_WORDS - 1);
+        const int r = c / SB_WORDS;
+        const int unit = min(unit0 + (R == 2 ? r % 8 : r), units - 1);
+        const long long row = R == 2 && r >= 8 ? (long long)unit + units : unit;
+        off[j] = (uint32_t)((row - unit0) * row_bytes) + 16u * (uint32_t)(c % SB_WORDS);
+    }
+    const int nsb = k / 256, mine = (nsb - warp + W - 1) / W;
+    auto issue = [&](int i) {
+        const int sb = warp + i * W;
+        uint4* slot = stage[warp][i % S];
+        if (!NORM) pf_cp_async16(slot + lane, x + (size_t)sb * 256 + 8 * lane, true);
+        const uint8_t* wsb = wbase + (size_t)sb * SB_BYTES;
+#pragma unroll
+        for (int j = 0; j < 5; j++)
+            if (j < 4 || lane < 16) pf_cp_async16(slot + X_WORDS + lane + 32 * j, wsb + off[j], true);
+    };
+#pragma unroll
+    for (int i = 0; i < S; i++) {
+        if (i < mine) issue(i);
+        pf_cp_async_commit();
+    }
+    if constexpr (NORM) normalize_to_shared(x, g, eps, k, normed);
+    float acc_a = 0.f, acc_b = 0.f;
+    uint32_t xw[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) xw[i] = 0u;
+    for (int i = 0; i < mine; i++) {
+        pf_cp_async_wait<S - 1>();
+        __syncwarp();
+        const uint4* slot = stage[warp][i % S];
+        const uint4* row_a = slot + X_WORDS + l.gq * SB_WORDS;
+        const uint4* row_b = slot + X_WORDS + (l.gq + 8) * SB_WORDS;
+        const uint4 ha = row_a[0], hb = row_b[0];
+        const uint4 qa0 = row_a[1 + 2 * l.p], qa1 = row_a[2 + 2 * l.p];
+        const uint4 qb0 = row_b[1 + 2 * l.p], qb1 = row_b[2 + 2 * l.p];
+        if (l.on_a || l.on_b) {
+            const uint4* xs = (NORM ? normed + (size_t)(warp + i * W) * 32 : slot) + l.x_at / 8;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const uint4 v = xs[q];
+                xw[4 * q] = v.x, xw[4 * q + 1] = v.y, xw[4 * q + 2] = v.z, xw[4 * q + 3] = v.w;
+            }
+        }
+        __syncwarp();
+        // The slot is read: refill it with the super-block S ahead.
+        if (i + S < mine) issue(i + S);
+        pf_cp_async_commit();
+        const uint32_t qa[8] = {qa0.x, qa0.y, qa0.z, qa0.w, qa1.x, qa1.y, qa1.z, qa1.w};
+        const uint32_t qb[8] = {qb0.x, qb0.y, qb0.z, qb0.w, qb1.x, qb1.y, qb1.z, qb1.w};
+        q4k_mma_superblock(l, ha, hb, qa, qb, xw, acc_a, acc_b);
+    }
+    qmma1_store<R, W>(part, acc_a, acc_b, unit0, units, out, mode);
+}
+
+// -- one-token Q6_K products on tensor cores -----------------------------------------------------
+//
+// As qmma1_q4k's layout, for Q6_K's 16 sub-blocks of 16 values (a 210-byte super-block: low nibbles
+// ql[128], top bits qh[64], int8 scales[16], f16 d). Value n·128 + 32m + l (half n, quarter m,
+// l < 32) has its low four bits in ql[64n + l] (m = 0, low nibble; m = 2, high) or ql[64n + 32 +
+// l] (m = 1, 3) and its top two in bits 2m of qh[32n + l]; it belongs to sub-block 8n + 2m + l / 16.
+// Lane (g, p) takes half n = p / 2, l in L .. L + 15 (L = 16 (p % 2)): 16 bytes of ql at 64n + L and
+// at 64n + 32 + L, 16 of qh at 128 + 16p, so its four sub-blocks 8n + 2m + p % 2 are whole. The
+// mmas come in two accumulator tiles: tile T holds quarters 2T (k-rows 2p.., column 2p) and 2T + 1
+// (k-rows 2p + 8.., column 2p + 1), so as in Q4_K each lane's accumulators are its own sub-blocks'
+// sums, and B is x masked by the same two lane conditions. Codes are exact in bf16 as 128 + q
+// (q < 64); Σ (q - 32) x = Σ (128 + q) x - 160 Σx. Super-blocks are only 2-byte aligned: the
+// lane's words are read as aligned words and shifted into place (words_at2).
+//
+// Measured on an H200 (benches/quant_kernels/qx.cu `mma6`, 8B shapes, µs, qgemv (its looping form
+// where faster) -> 8 warps here): down 4096x14336 + residual 31.6 -> 23.4, O 11.5 -> 9.6, a
+// 1024-row V band with the norm 8.5 -> 8.2. With 128 registers a thread it is no faster for many
+// blocks: the 49152-row LM head 66.1 -> 66.2 (4 warps), gate/up 44.3 -> 49.8, so ops::quant takes
+// it only for products of few blocks.
+template <int R, int W, bool NORM>
+__device__ __forceinline__ void qmma1_q6k(const uint8_t* __restrict__ w, long long row_bytes,
+                                          const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
+                                          float eps, void* out, int units, int k, int mode) {
+    constexpr int UNITS = R == 2 ? 8 : 16, SB_BYTES = 210;
+    __shared__ float part[W][16];
+    __shared__ uint4 normed[NORM ? MMA1_NORM_MAX_K / 8 : 1];
+    const int warp = threadIdx.x / TURBO_WARP;
+    const Mma1Lane l;
+    const int half = l.p / 2, quarter_l = 16 * (l.p % 2);
+    const int unit0 = blockIdx.x * UNITS;
+    const int ra = min(unit0 + l.gq, units - 1);
+    const int rb = R == 2 ? ra + units : min(unit0 + l.gq + 8, units - 1);
+    const uint8_t* wa = w + (size_t)ra * (size_t)row_bytes;
+    const uint8_t* wb = w + (size_t)rb * (size_t)row_bytes;
+    if constexpr (NORM) normalize_to_shared(x, g, eps, k, normed);
+    const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+    // x over the lane's column in tile T: quarter 2T (on_a) or 2T + 1 (on_b) of its half.
+    const int x_at = 128 * half + (l.on_b ? 32 : 0) + quarter_l;
+    float acc_a = 0.f, acc_b = 0.f;
+    uint32_t xw[2][8];
+#pragma unroll
+    for (int t = 0; t < 2; t++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) xw[t][i] = 0u;
+    for (int sb = warp; sb < k / 256; sb += W) {
+        const uint8_t* pa = wa + (size_t)sb * SB_BYTES;
+        const uint8_t* pb = wb + (size_t)sb * SB_BYTES;
+        uint32_t la[4], ua[4], ha[4], lb[4], ub[4], hb[4], sa[2], sbw[2];
+        words_at2<4>(pa + 64 * half + quarter_l, la);
+        words_at2<4>(pa + 64 * half + 32 + quarter_l, ua);
+        words_at2<4>(pa + 128 + 16 * l.p, ha);
+        words_at2<4>(pb + 64 * half + quarter_l, lb);
+        words_at2<4>(pb + 64 * half + 32 + quarter_l, ub);
+        words_at2<4>(pb + 128 + 16 * l.p, hb);
+        words_at2<2>(pa + 192 + 8 * half, sa);
+        words_at2<2>(pb + 192 + 8 * half, sbw);
+        const float da = half_at(pa + 208), db = half_at(pb + 208);
+        if (l.on_a || l.on_b) {
+#pragma unroll
+            for (int t = 0; t < 2; t++) {
+                const uint4* xs = NORM ? normed + (sb * 256 + x_at + 64 * t) / 8
+                                       : reinterpret_cast<const uint4*>(x + (size_t)sb * 256 + x_at + 64 * t);
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    const uint4 v = NORM ? xs[q] : __ldg(xs + q);
+                    xw[t][4 * q] = v.x, xw[t][4 * q + 1] = v.y, xw[t][4 * q + 2] = v.z, xw[t][4 * q + 3] = v.w;
+                }
+            }
+        }
+        float c[2][4], s[2][4];
+#pragma unroll
+        for (int t = 0; t < 2; t++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) c[t][i] = s[t][i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            // Codes of quarters 0-3 at l = L + 4i .. L + 4i + 3, one per byte.
+            const uint32_t qa[4] = {(la[i] & 0x0F0F0F0Fu) | ((ha[i] << 4) & 0x30303030u),
+                                    (ua[i] & 0x0F0F0F0Fu) | ((ha[i] << 2) & 0x30303030u),
+                                    ((la[i] >> 4) & 0x0F0F0F0Fu) | (ha[i] & 0x30303030u),
+                                    ((ua[i] >> 4) & 0x0F0F0F0Fu) | ((ha[i] >> 2) & 0x30303030u)};
+            const uint32_t qb[4] = {(lb[i] & 0x0F0F0F0Fu) | ((hb[i] << 4) & 0x30303030u),
+                                    (ub[i] & 0x0F0F0F0Fu) | ((hb[i] << 2) & 0x30303030u),
+                                    ((lb[i] >> 4) & 0x0F0F0F0Fu) | (hb[i] & 0x30303030u),
+                                    ((ub[i] >> 4) & 0x0F0F0F0Fu) | ((hb[i] >> 2) & 0x30303030u)};
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint32_t sel = h == 0 ? l.sel01 : l.sel23;
+#pragma unroll
+                for (int t = 0; t < 2; t++) {
+                    const uint32_t a[4] = {code_pair(qa[2 * t], sel), code_pair(qb[2 * t], sel),
+                                           code_pair(qa[2 * t + 1], sel), code_pair(qb[2 * t + 1], sel)};
+                    const uint32_t b0 = xw[t][2 * i + h] & l.mask_a, b1 = xw[t][2 * i + h] & l.mask_b;
+                    qmma_16816(c[t], a, b0, b1);
+                    qmma_16816(s[t], ones, b0, b1);
+                }
+            }
+        }
+        // c[t][0], c[t][1]: row a, quarters 2t and 2t + 1 (c[t][2], c[t][3]: row b). Their scales
+        // are bytes 2m + p % 2 of the half's eight.
+        const unsigned pick = 8u * (unsigned)(l.p % 2);
+        float suma = 0.f, sumb = 0.f;
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            const int t = m / 2, h = m % 2;
+            const uint32_t wa_ = sa[m / 2], wb_ = sbw[m / 2];
+            const unsigned at = 16u * (unsigned)(m % 2) + pick;
+            const float sca = (float)(int8_t)((wa_ >> at) & 0xFFu), scb = (float)(int8_t)((wb_ >> at) & 0xFFu);
+            suma = fmaf(sca, fmaf(-160.f, s[t][h], c[t][h]), suma);
+            sumb = fmaf(scb, fmaf(-160.f, s[t][2 + h], c[t][2 + h]), sumb);
+        }
+        acc_a = fmaf(da, suma, acc_a);
+        acc_b = fmaf(db, sumb, acc_b);
+    }
+    qmma1_store<R, W>(part, acc_a, acc_b, unit0, units, out, mode);
 }
 
 // Chunk c of a row decoded to bf16, eight values at a time: put(at, word) gets values at .. at + 7
@@ -819,27 +1048,38 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
         embed<T>(w, row_bytes, rows, first, limit, ids, n, k, out);                                           \
     }
 
-// The tensor-core one-token products (Q4_K's module only), with W = 8 and 4 warps a block.
-#define QMMA1_KERNELS(W)                                                                                      \
+// The tensor-core one-token products (Q4_K's and Q6_K's modules), W warps a block. Q4_K: 4 warps, 2
+// slots a warp (on an H200 within 1.5% of the best of 4 / 8 warps and 1-4 slots on every 8B shape);
+// Q6_K: 8 warps (faster than 4 for the few-block products it is used for).
+#define QMMA1_Q4K_WARPS 4
+#define QMMA1_Q4K_SLOTS 2
+#define QMMA1_Q6K_WARPS 8
+#define QMMA1_KERNEL(NAME, W, CALL)                                                                           \
     extern "C" __global__ void __launch_bounds__(W * TURBO_WARP)                                              \
-        qmma1_Q4_K_w##W(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, void* out, int units,   \
-                        int k, int mode) {                                                                    \
-        qmma1_q4k<1, W>(w, row_bytes, x, out, units, k, mode);                                                \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(W * TURBO_WARP) qmma1_swiglu_Q4_K_w##W(                      \
-        const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, void* out, int units, int k, int mode) { \
-        qmma1_q4k<2, W>(w, row_bytes, x, out, units, k, mode);                                                \
+        NAME(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, const __nv_bfloat16* g, float eps, \
+             void* out, int units, int k, int mode) {                                                         \
+        CALL(w, row_bytes, x, g, eps, out, units, k, mode);                                                   \
     }
+// The four kernels of type T from template F<R, W, [the arguments after W,] NORM>.
+#define QMMA1_KERNELS(T, F, W, ...)                                                                           \
+    QMMA1_KERNEL(qmma1_##T, W, (F<1, W, __VA_ARGS__ false>))                                                  \
+    QMMA1_KERNEL(qmma1_swiglu_##T, W, (F<2, W, __VA_ARGS__ false>))                                           \
+    QMMA1_KERNEL(qmma1_norm_##T, W, (F<1, W, __VA_ARGS__ true>))                                              \
+    QMMA1_KERNEL(qmma1_norm_swiglu_##T, W, (F<2, W, __VA_ARGS__ true>))
 
 // The indirection expands QUANT_TYPE before it is pasted into the kernels' names.
 #define QUANT_KERNELS_OF(T) QUANT_TYPE_KERNELS(T)
 #define QUANT_PASTE(a, b) a##b
 #define QUANT_IS_Q4_K(T) QUANT_PASTE(QUANT_IS_Q4_K_, T)
 #define QUANT_IS_Q4_K_Q4_K 1
+#define QUANT_IS_Q6_K(T) QUANT_PASTE(QUANT_IS_Q6_K_, T)
+#define QUANT_IS_Q6_K_Q6_K 1
 #ifdef QUANT_TYPE
 QUANT_KERNELS_OF(QUANT_TYPE)
 #if QUANT_IS_Q4_K(QUANT_TYPE)
-QMMA1_KERNELS(8)
-QMMA1_KERNELS(4)
+QMMA1_KERNELS(Q4_K, qmma1_q4k, QMMA1_Q4K_WARPS, QMMA1_Q4K_SLOTS, )
+#endif
+#if QUANT_IS_Q6_K(QUANT_TYPE)
+QMMA1_KERNELS(Q6_K, qmma1_q6k, QMMA1_Q6K_WARPS, )
 #endif
 #endif

@@ -6,6 +6,7 @@
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Ikernels benches/quant_kernels/qx.cu -o qx && ./qx [Q4_K|Q6_K|small|Q8_0|Q5_0]
 // Environment: QX_ITERS (launches timed, default 200), QX_SHAPE (a shape name's substring), QX_M.
 #include "../../kernels/quant.cu"
+#include "../../kernels/norm.cu"
 #include <cstdio>
 #include <cmath>
 #include <cstring>
@@ -23,10 +24,26 @@ __global__ void __launch_bounds__(128) kq(const uint8_t* w, long long row_bytes,
                                              int k, int ld, int mode) {
     qgemv<T, M, R, NORM, G, UNIT, LOOP>(w, row_bytes, x, g, eps, out, tokens, units, k, ld, mode);
 }
-template <int R, int W>
+template <int R, int W, int S, bool NORM>
 __global__ void __launch_bounds__(W * 32) kmma(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x,
-                                                void* out, int units, int k, int mode) {
-    qmma1_q4k<R, W>(w, row_bytes, x, out, units, k, mode);
+                                                const __nv_bfloat16* g, float eps, void* out, int units, int k,
+                                                int mode) {
+    qmma1_q4k<R, W, S, NORM>(w, row_bytes, x, g, eps, out, units, k, mode);
+}
+// The floor for a product: reading the same bytes with 16-byte loads and nothing else.
+__global__ void __launch_bounds__(256) kstream(const uint4* w, size_t words, uint32_t* out) {
+    uint32_t acc = 0;
+    for (size_t i = blockIdx.x * 256 + threadIdx.x; i < words; i += (size_t)gridDim.x * 256) {
+        const uint4 v = __ldg(w + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) out[0] = acc;
+}
+template <int R, int W, bool NORM>
+__global__ void __launch_bounds__(W * 32) kmma6(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x,
+                                                 const __nv_bfloat16* g, float eps, void* out, int units, int k,
+                                                 int mode) {
+    qmma1_q6k<R, W, NORM>(w, row_bytes, x, g, eps, out, units, k, mode);
 }
 template <class T>
 __global__ void __launch_bounds__(256) kds(const uint8_t* w, long long rb, int rows, int k, __nv_bfloat16* out) {
@@ -140,32 +157,92 @@ void shape_runs(const char* type, const char* shape, int rows, int k, int mode) 
     CK(cudaFree(out)); CK(cudaFree(ref));
 }
 
-// The tensor-core one-token Q4_K product (qmma1) against qgemv (no norm) on the same weights and x
-// (`./qx mma`).
-template <int R, int W>
-void mma_variant(const char* shape, std::vector<Buf>& ws, int rows, int k, int mode, const __nv_bfloat16* x, void* out, void* ref, size_t out_bytes) {
+// The tensor-core one-token products (qmma1) against qgemv on the same weights and x (`./qx mma`,
+// `./qx mma6`).
+// qmma1_q4k with W warps and S slots; with NORM, the norm fused, against the unfused norm kernel
+// launched before the product without it (UNFUSED).
+template <int R, int W, int S, bool NORM = false, bool UNFUSED = false>
+void mma_variant(const char* shape, std::vector<Buf>& ws, int rows, int k, int mode, const __nv_bfloat16* x,
+                 const __nv_bfloat16* g, __nv_bfloat16* xn, void* out, void* ref, size_t out_bytes) {
     int units = rows / R, per = R == 2 ? 8 : 16;
     long long rb = (long long)k / 256 * 144;
-    auto launch = [&](int i) { kmma<R, W><<<(units + per - 1) / per, W * 32>>>(ws[i % ws.size()].p, rb, x, out, units, k, mode); };
+    const int grid = (units + per - 1) / per;
+    auto launch = [&](int i) {
+        const __nv_bfloat16* xin = x;
+        if (UNFUSED) { rms_norm_bf16<<<1, 1024>>>(xn, x, g, 1, k, 1e-5f); xin = xn; }
+        kmma<R, W, S, NORM><<<grid, W * 32>>>(ws[i % ws.size()].p, rb, xin, g, 1e-5f, out, units, k, mode);
+    };
     CK(cudaMemset(out, 0, out_bytes)); launch(0); CK(cudaDeviceSynchronize()); CK(cudaGetLastError());
     double err = 0, mag = 0;
     compare(out, ref, out_bytes, mode, (size_t)units, err, mag);
     static const int iters = getenv("QX_ITERS") ? atoi(getenv("QX_ITERS")) : 200;
     float us = time_us(iters, launch);
-    printf("Q4_K %-16s mma1 w%d: %8.2f us  %7.1f GB/s  |diff| %.2e of %.2e\n", shape, W, us, (double)rb * rows / us / 1e3, err, mag);
+    printf("Q4_K %-16s mma1 w%d s%d%s: %8.2f us  %7.1f GB/s  |diff| %.2e of %.2e\n", shape, W, S,
+           NORM ? " norm fused" : UNFUSED ? " norm kernel first" : "", us, (double)rb * rows / us / 1e3, err, mag);
 }
 
-template <int R>
+// NORM: the shape's product takes the RMSNorm first (QKV, gate/up).
+template <int R, bool NORM>
 void mma_runs(const char* shape, int rows, int k, int mode) {
     if (getenv("QX_SHAPE") && !strstr(shape, getenv("QX_SHAPE"))) return;
     auto ws = make_weights<Q4_K>(rows, k, 256u << 20);
     const __nv_bfloat16* x = rand_bf16(k);
     const __nv_bfloat16* g = rand_bf16(k);
+    __nv_bfloat16* xn; CK(cudaMalloc(&xn, (size_t)k * 2));
     size_t out_bytes = (size_t)rows * 4;
     void *out, *ref; CK(cudaMalloc(&out, out_bytes)); CK(cudaMalloc(&ref, out_bytes));
     run_variant<Q4_K, 1, R, false, WarpUnits<1, R>::value, true>("Q4_K", shape, ws, rows, k, mode, x, g, out, ref, out_bytes, true);
-    mma_variant<R, 8>(shape, ws, rows, k, mode, x, out, ref, out_bytes);
-    mma_variant<R, 4>(shape, ws, rows, k, mode, x, out, ref, out_bytes);
+    {
+        const size_t words = (size_t)rows * (k / 256 * 144) / 16;
+        for (int blocks : {132 * 8, 132 * 16}) {
+            float us = time_us(200, [&](int i) { kstream<<<blocks, 256>>>(reinterpret_cast<const uint4*>(ws[i % ws.size()].p), words, (uint32_t*)out); });
+            printf("Q4_K %-16s read only, %d blocks: %8.2f us  %7.1f GB/s\n", shape, blocks, us, words * 16.0 / us / 1e3);
+        }
+    }
+    mma_variant<R, 4, 2>(shape, ws, rows, k, mode, x, g, xn, out, ref, out_bytes);
+    mma_variant<R, 8, 1>(shape, ws, rows, k, mode, x, g, xn, out, ref, out_bytes);
+    if (NORM) {
+        run_variant<Q4_K, 1, R, true, WarpUnits<1, R>::value, true>("Q4_K", shape, ws, rows, k, mode, x, g, out, ref, out_bytes, true);
+        mma_variant<R, 4, 2, false, true>(shape, ws, rows, k, mode, x, g, xn, out, ref, out_bytes);
+        mma_variant<R, 4, 2, true>(shape, ws, rows, k, mode, x, g, xn, out, ref, out_bytes);
+    }
+    for (auto& w : ws) CK(cudaFree(w.p));
+    CK(cudaFree(out)); CK(cudaFree(ref)); CK(cudaFree(xn));
+}
+
+// qmma1_q6k with W warps (NORM: the norm fused) against qgemv with or without the norm.
+template <int R, int W, bool NORM>
+void mma6_variant(const char* shape, std::vector<Buf>& ws, int rows, int k, int mode, const __nv_bfloat16* x,
+                  const __nv_bfloat16* g, void* out, void* ref, size_t out_bytes) {
+    int units = rows / R, per = R == 2 ? 8 : 16;
+    long long rb = (long long)k / 256 * 210;
+    auto launch = [&](int i) {
+        kmma6<R, W, NORM><<<(units + per - 1) / per, W * 32>>>(ws[i % ws.size()].p, rb, x, g, 1e-5f, out, units, k, mode);
+    };
+    CK(cudaMemset(out, 0, out_bytes)); launch(0); CK(cudaDeviceSynchronize()); CK(cudaGetLastError());
+    double err = 0, mag = 0;
+    compare(out, ref, out_bytes, mode, (size_t)units, err, mag);
+    static const int iters = getenv("QX_ITERS") ? atoi(getenv("QX_ITERS")) : 200;
+    float us = time_us(iters, launch);
+    printf("Q6_K %-16s mma1 w%d%s: %8.2f us  %7.1f GB/s  |diff| %.2e of %.2e\n", shape, W, NORM ? " norm fused" : "", us,
+           (double)rb * rows / us / 1e3, err, mag);
+}
+
+template <int R, bool NORM>
+void mma6_runs(const char* shape, int rows, int k, int mode) {
+    if (getenv("QX_SHAPE") && !strstr(shape, getenv("QX_SHAPE"))) return;
+    auto ws = make_weights<Q6_K>(rows, k, 256u << 20);
+    const __nv_bfloat16* x = rand_bf16(k);
+    const __nv_bfloat16* g = rand_bf16(k);
+    size_t out_bytes = (size_t)rows * 4;
+    void *out, *ref; CK(cudaMalloc(&out, out_bytes)); CK(cudaMalloc(&ref, out_bytes));
+    run_variant<Q6_K, 1, R, NORM, WarpUnits<1, R>::value, true>("Q6_K", shape, ws, rows, k, mode, x, g, out, ref, out_bytes, true);
+    run_variant<Q6_K, 1, R, NORM, WarpUnits<1, R>::value, true, true>("Q6_K", shape, ws, rows, k, mode, x, g, out, ref, out_bytes, false);
+    const size_t words = (size_t)rows * (k / 256 * 210) / 16;
+    float us = time_us(200, [&](int i) { kstream<<<132 * 16, 256>>>(reinterpret_cast<const uint4*>(ws[i % ws.size()].p), words, (uint32_t*)out); });
+    printf("Q6_K %-16s read only: %8.2f us  %7.1f GB/s\n", shape, us, words * 16.0 / us / 1e3);
+    mma6_variant<R, 4, NORM>(shape, ws, rows, k, mode, x, g, out, ref, out_bytes);
+    mma6_variant<R, 8, NORM>(shape, ws, rows, k, mode, x, g, out, ref, out_bytes);
     for (auto& w : ws) CK(cudaFree(w.p));
     CK(cudaFree(out)); CK(cudaFree(ref));
 }
@@ -204,11 +281,20 @@ int main(int argc, char** argv) {
     cudaDeviceProp p; CK(cudaGetDeviceProperties(&p, 0)); printf("%s\n", p.name);
     std::string only = argc > 1 ? argv[1] : "";
     if (only == "mma") {
-        mma_runs<1>("qkv", 6144, 4096, QGEMV_STORE_BF16);
-        mma_runs<1>("o_residual", 4096, 4096, QGEMV_ADD_RESIDUAL);
-        mma_runs<2>("gate_up_swiglu", 28672, 4096, QGEMV_STORE_BF16);
-        mma_runs<1>("down_residual", 4096, 14336, QGEMV_ADD_RESIDUAL);
-        mma_runs<1>("lm_head_f32", 49152, 4096, QGEMV_STORE_F32);
+        mma_runs<1, true>("qkv", 6144, 4096, QGEMV_STORE_BF16);
+        mma_runs<1, false>("o_residual", 4096, 4096, QGEMV_ADD_RESIDUAL);
+        mma_runs<2, true>("gate_up_swiglu", 28672, 4096, QGEMV_STORE_BF16);
+        mma_runs<1, false>("down_residual", 4096, 14336, QGEMV_ADD_RESIDUAL);
+        mma_runs<1, true>("lm_head_f32", 49152, 4096, QGEMV_STORE_F32);
+        return 0;
+    }
+    if (only == "mma6") {
+        mma6_runs<1, true>("v_norm", 1024, 4096, QGEMV_STORE_BF16);
+        mma6_runs<1, true>("qkv_norm", 6144, 4096, QGEMV_STORE_BF16);
+        mma6_runs<1, false>("o_residual", 4096, 4096, QGEMV_ADD_RESIDUAL);
+        mma6_runs<2, true>("gate_up_swiglu", 28672, 4096, QGEMV_STORE_BF16);
+        mma6_runs<1, false>("down_residual", 4096, 14336, QGEMV_ADD_RESIDUAL);
+        mma6_runs<1, false>("lm_head_f32", 49152, 4096, QGEMV_STORE_F32);
         return 0;
     }
     if (only.empty() || only == "Q4_K") all_shapes<Q4_K>("Q4_K");

@@ -1099,8 +1099,8 @@ impl Backend for CudaBackend {
                     GemvOut::Bf16(&mut out.data),
                 );
             }
-            // (Tensor-core products take x normalized by the unfused path below.)
-            None if x.rows <= QGEMV_MAX_TOKENS && !w.takes_normalized_x(x.rows) => {
+            // (Some tensor-core products take x normalized by the unfused path below.)
+            None if x.rows <= QGEMV_MAX_TOKENS && !w.takes_normalized_x(&self.dev, x.rows) => {
                 return self.quant_product(x, w, Some(norm), ProductOut::Bf16(&mut out.data));
             }
             _ => {}
@@ -1128,7 +1128,7 @@ impl Backend for CudaBackend {
                 let shape = (w_gate_up.rows, w_gate_up.cols);
                 return self.gemv(x, data, shape, Some(norm), GemvOut::SwiGlu(&mut out.data));
             }
-            None if w_gate_up.takes_normalized_x(x.rows) => {
+            None if w_gate_up.takes_normalized_x(&self.dev, x.rows) => {
                 self.rms_norm(x, weight, eps, normed)?;
                 let fused = crate::matrix::swiglu_product(
                     &self.dev,

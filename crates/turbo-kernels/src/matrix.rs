@@ -57,11 +57,14 @@ impl CudaMatrix {
     }
 
     /// Whether a `tokens`-token product with this matrix takes x already normalized: some band
-    /// runs on tensor cores ([`ops::quant::takes_normalized_x`]), which apply no norm.
-    pub fn takes_normalized_x(&self, tokens: usize) -> bool {
-        self.block_types()
-            .into_iter()
-            .any(|t| ops::quant::takes_normalized_x(t, tokens))
+    /// runs on tensor cores without applying the norm itself ([`ops::quant::takes_normalized_x`]).
+    pub fn takes_normalized_x(&self, dev: &CudaDevice, tokens: usize) -> bool {
+        match &self.store {
+            MatrixStore::Bf16(_) => false,
+            MatrixStore::Blocks(bands) => bands
+                .iter()
+                .any(|b| ops::quant::takes_normalized_x(dev, b.dtype, (b.rows, self.cols), tokens)),
+        }
     }
 
     /// The block types of the matrix's bands (empty for bf16).

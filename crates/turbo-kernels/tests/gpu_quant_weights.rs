@@ -96,23 +96,63 @@ fn reference(w: &[f32], x: &[f64], tokens: usize, rows: usize, k: usize) -> (Vec
     (out, mag)
 }
 
+/// x's RMSNorm times g per token, in f64.
+fn normalized(x: &[f64], g: &[bf16], tokens: usize, cols: usize, eps: f64) -> Vec<f64> {
+    let mut xn = x.to_vec();
+    for row in xn.chunks_mut(cols).take(tokens) {
+        let ms = row.iter().map(|v| v * v).sum::<f64>() / cols as f64;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for (v, gv) in row.iter_mut().zip(g) {
+            *v *= gv.to_f64() * inv;
+        }
+    }
+    xn
+}
+
+/// Rounds the normalized x to bf16 in place, as tensor-core products store it, and returns per
+/// (token, row) the most that values lying near a rounding tie can move the product: the kernel
+/// computes them in f32 (its sum of squares in another order, rsqrtf), within a relative 2⁻¹⁸ of
+/// the f64 value, so a value whose bf16 rounding changes within that distance may take either.
+fn rounding_ties(w: &[f32], xn: &mut [f64], tokens: usize, rows: usize, k: usize) -> Vec<f64> {
+    let mut out = vec![0.0; tokens * rows];
+    let near = 2f64.powi(-18);
+    for t in 0..tokens {
+        for i in 0..k {
+            let v = xn[t * k + i];
+            let lo = bf16::from_f64(v * (1.0 - near)).to_f64();
+            let hi = bf16::from_f64(v * (1.0 + near)).to_f64();
+            xn[t * k + i] = bf16::from_f64(v).to_f64();
+            if lo != hi {
+                for r in 0..rows {
+                    out[t * rows + r] += (w[r * k + i] as f64).abs() * (hi - lo).abs();
+                }
+            }
+        }
+    }
+    out
+}
+
 /// The extra accumulation error of types whose 4- and 5-bit codes the products sum as
 /// `(1 + c/128)·x` (kernels/quant.cu's `code_unit`): those terms are `|x|` in size, not `|c·x|`,
 /// so a sub-block's f32 sum errs by up to `2⁻²⁴·32` of `128·|scale|·(1.25 + 1 + offset/128)·Σ|x|`.
 /// A row's scales are at most its value range / 15 (random codes reach 0 and 15 in every
-/// sub-block), which bounds it by `2⁻²⁴·32·128·2.4/15·range·Σ|x| < 4e-5·range·Σ|x|`.
+/// sub-block), which bounds it by `2⁻²⁴·32·128·2.4/15·range·Σ|x| < 4e-5·range·Σ|x|`. Products on
+/// tensor cores (`mma`) sum `(128 + c)·x` and take 128 + offset times Σx off: for Q6_K's codes
+/// (< 64, scales at most range / 63) `2⁻²⁴·32·191/63·range·Σ|x| < 6e-6·range·Σ|x|`, within the
+/// same bound.
 fn unit_code_bound(
-    dtype: DType,
+    (dtype, mma): (DType, bool),
     w: &[f32],
     x: &[f64],
     tokens: usize,
     rows: usize,
     k: usize,
 ) -> Vec<f64> {
-    let unit = matches!(
-        dtype,
-        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K
-    );
+    let unit = mma
+        || matches!(
+            dtype,
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K
+        );
     let mut out = vec![0.0; tokens * rows];
     if !unit {
         return out;
@@ -185,7 +225,8 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
             let g_dev = dev.stream.clone_htod(&g).unwrap();
             let xf = to_f64(&x);
             let (want, mag) = reference(&wf, &xf, tokens, rows, cols);
-            let unit = unit_code_bound(dtype, &wf, &xf, tokens, rows, cols);
+            let mma = quant::on_tensor_cores(dev, dtype, rows, tokens);
+            let unit = unit_code_bound((dtype, mma), &wf, &xf, tokens, rows, cols);
 
             // f32 out: only the f32 accumulation's rounding.
             let ld = rows + 3;
@@ -232,17 +273,19 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
                 );
             }
 
-            // With the RMSNorm first (the normalized x is not rounded to bf16). Products on
-            // tensor cores refuse a norm: they take x normalized by the unfused kernel, rounded
-            // to bf16, and the reference is then taken from those values.
+            // With the RMSNorm first. CUDA-core products keep the normalized x in f32; tensor-core
+            // products round it to bf16, and those that do not apply a norm themselves refuse
+            // one: they take x normalized by the unfused kernel, and the reference is then taken
+            // from those values.
             let eps = 1e-5;
             let norm = GemvNorm {
                 weight: &g_dev,
                 eps,
             };
-            let mma = quant::takes_normalized_x(dtype, tokens);
+            let unfused = quant::takes_normalized_x(dev, dtype, (rows, cols), tokens);
             let mut xn_dev = dev.stream.alloc_zeros::<bf16>(tokens * cols).unwrap();
-            let xn = if mma {
+            let mut ties = vec![0.0; tokens * rows];
+            let xn = if unfused {
                 let mut unused = dev.stream.alloc_zeros::<bf16>(rows).unwrap();
                 let mut view = unused.slice_mut(0..);
                 let refused = quant::qgemv(
@@ -254,7 +297,7 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
                     QuantOut::Bf16(&mut view),
                     rows,
                 );
-                assert!(refused.is_err(), "{dtype}: a norm on tensor cores");
+                assert!(refused.is_err(), "{dtype}: a norm it does not apply");
                 turbo_kernels::ops::norm::rms_norm(
                     dev,
                     &x_dev,
@@ -267,23 +310,18 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
                 .unwrap();
                 to_f64(&dev.stream.clone_dtoh(&xn_dev).unwrap())
             } else {
-                let mut xn = xf.clone();
-                for t in 0..tokens {
-                    let row = &mut xn[t * cols..(t + 1) * cols];
-                    let ms = row.iter().map(|v| v * v).sum::<f64>() / cols as f64;
-                    let inv = 1.0 / (ms + eps as f64).sqrt();
-                    for (v, gv) in row.iter_mut().zip(&g) {
-                        *v *= gv.to_f64() * inv;
-                    }
+                let mut xn = normalized(&xf, &g, tokens, cols, eps as f64);
+                if mma {
+                    ties = rounding_ties(&wf, &mut xn, tokens, rows, cols);
                 }
                 xn
             };
-            let (x_in, norm_in) = match mma {
+            let (x_in, norm_in) = match unfused {
                 true => (&xn_dev, None),
                 false => (&x_dev, Some(norm)),
             };
             let (want_n, mag_n) = reference(&wf, &xn, tokens, rows, cols);
-            let unit_n = unit_code_bound(dtype, &wf, &xn, tokens, rows, cols);
+            let unit_n = unit_code_bound((dtype, mma), &wf, &xn, tokens, rows, cols);
             let mut out = dev.stream.alloc_zeros::<bf16>(tokens * rows).unwrap();
             let mut view = out.slice_mut(0..);
             quant::qgemv(
@@ -298,7 +336,7 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
             .unwrap();
             let got = dev.stream.clone_dtoh(&out).unwrap();
             for i in 0..tokens * rows {
-                let tol = 1e-5 * mag_n[i] + unit_n[i] + want_n[i].abs() * 2f64.powi(-8);
+                let tol = 1e-5 * mag_n[i] + unit_n[i] + ties[i] + want_n[i].abs() * 2f64.powi(-8);
                 assert!(
                     (got[i].to_f64() - want_n[i]).abs() <= tol,
                     "{dtype} tokens {tokens}: normed {i} = {}, f64 {}",
@@ -332,8 +370,8 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
                     let w = gate / (1.0 + (-gate).exp()) * up;
                     // A bf16 rounding of gate, of up and of the result, plus accumulation.
                     let (gi, ui) = (t * rows + u, t * rows + units + u);
-                    let scale = (gate.abs() + mag_n[gi] * 1e-5 + unit_n[gi])
-                        * (up.abs() + mag_n[ui] * 1e-5 + unit_n[ui]);
+                    let scale = (gate.abs() + mag_n[gi] * 1e-5 + unit_n[gi] + ties[gi])
+                        * (up.abs() + mag_n[ui] * 1e-5 + unit_n[ui] + ties[ui]);
                     let tol = 4.0 * 2f64.powi(-8) * scale + 1e-6;
                     let g = got[t * units + u].to_f64();
                     assert!(
@@ -342,6 +380,73 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
                     );
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn tensor_core_products_that_do_not_normalize_take_normalized_x() {
+    let Some(gpu) = gpu() else { return };
+    let dev = gpu.device();
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    // Rows wider than the kernels normalize in shared memory, and a product of so many 16-row
+    // blocks that each repeating the norm would cost more than a separate launch.
+    let many = 16 * 4 * dev.sm_count() + 8;
+    for (dtype, rows, cols) in [
+        (DType::Q4_K, 24, 8448),
+        (DType::Q6_K, 24, 8448),
+        (DType::Q4_K, many, 256),
+    ] {
+        assert!(quant::takes_normalized_x(dev, dtype, (rows, cols), 1));
+        let w = random_matrix(dtype, rows, cols, &mut rng);
+        let wf = w.to_f32();
+        let bytes = upload_rows(dev, &w);
+        let q = QuantRows {
+            dtype,
+            bytes: &bytes,
+            rows,
+            cols,
+        };
+        let x = bf16_values(&mut rng, cols);
+        let g = bf16_values(&mut rng, cols);
+        let x_dev = dev.stream.clone_htod(&x).unwrap();
+        let g_dev = dev.stream.clone_htod(&g).unwrap();
+        let mut out = dev.stream.alloc_zeros::<bf16>(rows).unwrap();
+        let norm = GemvNorm {
+            weight: &g_dev,
+            eps: 1e-5,
+        };
+        let mut view = out.slice_mut(0..);
+        let refused = quant::qgemv(
+            dev,
+            &x_dev,
+            1,
+            &q,
+            Some(norm),
+            QuantOut::Bf16(&mut view),
+            rows,
+        );
+        let message = refused
+            .expect_err("a norm the product does not apply")
+            .to_string();
+        assert!(message.contains("takes normalized x"), "{message}");
+        let mut xn_dev = dev.stream.alloc_zeros::<bf16>(cols).unwrap();
+        turbo_kernels::ops::norm::rms_norm(dev, &x_dev, &g_dev, 1, cols, 1e-5, &mut xn_dev)
+            .unwrap();
+        let mut view = out.slice_mut(0..);
+        quant::qgemv(dev, &xn_dev, 1, &q, None, QuantOut::Bf16(&mut view), rows).unwrap();
+        let got = dev.stream.clone_dtoh(&out).unwrap();
+        let xn = to_f64(&dev.stream.clone_dtoh(&xn_dev).unwrap());
+        let (want, mag) = reference(&wf, &xn, 1, rows, cols);
+        let unit = unit_code_bound((dtype, true), &wf, &xn, 1, rows, cols);
+        for r in 0..rows {
+            let tol = 1e-5 * mag[r] + unit[r] + want[r].abs() * 2f64.powi(-8);
+            let g = got[r].to_f64();
+            assert!(
+                (g - want[r]).abs() <= tol,
+                "{dtype} {rows}x{cols}: out[{r}] = {g}, f64 {} (tolerance {tol})",
+                want[r]
+            );
         }
     }
 }

@@ -35,11 +35,46 @@ fn x_tile_bytes(m: usize, cols: usize) -> usize {
     (m * stride / 4 + m * stride / 32 + 1) * 16
 }
 
-/// Whether a `tokens`-token product over `dtype` blocks runs on tensor cores. Those products take
-/// x as it is: a caller with a norm normalizes x first ([`qgemv`] refuses a norm for them), and
-/// a SwiGLU product of one token may then come without one.
-pub fn takes_normalized_x(dtype: DType, tokens: usize) -> bool {
-    tokens == 1 && names(dtype).is_some_and(|n| n.mma1.is_some())
+/// Whether a `tokens`-token product over `rows` rows of `dtype` blocks runs on tensor cores
+/// (`qmma1_*`), which round the normalized x to bf16 where they apply a norm.
+pub fn on_tensor_cores(dev: &CudaDevice, dtype: DType, rows: usize, tokens: usize) -> bool {
+    let Some(mma1) = names(dtype).and_then(|n| n.mma1.as_ref()) else {
+        return false;
+    };
+    tokens == 1 && (!mma1.few_blocks_only || few_mma1_blocks(dev, rows))
+}
+
+/// Tensor-core products of fewer blocks (16-row tiles, or 8 SwiGLU units) than this many per SM
+/// count as few: they apply the norm themselves (more blocks would each repeat it), and Q6_K's
+/// run on tensor cores only then. Measured on an H200 (8B shapes, Q4_K): QKV (384 blocks) 11.7
+/// µs with the norm kernel launched first, 10.5 fused; gate/up (1,792) 28.8 and 29.2; the
+/// 49,152-row LM head (3,072) 41.0 and 44.5.
+const MMA1_FEW_BLOCKS_BELOW: usize = 4;
+
+fn few_mma1_blocks(dev: &CudaDevice, rows: usize) -> bool {
+    rows.div_ceil(16) < MMA1_FEW_BLOCKS_BELOW * dev.sm_count()
+}
+
+/// The widest rows whose tensor-core products apply the RMSNorm themselves (`MMA1_NORM_MAX_K` in
+/// kernels/quant.cu: x is normalized into shared memory).
+const MMA1_NORM_MAX_COLS: usize = 8192;
+
+/// Whether a `tokens`-token product over `rows` rows of `cols` values of `dtype` blocks takes x
+/// already normalized: it runs on tensor cores and does not apply a norm itself (too many
+/// blocks, or rows wider than its shared memory holds), so a caller with a norm normalizes x
+/// first ([`qgemv`] refuses a norm for it), and a SwiGLU product may then come without one.
+pub fn takes_normalized_x(
+    dev: &CudaDevice,
+    dtype: DType,
+    (rows, cols): (usize, usize),
+    tokens: usize,
+) -> bool {
+    on_tensor_cores(dev, dtype, rows, tokens) && !mma1_fuses_norm(dev, rows, cols)
+}
+
+/// Whether a tensor-core product over `rows` rows of `cols` values applies a norm itself.
+fn mma1_fuses_norm(dev: &CudaDevice, rows: usize, cols: usize) -> bool {
+    cols <= MMA1_NORM_MAX_COLS && few_mma1_blocks(dev, rows)
 }
 
 /// Whether the GPU keeps weights of `dtype` as blocks and decodes them in its kernels.
@@ -116,7 +151,8 @@ pub fn qgemv(
     let (names, row_bytes) = w.check("qgemv")?;
     let swiglu = matches!(out, QuantOut::SwiGlu(_));
     // (K-quant rows are whole super-blocks of 256: `check` saw whole blocks.)
-    let mma = takes_normalized_x(w.dtype, tokens);
+    let mma = on_tensor_cores(dev, w.dtype, w.rows, tokens);
+    let norm_ok = !mma || mma1_fuses_norm(dev, w.rows, w.cols);
     let units = if swiglu { w.rows / 2 } else { w.rows };
     let out_len = match &out {
         QuantOut::Bf16(o) | QuantOut::AddTo(o) | QuantOut::SwiGlu(o) => o.len(),
@@ -128,7 +164,7 @@ pub fn qgemv(
             && ld >= units
             && ld <= i32::MAX as usize
             && (!swiglu || (w.rows.is_multiple_of(2) && (norm.is_some() || mma)))
-            && (!mma || norm.is_none())
+            && (norm_ok || norm.is_none())
             && x.len() >= tokens * w.cols
             && out_len >= (tokens - 1) * ld + units
             && norm.as_ref().is_none_or(|n| n.weight.len() >= w.cols),
@@ -139,9 +175,9 @@ pub fn qgemv(
                 x.len(),
                 w.rows,
                 w.cols,
-                match mma {
-                    true => format!("; one-token {} products take normalized x", w.dtype),
-                    false => String::new(),
+                match norm_ok {
+                    false => format!("; this one-token {} product takes normalized x", w.dtype),
+                    true => String::new(),
                 }
             )
         },
@@ -160,14 +196,13 @@ pub fn qgemv(
         QuantOut::Bf16(o) | QuantOut::AddTo(o) | QuantOut::SwiGlu(o) => Dst::Bf16(o.slice_mut(..)),
         QuantOut::F32(o) => Dst::F32(o.slice_mut(..)),
     };
-    if let (true, Some(mma1)) = (mma, names.mma1) {
+    if let (true, Some(mma1)) = (mma, names.mma1.as_ref()) {
         let shape = (units, swiglu);
         return mma1_launch(
             dev,
             (names.module, mma1),
-            w,
-            row_bytes,
-            x,
+            (w, row_bytes),
+            (x, norm),
             shape,
             (mode, dst),
         );
@@ -308,31 +343,31 @@ impl Product<'_> {
     }
 }
 
-/// Tensor-core one-token products use blocks of 4 warps from this many blocks per SM, else 8:
-/// measured on an H200, 8 warps were faster for 256-384 blocks (O, QKV and down of the 8B shape),
-/// 4 for 1,792-3,072 (gate/up and the LM head).
-const MMA1_FEW_WARPS_FROM: usize = 4;
-
-/// A one-token product on tensor cores (`qmma1_*`, from `(module, names)`): a block per 16 rows
-/// (8 SwiGLU units), `units` outputs, written to `dst` in qgemv's output `mode`.
+/// A one-token product on tensor cores (`qmma1_*`, from `(module, mma1)`), with `norm` applied to
+/// x first when given: a block per 16 rows (8 SwiGLU units), `units` outputs, written to `dst` in
+/// qgemv's output `mode`.
 fn mma1_launch(
     dev: &CudaDevice,
-    (module, names): (&'static str, [[&'static str; 2]; 2]),
-    w: &QuantRows,
-    row_bytes: usize,
-    x: &CudaSlice<bf16>,
+    (module, mma1): (&'static str, &Mma1Kernels),
+    (w, row_bytes): (&QuantRows, usize),
+    (x, norm): (&CudaSlice<bf16>, Option<GemvNorm>),
     (units, swiglu): (usize, bool),
     (mode, mut dst): (i32, Dst<'_>),
 ) -> Result<()> {
     let blocks = units.div_ceil(if swiglu { 8 } else { 16 });
-    let few = blocks >= MMA1_FEW_WARPS_FROM * dev.sm_count();
-    let warps: u32 = if few { 4 } else { 8 };
-    let f = dev.function(module, names[swiglu as usize][few as usize])?;
+    let f = dev.function(module, mma1.names[norm.is_some() as usize][swiglu as usize])?;
     let (row_bytes_i, units_i, k_i) = (row_bytes as i64, units as i32, w.cols as i32);
+    let eps = norm.as_ref().map_or(0.0, |n| n.eps);
     let mut b = dev.stream.launch_builder(&f);
     b.arg(w.bytes);
     b.arg(&row_bytes_i);
     b.arg(x);
+    // Without a norm the kernel never reads g: x stands in for it.
+    match &norm {
+        Some(n) => b.arg(n.weight),
+        None => b.arg(x),
+    };
+    b.arg(&eps);
     match &mut dst {
         Dst::Bf16(o) => b.arg(o),
         Dst::F32(o) => b.arg(o),
@@ -342,12 +377,13 @@ fn mma1_launch(
     b.arg(&mode);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
-        block_dim: (warps * 32, 1, 1),
+        block_dim: (mma1.warps * 32, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: the arguments match the kernel's signature; `qgemv` checked the sizes (one token:
-    // x holds `cols` values, the output `units`), rows are whole super-blocks, the buffer holds
-    // its padding, and device allocations keep x's 16-byte loads aligned.
+    // x and the norm's weights hold `cols` values, at most MMA1_NORM_MAX_COLS with a norm; the
+    // output `units`), rows are whole super-blocks, the buffer holds its padding, and device
+    // allocations keep x's and g's 16-byte loads aligned.
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
@@ -529,9 +565,19 @@ struct KernelNames {
     gemv_loop: [&'static str; 2],
     dequant: &'static str,
     embed: &'static str,
-    /// One-token products on tensor cores, `[plain, SwiGLU][8, 4 warps a block]`, for the types
-    /// that have them (`qmma1_*` in kernels/quant.cu).
-    mma1: Option<[[&'static str; 2]; 2]>,
+    /// One-token products on tensor cores, for the types that have them.
+    mma1: Option<Mma1Kernels>,
+}
+
+/// A type's one-token tensor-core products (`qmma1_*` in kernels/quant.cu).
+struct Mma1Kernels {
+    /// `[without, with the norm][plain, SwiGLU]`.
+    names: [[&'static str; 2]; 2],
+    /// Warps of a block (`QMMA1_<type>_WARPS`).
+    warps: u32,
+    /// Taken only for products of few blocks ([`MMA1_FEW_BLOCKS_BELOW`]): with more, the CUDA-core
+    /// product is as fast.
+    few_blocks_only: bool,
 }
 
 macro_rules! kernel_names {
@@ -580,13 +626,28 @@ static Q8_0: KernelNames = kernel_names!("quant_q8_0", "Q8_0");
 static Q4_K: KernelNames = kernel_names!(
     "quant_q4_k",
     "Q4_K",
-    Some([
-        ["qmma1_Q4_K_w8", "qmma1_Q4_K_w4"],
-        ["qmma1_swiglu_Q4_K_w8", "qmma1_swiglu_Q4_K_w4"]
-    ])
+    Some(Mma1Kernels {
+        names: [
+            ["qmma1_Q4_K", "qmma1_swiglu_Q4_K"],
+            ["qmma1_norm_Q4_K", "qmma1_norm_swiglu_Q4_K"]
+        ],
+        warps: 4,
+        few_blocks_only: false,
+    })
 );
 static Q5_K: KernelNames = kernel_names!("quant_q5_k", "Q5_K");
-static Q6_K: KernelNames = kernel_names!("quant_q6_k", "Q6_K");
+static Q6_K: KernelNames = kernel_names!(
+    "quant_q6_k",
+    "Q6_K",
+    Some(Mma1Kernels {
+        names: [
+            ["qmma1_Q6_K", "qmma1_swiglu_Q6_K"],
+            ["qmma1_norm_Q6_K", "qmma1_norm_swiglu_Q6_K"]
+        ],
+        warps: 8,
+        few_blocks_only: true,
+    })
+);
 
 fn names(dtype: DType) -> Option<&'static KernelNames> {
     Some(match dtype {
