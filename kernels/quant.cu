@@ -643,40 +643,96 @@ __device__ __forceinline__ void q4k_mma_superblock(const Mma1Lane& l, const uint
     acc_b = fmaf(-dmb.y, nb, fmaf(dmb.x, cb, acc_b));
 }
 
-// The block's sums of rows a and b (each warp's part of the super-blocks) added and stored as
-// qgemv's mode says (R == 2: SwiGLU of gate row a and up row b).
-template <int R, int W>
-__device__ __forceinline__ void qmma1_store(float (&part)[W][16], float acc_a, float acc_b, int unit0, int units,
-                                            void* out, int mode) {
+// The block's sums of rows a and b for each of M tokens (each warp's part of the super-blocks)
+// added and stored as qgemv's mode says (R == 2: SwiGLU of gate row a and up row b), token m's at
+// out + m · ld, for the first `tokens`.
+template <int R, int W, int M>
+__device__ __forceinline__ void qmma1_store(float (&part)[W][M][16], float (&acc_a)[M], float (&acc_b)[M],
+                                            int unit0, int units, void* out, int tokens, int ld, int mode) {
     constexpr int UNITS = R == 2 ? 8 : 16;
     const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
-    acc_a += __shfl_xor_sync(0xFFFFFFFFu, acc_a, 1);
-    acc_a += __shfl_xor_sync(0xFFFFFFFFu, acc_a, 2);
-    acc_b += __shfl_xor_sync(0xFFFFFFFFu, acc_b, 1);
-    acc_b += __shfl_xor_sync(0xFFFFFFFFu, acc_b, 2);
-    if (lane % 4 == 0) {
-        part[warp][lane / 4] = acc_a;
-        part[warp][lane / 4 + 8] = acc_b;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        acc_a[m] += __shfl_xor_sync(0xFFFFFFFFu, acc_a[m], 1);
+        acc_a[m] += __shfl_xor_sync(0xFFFFFFFFu, acc_a[m], 2);
+        acc_b[m] += __shfl_xor_sync(0xFFFFFFFFu, acc_b[m], 1);
+        acc_b[m] += __shfl_xor_sync(0xFFFFFFFFu, acc_b[m], 2);
+        if (lane % 4 == 0) {
+            part[warp][m][lane / 4] = acc_a[m];
+            part[warp][m][lane / 4 + 8] = acc_b[m];
+        }
     }
     __syncthreads();
-    const int i = threadIdx.x;
-    if (i >= UNITS || unit0 + i >= units) return;
+    const int i = threadIdx.x % UNITS, m = threadIdx.x / UNITS;
+    if (m >= M || m >= tokens || unit0 + i >= units) return;
     const int unit = unit0 + i;
+    const size_t at = (size_t)m * (size_t)ld + (size_t)unit;
     float v = 0.f;
 #pragma unroll
-    for (int wi = 0; wi < W; wi++) v += part[wi][i];
+    for (int wi = 0; wi < W; wi++) v += part[wi][m][i];
     if (R == 2) {
         float up = 0.f;
 #pragma unroll
-        for (int wi = 0; wi < W; wi++) up += part[wi][i + 8];
+        for (int wi = 0; wi < W; wi++) up += part[wi][m][i + 8];
         const float gate = round_to_bf16(v);
         up = round_to_bf16(up);
-        static_cast<__nv_bfloat16*>(out)[unit] = __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up);
+        static_cast<__nv_bfloat16*>(out)[at] = __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up);
     } else if (mode == QGEMV_STORE_F32) {
-        static_cast<float*>(out)[unit] = v;
+        static_cast<float*>(out)[at] = v;
     } else {
         __nv_bfloat16* o = static_cast<__nv_bfloat16*>(out);
-        o[unit] = __float2bfloat16_rn(mode == QGEMV_ADD_RESIDUAL ? __bfloat162float(o[unit]) + v : v);
+        o[at] = __float2bfloat16_rn(mode == QGEMV_ADD_RESIDUAL ? __bfloat162float(o[at]) + v : v);
+    }
+}
+
+// As q4k_mma_superblock for M tokens: the codes are decoded once for all of them, and each
+// token's mmas take its x from the warp's slot (token m's 32 words at xs + 32 m, the lane's own
+// words from x_at on), masked as one token's.
+template <int M>
+__device__ __forceinline__ void q4k_mma_superblock_tokens(const Mma1Lane& l, const uint4& ha, const uint4& hb,
+                                                          const uint32_t (&qa)[8], const uint32_t (&qb)[8],
+                                                          const uint4* xs, float (&acc_a)[M], float (&acc_b)[M]) {
+    const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+    float c[M][4], s[M][4];
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) c[m][i] = s[m][i] = 0.f;
+    uint4 xq[M];
+#pragma unroll
+    for (int t = 0; t < 16; t += 2) {
+        if (t % 4 == 0) {
+#pragma unroll
+            for (int m = 0; m < M; m++) xq[m] = xs[32 * m + l.x_at / 8 + t / 4];
+        }
+        const uint32_t la = qa[t / 2] & 0x0F0F0F0Fu, lb = qb[t / 2] & 0x0F0F0F0Fu;
+        const uint32_t ua = (qa[t / 2] >> 4) & 0x0F0F0F0Fu, ub = (qb[t / 2] >> 4) & 0x0F0F0F0Fu;
+        const uint32_t a0[4] = {code_pair(la, l.sel01), code_pair(lb, l.sel01), code_pair(ua, l.sel01),
+                                code_pair(ub, l.sel01)};
+        const uint32_t a1[4] = {code_pair(la, l.sel23), code_pair(lb, l.sel23), code_pair(ua, l.sel23),
+                                code_pair(ub, l.sel23)};
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            const uint32_t x0 = t % 4 == 0 ? xq[m].x : xq[m].z, x1 = t % 4 == 0 ? xq[m].y : xq[m].w;
+            qmma_16816(c[m], a0, x0 & l.mask_a, x0 & l.mask_b);
+            qmma_16816(s[m], ones, x0 & l.mask_a, x0 & l.mask_b);
+            qmma_16816(c[m], a1, x1 & l.mask_a, x1 & l.mask_b);
+            qmma_16816(s[m], ones, x1 & l.mask_a, x1 & l.mask_b);
+        }
+    }
+    float sca[2], ma[2], scb[2], mb[2];
+    q4k_scales2(ha, l.p, sca, ma);
+    q4k_scales2(hb, l.p, scb, mb);
+    const float2 dma = __half22float2(*reinterpret_cast<const __half2*>(&ha.x));
+    const float2 dmb = __half22float2(*reinterpret_cast<const __half2*>(&hb.x));
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        const float ca = fmaf(sca[1], fmaf(-128.f, s[m][1], c[m][1]), sca[0] * fmaf(-128.f, s[m][0], c[m][0]));
+        const float na = fmaf(ma[1], s[m][1], ma[0] * s[m][0]);
+        const float cb = fmaf(scb[1], fmaf(-128.f, s[m][3], c[m][3]), scb[0] * fmaf(-128.f, s[m][2], c[m][2]));
+        const float nb = fmaf(mb[1], s[m][3], mb[0] * s[m][2]);
+        acc_a[m] = fmaf(-dma.y, na, fmaf(dma.x, ca, acc_a[m]));
+        acc_b[m] = fmaf(-dmb.y, nb, fmaf(dmb.x, cb, acc_b[m]));
     }
 }
 
@@ -724,14 +780,16 @@ __device__ __forceinline__ void normalize_to_shared(const __nv_bfloat16* __restr
 // With NORM the block first computes x's RMSNorm times g, as rms_norm_bf16 does (f32, rounded once
 // to bf16), into shared memory while its first weights are in flight, instead of a separate launch
 // writing it to global memory; x is then not copied per super-block.
-template <int R, int W, int S, bool NORM>
+template <int R, int W, int S, bool NORM, int M = 1>
 __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long long row_bytes,
                                           const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
-                                          float eps, void* out, int units, int k, int mode) {
+                                          float eps, void* out, int units, int k, int mode, int tokens = 1,
+                                          int ld = 0) {
+    static_assert(M == 1 || !NORM, "steps of several tokens take normalized x");
     constexpr int UNITS = R == 2 ? 8 : 16, SB_BYTES = 144, SB_WORDS = 9;
-    // A slot: x over the super-block (32 words, without NORM), then the 16 rows' blocks.
-    constexpr int X_WORDS = NORM ? 0 : 32, SLOT_WORDS = X_WORDS + 16 * SB_WORDS;
-    __shared__ float part[W][16];
+    // A slot: x over the super-block (32 words a token, without NORM), then the 16 rows' blocks.
+    constexpr int X_WORDS = NORM ? 0 : 32 * M, SLOT_WORDS = X_WORDS + 16 * SB_WORDS;
+    __shared__ float part[W][M][16];
     __shared__ uint4 stage[W][S][SLOT_WORDS];
     __shared__ uint4 normed[NORM ? MMA1_NORM_MAX_K / 8 : 1];
     const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
@@ -755,7 +813,12 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
     auto issue = [&](int i) {
         const int sb = warp + i * W;
         uint4* slot = stage[warp][i % S];
-        if (!NORM) pf_cp_async16(slot + lane, x + (size_t)sb * 256 + 8 * lane, true);
+        // Tokens past the step's are staged as zeros.
+        if (!NORM)
+#pragma unroll
+            for (int m = 0; m < M; m++)
+                pf_cp_async16(slot + 32 * m + lane, x + (size_t)min(m, tokens - 1) * k + (size_t)sb * 256 + 8 * lane,
+                              m < tokens);
         const uint8_t* wsb = wbase + (size_t)sb * SB_BYTES;
 #pragma unroll
         for (int j = 0; j < 5; j++)
@@ -767,7 +830,9 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
         pf_cp_async_commit();
     }
     if constexpr (NORM) normalize_to_shared(x, g, eps, k, normed);
-    float acc_a = 0.f, acc_b = 0.f;
+    float acc_a[M], acc_b[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) acc_a[m] = acc_b[m] = 0.f;
     uint32_t xw[16];
 #pragma unroll
     for (int i = 0; i < 16; i++) xw[i] = 0u;
@@ -780,23 +845,31 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
         const uint4 ha = row_a[0], hb = row_b[0];
         const uint4 qa0 = row_a[1 + 2 * l.p], qa1 = row_a[2 + 2 * l.p];
         const uint4 qb0 = row_b[1 + 2 * l.p], qb1 = row_b[2 + 2 * l.p];
-        if (l.on_a || l.on_b) {
-            const uint4* xs = (NORM ? normed + (size_t)(warp + i * W) * 32 : slot) + l.x_at / 8;
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const uint4 v = xs[q];
-                xw[4 * q] = v.x, xw[4 * q + 1] = v.y, xw[4 * q + 2] = v.z, xw[4 * q + 3] = v.w;
-            }
-        }
-        __syncwarp();
-        // The slot is read: refill it with the super-block S ahead.
-        if (i + S < mine) issue(i + S);
-        pf_cp_async_commit();
         const uint32_t qa[8] = {qa0.x, qa0.y, qa0.z, qa0.w, qa1.x, qa1.y, qa1.z, qa1.w};
         const uint32_t qb[8] = {qb0.x, qb0.y, qb0.z, qb0.w, qb1.x, qb1.y, qb1.z, qb1.w};
-        q4k_mma_superblock(l, ha, hb, qa, qb, xw, acc_a, acc_b);
+        if constexpr (M == 1) {
+            if (l.on_a || l.on_b) {
+                const uint4* xs = (NORM ? normed + (size_t)(warp + i * W) * 32 : slot) + l.x_at / 8;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const uint4 v = xs[q];
+                    xw[4 * q] = v.x, xw[4 * q + 1] = v.y, xw[4 * q + 2] = v.z, xw[4 * q + 3] = v.w;
+                }
+            }
+            __syncwarp();
+            // The slot is read: refill it with the super-block S ahead.
+            if (i + S < mine) issue(i + S);
+            pf_cp_async_commit();
+            q4k_mma_superblock(l, ha, hb, qa, qb, xw, acc_a[0], acc_b[0]);
+        } else {
+            // Several tokens' x is read from the slot as it is used: refill it afterwards.
+            q4k_mma_superblock_tokens<M>(l, ha, hb, qa, qb, slot, acc_a, acc_b);
+            __syncwarp();
+            if (i + S < mine) issue(i + S);
+            pf_cp_async_commit();
+        }
     }
-    qmma1_store<R, W>(part, acc_a, acc_b, unit0, units, out, mode);
+    qmma1_store<R, W, M>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode);
 }
 
 // -- one-token Q6_K products on tensor cores -----------------------------------------------------
@@ -823,7 +896,7 @@ __device__ __forceinline__ void qmma1_q6k(const uint8_t* __restrict__ w, long lo
                                           const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
                                           float eps, void* out, int units, int k, int mode) {
     constexpr int UNITS = R == 2 ? 8 : 16, SB_BYTES = 210;
-    __shared__ float part[W][16];
+    __shared__ float part[W][1][16];
     __shared__ uint4 normed[NORM ? MMA1_NORM_MAX_K / 8 : 1];
     const int warp = threadIdx.x / TURBO_WARP;
     const Mma1Lane l;
@@ -913,7 +986,8 @@ __device__ __forceinline__ void qmma1_q6k(const uint8_t* __restrict__ w, long lo
         acc_a = fmaf(da, suma, acc_a);
         acc_b = fmaf(db, sumb, acc_b);
     }
-    qmma1_store<R, W>(part, acc_a, acc_b, unit0, units, out, mode);
+    float sums_a[1] = {acc_a}, sums_b[1] = {acc_b};
+    qmma1_store<R, W, 1>(part, sums_a, sums_b, unit0, units, out, 1, 0, mode);
 }
 
 // Chunk c of a row decoded to bf16, eight values at a time: put(at, word) gets values at .. at + 7
@@ -1067,6 +1141,22 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
     QMMA1_KERNEL(qmma1_norm_##T, W, (F<1, W, __VA_ARGS__ true>))                                              \
     QMMA1_KERNEL(qmma1_norm_swiglu_##T, W, (F<2, W, __VA_ARGS__ true>))
 
+// Q4_K's tensor-core products for steps of up to M tokens (x normalized by the caller): the
+// one-token kernels' layout, each code decoded once for every token.
+#define QMMA_TOKENS_KERNELS(T, M)                                                                             \
+    extern "C" __global__ void __launch_bounds__(QMMA1_Q4K_WARPS * TURBO_WARP)                                \
+        qmma_##T##_m##M(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, void* out, int tokens, \
+                        int units, int k, int ld, int mode) {                                                 \
+        qmma1_q4k<1, QMMA1_Q4K_WARPS, QMMA1_Q4K_SLOTS, false, M>(w, row_bytes, x, nullptr, 0.f, out, units, k, \
+                                                                 mode, tokens, ld);                           \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(QMMA1_Q4K_WARPS * TURBO_WARP)                                \
+        qmma_swiglu_##T##_m##M(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, void* out,      \
+                               int tokens, int units, int k, int ld, int mode) {                              \
+        qmma1_q4k<2, QMMA1_Q4K_WARPS, QMMA1_Q4K_SLOTS, false, M>(w, row_bytes, x, nullptr, 0.f, out, units, k, \
+                                                                 mode, tokens, ld);                           \
+    }
+
 // The indirection expands QUANT_TYPE before it is pasted into the kernels' names.
 #define QUANT_KERNELS_OF(T) QUANT_TYPE_KERNELS(T)
 #define QUANT_PASTE(a, b) a##b
@@ -1078,6 +1168,8 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
 QUANT_KERNELS_OF(QUANT_TYPE)
 #if QUANT_IS_Q4_K(QUANT_TYPE)
 QMMA1_KERNELS(Q4_K, qmma1_q4k, QMMA1_Q4K_WARPS, QMMA1_Q4K_SLOTS, )
+QMMA_TOKENS_KERNELS(Q4_K, 2)
+QMMA_TOKENS_KERNELS(Q4_K, 4)
 #endif
 #if QUANT_IS_Q6_K(QUANT_TYPE)
 QMMA1_KERNELS(Q6_K, qmma1_q6k, QMMA1_Q6K_WARPS, )

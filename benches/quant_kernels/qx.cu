@@ -39,6 +39,11 @@ __global__ void __launch_bounds__(256) kstream(const uint4* w, size_t words, uin
     }
     if (acc == 0x12345678u) out[0] = acc;
 }
+template <int R, int M>
+__global__ void __launch_bounds__(128) kmmat(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x,
+                                             void* out, int tokens, int units, int k, int ld, int mode) {
+    qmma1_q4k<R, 4, 2, false, M>(w, row_bytes, x, nullptr, 0.f, out, units, k, mode, tokens, ld);
+}
 template <int R, int W, bool NORM>
 __global__ void __launch_bounds__(W * 32) kmma6(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x,
                                                  const __nv_bfloat16* g, float eps, void* out, int units, int k,
@@ -247,6 +252,37 @@ void mma6_runs(const char* shape, int rows, int k, int mode) {
     CK(cudaFree(out)); CK(cudaFree(ref));
 }
 
+// Steps of M tokens: qmma_Q4_K_m<M> against qgemv (no norm; ops::quant's form: looping for M > 1).
+template <int R, int M>
+void mmat_runs(const char* shape, int rows, int k, int mode) {
+    if (getenv("QX_SHAPE") && !strstr(shape, getenv("QX_SHAPE"))) return;
+    auto ws = make_weights<Q4_K>(rows, k, 256u << 20);
+    const __nv_bfloat16* x = rand_bf16((size_t)M * k);
+    int units = rows / R;
+    size_t out_bytes = (size_t)M * rows * 4;
+    void *out, *ref; CK(cudaMalloc(&out, out_bytes)); CK(cudaMalloc(&ref, out_bytes));
+    run_variant<Q4_K, M, R, false, WarpUnits<M, R>::value, true>("Q4_K", shape, ws, rows, k, mode, x, x, out, ref, out_bytes, true);
+    long long rb = (long long)k / 256 * 144;
+    auto launch = [&](int i) {
+        kmmat<R, M><<<(units + (R == 2 ? 7 : 15)) / (R == 2 ? 8 : 16), 128>>>(ws[i % ws.size()].p, rb, x, out, M, units, k, units, mode);
+    };
+    CK(cudaMemset(out, 0, out_bytes)); launch(0); CK(cudaDeviceSynchronize()); CK(cudaGetLastError());
+    double err = 0, mag = 0;
+    compare(out, ref, out_bytes, mode, (size_t)M * units, err, mag);
+    float us = time_us(200, launch);
+    printf("Q4_K %-16s m%d mma: %8.2f us  %7.1f GB/s  |diff| %.2e of %.2e\n", shape, M, us, (double)rb * rows / us / 1e3, err, mag);
+    for (auto& w : ws) CK(cudaFree(w.p));
+    CK(cudaFree(out)); CK(cudaFree(ref));
+}
+
+template <int M>
+void mmat_shapes() {
+    mmat_runs<1, M>("qkv", 6144, 4096, QGEMV_STORE_BF16);
+    mmat_runs<1, M>("o_residual", 4096, 4096, QGEMV_ADD_RESIDUAL);
+    mmat_runs<2, M>("gate_up_swiglu", 28672, 4096, QGEMV_STORE_BF16);
+    mmat_runs<1, M>("down_residual", 4096, 14336, QGEMV_ADD_RESIDUAL);
+}
+
 template <class T>
 void dequant_runs(const char* type, int rows, int k) {
     if (getenv("QX_SHAPE")) return;
@@ -286,6 +322,11 @@ int main(int argc, char** argv) {
         mma_runs<2, true>("gate_up_swiglu", 28672, 4096, QGEMV_STORE_BF16);
         mma_runs<1, false>("down_residual", 4096, 14336, QGEMV_ADD_RESIDUAL);
         mma_runs<1, true>("lm_head_f32", 49152, 4096, QGEMV_STORE_F32);
+        return 0;
+    }
+    if (only == "mmat") {
+        mmat_shapes<2>();
+        mmat_shapes<4>();
         return 0;
     }
     if (only == "mma6") {

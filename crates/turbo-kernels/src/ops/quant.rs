@@ -36,12 +36,15 @@ fn x_tile_bytes(m: usize, cols: usize) -> usize {
 }
 
 /// Whether a `tokens`-token product over `rows` rows of `dtype` blocks runs on tensor cores
-/// (`qmma1_*`), which round the normalized x to bf16 where they apply a norm.
+/// (`qmma1_*`, `qmma_*`), which round the normalized x to bf16 where they apply a norm.
 pub fn on_tensor_cores(dev: &CudaDevice, dtype: DType, rows: usize, tokens: usize) -> bool {
     let Some(mma1) = names(dtype).and_then(|n| n.mma1.as_ref()) else {
         return false;
     };
-    tokens == 1 && (!mma1.few_blocks_only || few_mma1_blocks(dev, rows))
+    match tokens {
+        1 => !mma1.few_blocks_only || few_mma1_blocks(dev, rows),
+        _ => mma1.tokens.is_some() && tokens <= QGEMV_MAX_TOKENS,
+    }
 }
 
 /// Tensor-core products of fewer blocks (16-row tiles, or 8 SwiGLU units) than this many per SM
@@ -60,16 +63,17 @@ fn few_mma1_blocks(dev: &CudaDevice, rows: usize) -> bool {
 const MMA1_NORM_MAX_COLS: usize = 8192;
 
 /// Whether a `tokens`-token product over `rows` rows of `cols` values of `dtype` blocks takes x
-/// already normalized: it runs on tensor cores and does not apply a norm itself (too many
-/// blocks, or rows wider than its shared memory holds), so a caller with a norm normalizes x
-/// first ([`qgemv`] refuses a norm for it), and a SwiGLU product may then come without one.
+/// already normalized: it runs on tensor cores and does not apply a norm itself (steps of several
+/// tokens, too many blocks, or rows wider than its shared memory holds), so a caller with a norm
+/// normalizes x first ([`qgemv`] refuses a norm for it), and a SwiGLU product may then come
+/// without one.
 pub fn takes_normalized_x(
     dev: &CudaDevice,
     dtype: DType,
     (rows, cols): (usize, usize),
     tokens: usize,
 ) -> bool {
-    on_tensor_cores(dev, dtype, rows, tokens) && !mma1_fuses_norm(dev, rows, cols)
+    on_tensor_cores(dev, dtype, rows, tokens) && (tokens > 1 || !mma1_fuses_norm(dev, rows, cols))
 }
 
 /// Whether a tensor-core product over `rows` rows of `cols` values applies a norm itself.
@@ -152,7 +156,7 @@ pub fn qgemv(
     let swiglu = matches!(out, QuantOut::SwiGlu(_));
     // (K-quant rows are whole super-blocks of 256: `check` saw whole blocks.)
     let mma = on_tensor_cores(dev, w.dtype, w.rows, tokens);
-    let norm_ok = !mma || mma1_fuses_norm(dev, w.rows, w.cols);
+    let norm_ok = !mma || (tokens == 1 && mma1_fuses_norm(dev, w.rows, w.cols));
     let units = if swiglu { w.rows / 2 } else { w.rows };
     let out_len = match &out {
         QuantOut::Bf16(o) | QuantOut::AddTo(o) | QuantOut::SwiGlu(o) => o.len(),
@@ -176,7 +180,7 @@ pub fn qgemv(
                 w.rows,
                 w.cols,
                 match norm_ok {
-                    false => format!("; this one-token {} product takes normalized x", w.dtype),
+                    false => format!("; this {} product takes normalized x", w.dtype),
                     true => String::new(),
                 }
             )
@@ -198,14 +202,31 @@ pub fn qgemv(
     };
     if let (true, Some(mma1)) = (mma, names.mma1.as_ref()) {
         let shape = (units, swiglu);
-        return mma1_launch(
-            dev,
-            (names.module, mma1),
-            (w, row_bytes),
-            (x, norm),
-            shape,
-            (mode, dst),
-        );
+        if let (false, Some(multi)) = (tokens == 1, mma1.tokens) {
+            // Up to MMA_MAX_TOKENS tokens a launch.
+            for first in (0..tokens).step_by(MMA_MAX_TOKENS) {
+                let n = (tokens - first).min(MMA_MAX_TOKENS);
+                mma_tokens_launch(
+                    dev,
+                    (names.module, multi, mma1.warps),
+                    (w, row_bytes),
+                    (&x.slice(first * w.cols..), n),
+                    shape,
+                    (mode, dst.rows_from(first * ld), ld),
+                )?;
+            }
+            return Ok(());
+        }
+        if tokens == 1 {
+            return mma1_launch(
+                dev,
+                (names.module, mma1),
+                (w, row_bytes),
+                (x, norm),
+                shape,
+                (mode, dst),
+            );
+        }
     }
     let product = Product {
         names,
@@ -384,6 +405,55 @@ fn mma1_launch(
     // x and the norm's weights hold `cols` values, at most MMA1_NORM_MAX_COLS with a norm; the
     // output `units`), rows are whole super-blocks, the buffer holds its padding, and device
     // allocations keep x's and g's 16-byte loads aligned.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Tokens of one tensor-core launch for steps of several tokens (`qmma_<type>_m<2|4>`).
+const MMA_MAX_TOKENS: usize = 4;
+
+/// A step of `tokens` (2 to [`MMA_MAX_TOKENS`]) tokens on tensor cores (`qmma_*_m2` or `_m4`; x
+/// normalized by the caller): `units` outputs a token, token t's at `dst` + t · `ld`, in qgemv's
+/// output `mode`.
+fn mma_tokens_launch(
+    dev: &CudaDevice,
+    (module, names, warps): (&'static str, [[&'static str; 2]; 2], u32),
+    (w, row_bytes): (&QuantRows, usize),
+    (x, tokens): (&CudaView<'_, bf16>, usize),
+    (units, swiglu): (usize, bool),
+    (mode, mut dst, ld): (i32, Dst<'_>, usize),
+) -> Result<()> {
+    let blocks = units.div_ceil(if swiglu { 8 } else { 16 });
+    let f = dev.function(module, names[(tokens > 2) as usize][swiglu as usize])?;
+    let (row_bytes_i, tokens_i, units_i, k_i, ld_i) = (
+        row_bytes as i64,
+        tokens as i32,
+        units as i32,
+        w.cols as i32,
+        ld as i32,
+    );
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(w.bytes);
+    b.arg(&row_bytes_i);
+    b.arg(x);
+    match &mut dst {
+        Dst::Bf16(o) => b.arg(o),
+        Dst::F32(o) => b.arg(o),
+    };
+    b.arg(&tokens_i);
+    b.arg(&units_i);
+    b.arg(&k_i);
+    b.arg(&ld_i);
+    b.arg(&mode);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (warps * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; `qgemv` checked the sizes for all its
+    // tokens (this launch's x and outputs start at its first token's rows, and it reads x only
+    // for its `tokens`), rows are whole super-blocks, the buffer holds its padding, and device
+    // allocations and cols % 256 == 0 keep x's 16-byte copies aligned.
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
@@ -578,6 +648,9 @@ struct Mma1Kernels {
     /// Taken only for products of few blocks ([`MMA1_FEW_BLOCKS_BELOW`]): with more, the CUDA-core
     /// product is as fast.
     few_blocks_only: bool,
+    /// Steps of 2 to [`MMA_MAX_TOKENS`] tokens (`qmma_*`), `[2, 4 tokens][plain, SwiGLU]`, for
+    /// the types that have them; the warps as the one-token kernels'.
+    tokens: Option<[[&'static str; 2]; 2]>,
 }
 
 macro_rules! kernel_names {
@@ -633,6 +706,10 @@ static Q4_K: KernelNames = kernel_names!(
         ],
         warps: 4,
         few_blocks_only: false,
+        tokens: Some([
+            ["qmma_Q4_K_m2", "qmma_swiglu_Q4_K_m2"],
+            ["qmma_Q4_K_m4", "qmma_swiglu_Q4_K_m4"]
+        ]),
     })
 );
 static Q5_K: KernelNames = kernel_names!("quant_q5_k", "Q5_K");
@@ -646,6 +723,7 @@ static Q6_K: KernelNames = kernel_names!(
         ],
         warps: 8,
         few_blocks_only: true,
+        tokens: None,
     })
 );
 
