@@ -19,6 +19,10 @@
 //   lanes' chunk strides, x took most of the L1 traffic. 4- and 5-bit codes are decoded as
 //   1 + c / 128 (one permute per value; see code_unit). qgemv_loop_<type>_m1 (and _norm_) are the
 //   one-token products whose blocks loop over groups of rows, staging x once (see qgemv).
+// - qmma1_[norm_][swiglu_]<type> (Q4_K, Q6_K): one-token products on tensor cores (mma.sync, the
+//   sub-blocks of a super-block as the columns of a block-diagonal x; see below), the norm fused
+//   where the caller asks for it; qmma_[swiglu_]<type>_m<2|4>: the same for steps of up to 2 or 4
+//   tokens, x normalized by the caller.
 // - dequant_<type>: rows decoded to bf16 (the feed of the cuBLASLt products for larger steps),
 //   each value computed as GGML's reference dequantiser computes it (quant.rs on the host), then
 //   rounded once to bf16.
@@ -990,6 +994,111 @@ __device__ __forceinline__ void qmma1_q6k(const uint8_t* __restrict__ w, long lo
     qmma1_store<R, W, 1>(part, sums_a, sums_b, unit0, units, out, 1, 0, mode);
 }
 
+// As qmma1_q6k for steps of up to M tokens (x normalized by the caller): each warp copies the M
+// tokens' x over its super-block into shared memory with cp.async (zeros past the step's tokens)
+// while it loads the weights, and decodes each code once for every token; the two accumulator
+// tiles are taken one after the other, so that M tokens' sums fit the registers.
+//
+// Measured on an H200 (`./qx mma6t`, 8B shapes, µs, qgemv's looping form -> 4 warps here), 2 / 4
+// tokens: down + residual 43.3 -> 31.1 / 82.6 -> 36.5, O 13.6 -> 12.0 / 22.1 -> 13.8, gate/up +
+// SwiGLU 55.6 -> 49.0 / 75.1 -> 62.3, the 49152-row LM head 77.0 -> 76.6 / 115.8 -> 100.2, a
+// 1024-row V band 9.7 -> 9.4 / 10.5 -> 10.5.
+template <int R, int W, int M>
+__device__ __forceinline__ void qmma_q6k_tokens(const uint8_t* __restrict__ w, long long row_bytes,
+                                                const __nv_bfloat16* __restrict__ x, void* out, int tokens,
+                                                int units, int k, int ld, int mode) {
+    constexpr int UNITS = R == 2 ? 8 : 16, SB_BYTES = 210;
+    __shared__ float part[W][M][16];
+    __shared__ uint4 xslot[W][32 * M];
+    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
+    const Mma1Lane l;
+    const int half = l.p / 2, quarter_l = 16 * (l.p % 2);
+    const int unit0 = blockIdx.x * UNITS;
+    const int ra = min(unit0 + l.gq, units - 1);
+    const int rb = R == 2 ? ra + units : min(unit0 + l.gq + 8, units - 1);
+    const uint8_t* wa = w + (size_t)ra * (size_t)row_bytes;
+    const uint8_t* wb = w + (size_t)rb * (size_t)row_bytes;
+    const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+    // The lane's x pairs (bf16x2 words) in tile T: quarter 2T (on_a) or 2T + 1 (on_b) of its half.
+    const int x_word = (128 * half + (l.on_b ? 32 : 0) + quarter_l) / 2;
+    float acc_a[M], acc_b[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) acc_a[m] = acc_b[m] = 0.f;
+    for (int sb = warp; sb < k / 256; sb += W) {
+#pragma unroll
+        for (int m = 0; m < M; m++)
+            pf_cp_async16(&xslot[warp][32 * m + lane],
+                          x + (size_t)min(m, tokens - 1) * k + (size_t)sb * 256 + 8 * lane, m < tokens);
+        pf_cp_async_commit();
+        const uint8_t* pa = wa + (size_t)sb * SB_BYTES;
+        const uint8_t* pb = wb + (size_t)sb * SB_BYTES;
+        uint32_t la[4], ua[4], ha[4], lb[4], ub[4], hb[4], sa[2], sbw[2];
+        words_at2<4>(pa + 64 * half + quarter_l, la);
+        words_at2<4>(pa + 64 * half + 32 + quarter_l, ua);
+        words_at2<4>(pa + 128 + 16 * l.p, ha);
+        words_at2<4>(pb + 64 * half + quarter_l, lb);
+        words_at2<4>(pb + 64 * half + 32 + quarter_l, ub);
+        words_at2<4>(pb + 128 + 16 * l.p, hb);
+        words_at2<2>(pa + 192 + 8 * half, sa);
+        words_at2<2>(pb + 192 + 8 * half, sbw);
+        const float da = half_at(pa + 208), db = half_at(pb + 208);
+        pf_cp_async_wait_all();
+        __syncwarp();
+        const uint32_t* xs = reinterpret_cast<const uint32_t*>(xslot[warp]);
+        const unsigned pick = 8u * (unsigned)(l.p % 2);
+#pragma unroll
+        for (int t = 0; t < 2; t++) {
+            float c[M][4], s[M][4];
+#pragma unroll
+            for (int m = 0; m < M; m++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) c[m][e] = s[m][e] = 0.f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                // Codes of quarters 2t and 2t + 1 at l = L + 4i .. L + 4i + 3, one per byte.
+                const uint32_t qa0 = t == 0 ? (la[i] & 0x0F0F0F0Fu) | ((ha[i] << 4) & 0x30303030u)
+                                            : ((la[i] >> 4) & 0x0F0F0F0Fu) | (ha[i] & 0x30303030u);
+                const uint32_t qa1 = t == 0 ? (ua[i] & 0x0F0F0F0Fu) | ((ha[i] << 2) & 0x30303030u)
+                                            : ((ua[i] >> 4) & 0x0F0F0F0Fu) | ((ha[i] >> 2) & 0x30303030u);
+                const uint32_t qb0 = t == 0 ? (lb[i] & 0x0F0F0F0Fu) | ((hb[i] << 4) & 0x30303030u)
+                                            : ((lb[i] >> 4) & 0x0F0F0F0Fu) | (hb[i] & 0x30303030u);
+                const uint32_t qb1 = t == 0 ? (ub[i] & 0x0F0F0F0Fu) | ((hb[i] << 2) & 0x30303030u)
+                                            : ((ub[i] >> 4) & 0x0F0F0F0Fu) | ((hb[i] >> 2) & 0x30303030u);
+                uint2 xv[M];
+#pragma unroll
+                for (int m = 0; m < M; m++)
+                    xv[m] = *reinterpret_cast<const uint2*>(xs + 128 * m + x_word + 32 * t + 2 * i);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const uint32_t sel = h == 0 ? l.sel01 : l.sel23;
+                    const uint32_t a[4] = {code_pair(qa0, sel), code_pair(qb0, sel), code_pair(qa1, sel),
+                                           code_pair(qb1, sel)};
+#pragma unroll
+                    for (int m = 0; m < M; m++) {
+                        const uint32_t xw = h == 0 ? xv[m].x : xv[m].y;
+                        qmma_16816(c[m], a, xw & l.mask_a, xw & l.mask_b);
+                        qmma_16816(s[m], ones, xw & l.mask_a, xw & l.mask_b);
+                    }
+                }
+            }
+            // Quarters 2t + h: scale byte 2(2t + h) + p % 2 of the half's eight (word t).
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const unsigned at = 16u * (unsigned)h + pick;
+                const float sca = da * (float)(int8_t)((sa[t] >> at) & 0xFFu);
+                const float scb = db * (float)(int8_t)((sbw[t] >> at) & 0xFFu);
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    acc_a[m] = fmaf(sca, fmaf(-160.f, s[m][h], c[m][h]), acc_a[m]);
+                    acc_b[m] = fmaf(scb, fmaf(-160.f, s[m][2 + h], c[m][2 + h]), acc_b[m]);
+                }
+            }
+        }
+        __syncwarp();  // x is read before the next super-block's copy
+    }
+    qmma1_store<R, W, M>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode);
+}
+
 // Chunk c of a row decoded to bf16, eight values at a time: put(at, word) gets values at .. at + 7
 // of the row. Each value is computed as GGML's reference computes it: fl(fl(scale * q) + bias), no
 // fused multiply-add, the bias only for types with a minimum.
@@ -1128,6 +1237,9 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
 #define QMMA1_Q4K_WARPS 4
 #define QMMA1_Q4K_SLOTS 2
 #define QMMA1_Q6K_WARPS 8
+// Q6_K steps of 2-4 tokens: 4 warps (with 124-144 registers a thread, 8 warps were slower for 4
+// tokens on every shape, and for 2 tokens over many blocks).
+#define QMMA_Q6K_TOKENS_WARPS 4
 #define QMMA1_KERNEL(NAME, W, CALL)                                                                           \
     extern "C" __global__ void __launch_bounds__(W * TURBO_WARP)                                              \
         NAME(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, const __nv_bfloat16* g, float eps, \
@@ -1141,21 +1253,22 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
     QMMA1_KERNEL(qmma1_norm_##T, W, (F<1, W, __VA_ARGS__ true>))                                              \
     QMMA1_KERNEL(qmma1_norm_swiglu_##T, W, (F<2, W, __VA_ARGS__ true>))
 
-// Q4_K's tensor-core products for steps of up to M tokens (x normalized by the caller): the
-// one-token kernels' layout, each code decoded once for every token.
-#define QMMA_TOKENS_KERNELS(T, M)                                                                             \
-    extern "C" __global__ void __launch_bounds__(QMMA1_Q4K_WARPS * TURBO_WARP)                                \
-        qmma_##T##_m##M(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, void* out, int tokens, \
-                        int units, int k, int ld, int mode) {                                                 \
-        qmma1_q4k<1, QMMA1_Q4K_WARPS, QMMA1_Q4K_SLOTS, false, M>(w, row_bytes, x, nullptr, 0.f, out, units, k, \
-                                                                 mode, tokens, ld);                           \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(QMMA1_Q4K_WARPS * TURBO_WARP)                                \
-        qmma_swiglu_##T##_m##M(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, void* out,      \
-                               int tokens, int units, int k, int ld, int mode) {                              \
-        qmma1_q4k<2, QMMA1_Q4K_WARPS, QMMA1_Q4K_SLOTS, false, M>(w, row_bytes, x, nullptr, 0.f, out, units, k, \
-                                                                 mode, tokens, ld);                           \
+// Tensor-core products for steps of up to M tokens (x normalized by the caller), W warps a block:
+// the one-token kernels' layouts, each code decoded once for every token. F(R, M) names the
+// template instance.
+#define QMMA_TOKENS_KERNEL(NAME, W, CALL)                                                                     \
+    extern "C" __global__ void __launch_bounds__(W * TURBO_WARP)                                              \
+        NAME(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, void* out, int tokens, int units,  \
+             int k, int ld, int mode) {                                                                       \
+        CALL;                                                                                                 \
     }
+#define QMMA_Q4K_TOKENS(R, M)                                                                                 \
+    qmma1_q4k<R, QMMA1_Q4K_WARPS, QMMA1_Q4K_SLOTS, false, M>(w, row_bytes, x, nullptr, 0.f, out, units, k, mode, \
+                                                             tokens, ld)
+#define QMMA_Q6K_TOKENS(R, M) qmma_q6k_tokens<R, QMMA_Q6K_TOKENS_WARPS, M>(w, row_bytes, x, out, tokens, units, k, ld, mode)
+#define QMMA_TOKENS_KERNELS(T, W, F, M)                                                                       \
+    QMMA_TOKENS_KERNEL(qmma_##T##_m##M, W, F(1, M))                                                           \
+    QMMA_TOKENS_KERNEL(qmma_swiglu_##T##_m##M, W, F(2, M))
 
 // The indirection expands QUANT_TYPE before it is pasted into the kernels' names.
 #define QUANT_KERNELS_OF(T) QUANT_TYPE_KERNELS(T)
@@ -1168,10 +1281,12 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
 QUANT_KERNELS_OF(QUANT_TYPE)
 #if QUANT_IS_Q4_K(QUANT_TYPE)
 QMMA1_KERNELS(Q4_K, qmma1_q4k, QMMA1_Q4K_WARPS, QMMA1_Q4K_SLOTS, )
-QMMA_TOKENS_KERNELS(Q4_K, 2)
-QMMA_TOKENS_KERNELS(Q4_K, 4)
+QMMA_TOKENS_KERNELS(Q4_K, QMMA1_Q4K_WARPS, QMMA_Q4K_TOKENS, 2)
+QMMA_TOKENS_KERNELS(Q4_K, QMMA1_Q4K_WARPS, QMMA_Q4K_TOKENS, 4)
 #endif
 #if QUANT_IS_Q6_K(QUANT_TYPE)
 QMMA1_KERNELS(Q6_K, qmma1_q6k, QMMA1_Q6K_WARPS, )
+QMMA_TOKENS_KERNELS(Q6_K, QMMA_Q6K_TOKENS_WARPS, QMMA_Q6K_TOKENS, 2)
+QMMA_TOKENS_KERNELS(Q6_K, QMMA_Q6K_TOKENS_WARPS, QMMA_Q6K_TOKENS, 4)
 #endif
 #endif

@@ -44,6 +44,11 @@ __global__ void __launch_bounds__(128) kmmat(const uint8_t* w, long long row_byt
                                              void* out, int tokens, int units, int k, int ld, int mode) {
     qmma1_q4k<R, 4, 2, false, M>(w, row_bytes, x, nullptr, 0.f, out, units, k, mode, tokens, ld);
 }
+template <int R, int W, int M>
+__global__ void __launch_bounds__(W * 32) kmma6t(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x,
+                                                  void* out, int tokens, int units, int k, int ld, int mode) {
+    qmma_q6k_tokens<R, W, M>(w, row_bytes, x, out, tokens, units, k, ld, mode);
+}
 template <int R, int W, bool NORM>
 __global__ void __launch_bounds__(W * 32) kmma6(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x,
                                                  const __nv_bfloat16* g, float eps, void* out, int units, int k,
@@ -283,6 +288,42 @@ void mmat_shapes() {
     mmat_runs<1, M>("down_residual", 4096, 14336, QGEMV_ADD_RESIDUAL);
 }
 
+// Steps of M tokens on Q6_K: qmma_Q6_K_m<M> with 4 and 8 warps against qgemv (looping form).
+template <int R, int M>
+void mma6t_runs(const char* shape, int rows, int k, int mode) {
+    if (getenv("QX_SHAPE") && !strstr(shape, getenv("QX_SHAPE"))) return;
+    auto ws = make_weights<Q6_K>(rows, k, 256u << 20);
+    const __nv_bfloat16* x = rand_bf16((size_t)M * k);
+    int units = rows / R;
+    size_t out_bytes = (size_t)M * rows * 4;
+    void *out, *ref; CK(cudaMalloc(&out, out_bytes)); CK(cudaMalloc(&ref, out_bytes));
+    run_variant<Q6_K, M, R, false, WarpUnits<M, R>::value, true>("Q6_K", shape, ws, rows, k, mode, x, x, out, ref, out_bytes, true);
+    long long rb = (long long)k / 256 * 210;
+    auto one = [&](auto kern, int wps) {
+        auto launch = [&](int i) {
+            kern<<<(units + (R == 2 ? 7 : 15)) / (R == 2 ? 8 : 16), wps * 32>>>(ws[i % ws.size()].p, rb, x, out, M, units, k, units, mode);
+        };
+        CK(cudaMemset(out, 0, out_bytes)); launch(0); CK(cudaDeviceSynchronize()); CK(cudaGetLastError());
+        double err = 0, mag = 0;
+        compare(out, ref, out_bytes, mode, (size_t)M * units, err, mag);
+        float us = time_us(200, launch);
+        printf("Q6_K %-16s m%d mma w%d: %8.2f us  %7.1f GB/s  |diff| %.2e of %.2e\n", shape, M, wps, us, (double)rb * rows / us / 1e3, err, mag);
+    };
+    one(kmma6t<R, 4, M>, 4);
+    one(kmma6t<R, 8, M>, 8);
+    for (auto& w : ws) CK(cudaFree(w.p));
+    CK(cudaFree(out)); CK(cudaFree(ref));
+}
+
+template <int M>
+void mma6t_shapes() {
+    mma6t_runs<1, M>("v", 1024, 4096, QGEMV_STORE_BF16);
+    mma6t_runs<1, M>("o_residual", 4096, 4096, QGEMV_ADD_RESIDUAL);
+    mma6t_runs<2, M>("gate_up_swiglu", 28672, 4096, QGEMV_STORE_BF16);
+    mma6t_runs<1, M>("down_residual", 4096, 14336, QGEMV_ADD_RESIDUAL);
+    mma6t_runs<1, M>("lm_head_f32", 49152, 4096, QGEMV_STORE_F32);
+}
+
 template <class T>
 void dequant_runs(const char* type, int rows, int k) {
     if (getenv("QX_SHAPE")) return;
@@ -327,6 +368,11 @@ int main(int argc, char** argv) {
     if (only == "mmat") {
         mmat_shapes<2>();
         mmat_shapes<4>();
+        return 0;
+    }
+    if (only == "mma6t") {
+        mma6t_shapes<2>();
+        mma6t_shapes<4>();
         return 0;
     }
     if (only == "mma6") {

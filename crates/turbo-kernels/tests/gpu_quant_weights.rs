@@ -67,6 +67,32 @@ fn upload_rows(dev: &CudaDevice, w: &WeightMatrix) -> cudarc::driver::CudaSlice<
     dev.stream.clone_htod(&host).unwrap()
 }
 
+/// A random `rows` x `cols` matrix of `dtype` blocks: its values in f32 and its padded rows on the
+/// device.
+fn random_rows(
+    dev: &CudaDevice,
+    dtype: DType,
+    (rows, cols): (usize, usize),
+    rng: &mut ChaCha8Rng,
+) -> (Vec<f32>, cudarc::driver::CudaSlice<u8>) {
+    let w = random_matrix(dtype, rows, cols, rng);
+    (w.to_f32(), upload_rows(dev, &w))
+}
+
+/// `bytes` as the device rows of a `rows` x `cols` matrix of `dtype` blocks.
+fn quant_rows(
+    dtype: DType,
+    bytes: &cudarc::driver::CudaSlice<u8>,
+    (rows, cols): (usize, usize),
+) -> QuantRows<'_> {
+    QuantRows {
+        dtype,
+        bytes,
+        rows,
+        cols,
+    }
+}
+
 fn bf16_values(rng: &mut ChaCha8Rng, n: usize) -> Vec<bf16> {
     (0..n)
         .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
@@ -177,19 +203,12 @@ fn decoded_rows_equal_the_reference_dequantizer() {
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     for dtype in TYPES {
         for (rows, cols) in [(7, 256), (33, 768), (5, 4096)] {
-            let w = random_matrix(dtype, rows, cols, &mut rng);
-            let bytes = upload_rows(dev, &w);
-            let q = QuantRows {
-                dtype,
-                bytes: &bytes,
-                rows,
-                cols,
-            };
+            let (want, bytes) = random_rows(dev, dtype, (rows, cols), &mut rng);
+            let q = quant_rows(dtype, &bytes, (rows, cols));
             // Rows 1.. only: the band starts inside the matrix.
             let mut out = dev.stream.alloc_zeros::<bf16>((rows - 1) * cols).unwrap();
             quant::dequant(dev, &q, 1, rows - 1, &mut out).unwrap();
             let got = dev.stream.clone_dtoh(&out).unwrap();
-            let want = w.to_f32();
             for (i, (g, v)) in got.iter().zip(&want[cols..]).enumerate() {
                 assert_eq!(
                     g.to_f32(),
@@ -209,15 +228,8 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
     for dtype in TYPES {
         // Columns past a tile of x at 5-8 tokens (2048 values), with a short last tile.
         let (rows, cols) = (40, if dtype.block_len() == 256 { 2560 } else { 2080 });
-        let w = random_matrix(dtype, rows, cols, &mut rng);
-        let wf = w.to_f32();
-        let bytes = upload_rows(dev, &w);
-        let q = QuantRows {
-            dtype,
-            bytes: &bytes,
-            rows,
-            cols,
-        };
+        let (wf, bytes) = random_rows(dev, dtype, (rows, cols), &mut rng);
+        let q = quant_rows(dtype, &bytes, (rows, cols));
         for tokens in 1..=QGEMV_MAX_TOKENS {
             let x = bf16_values(&mut rng, tokens * cols);
             let g = bf16_values(&mut rng, cols);
@@ -398,15 +410,8 @@ fn tensor_core_products_that_do_not_normalize_take_normalized_x() {
         (DType::Q4_K, many, 256),
     ] {
         assert!(quant::takes_normalized_x(dev, dtype, (rows, cols), 1));
-        let w = random_matrix(dtype, rows, cols, &mut rng);
-        let wf = w.to_f32();
-        let bytes = upload_rows(dev, &w);
-        let q = QuantRows {
-            dtype,
-            bytes: &bytes,
-            rows,
-            cols,
-        };
+        let (wf, bytes) = random_rows(dev, dtype, (rows, cols), &mut rng);
+        let q = quant_rows(dtype, &bytes, (rows, cols));
         let x = bf16_values(&mut rng, cols);
         let g = bf16_values(&mut rng, cols);
         let x_dev = dev.stream.clone_htod(&x).unwrap();
@@ -458,15 +463,8 @@ fn quantized_embedding_rows_are_the_decoded_rows() {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     for dtype in TYPES {
         let (rows, cols) = (50, 512);
-        let w = random_matrix(dtype, rows, cols, &mut rng);
-        let wf = w.to_f32();
-        let bytes = upload_rows(dev, &w);
-        let q = QuantRows {
-            dtype,
-            bytes: &bytes,
-            rows,
-            cols,
-        };
+        let (wf, bytes) = random_rows(dev, dtype, (rows, cols), &mut rng);
+        let q = quant_rows(dtype, &bytes, (rows, cols));
         let ids: Vec<u32> = vec![3, 49, 0, 3, 50, 17];
         let ids_dev = dev.stream.clone_htod(&ids).unwrap();
         let mut out = dev.stream.alloc_zeros::<bf16>(ids.len() * cols).unwrap();

@@ -7,7 +7,9 @@ use super::check;
 use super::gemv::GemvNorm;
 use crate::device::CudaDevice;
 use crate::error::Result;
-use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg,
+};
 use half::bf16;
 use turbo_core::DType;
 
@@ -202,13 +204,13 @@ pub fn qgemv(
     };
     if let (true, Some(mma1)) = (mma, names.mma1.as_ref()) {
         let shape = (units, swiglu);
-        if let (false, Some(multi)) = (tokens == 1, mma1.tokens) {
+        if let (false, Some((multi, warps))) = (tokens == 1, mma1.tokens) {
             // Up to MMA_MAX_TOKENS tokens a launch.
             for first in (0..tokens).step_by(MMA_MAX_TOKENS) {
                 let n = (tokens - first).min(MMA_MAX_TOKENS);
                 mma_tokens_launch(
                     dev,
-                    (names.module, multi, mma1.warps),
+                    (names.module, multi, warps),
                     (w, row_bytes),
                     (&x.slice(first * w.cols..), n),
                     shape,
@@ -263,7 +265,15 @@ enum Dst<'v> {
     F32(CudaViewMut<'v, f32>),
 }
 
-impl Dst<'_> {
+impl<'v> Dst<'v> {
+    /// Passes the outputs as a kernel's next argument.
+    fn push<'a>(&'a mut self, b: &mut LaunchArgs<'a>) {
+        match self {
+            Dst::Bf16(o) => b.arg(o),
+            Dst::F32(o) => b.arg(o),
+        };
+    }
+
     /// The outputs from element `start` on (a later token's row).
     fn rows_from(&mut self, start: usize) -> Dst<'_> {
         match self {
@@ -340,10 +350,7 @@ impl Product<'_> {
         };
         let eps = self.norm.as_ref().map_or(0.0, |n| n.eps);
         b.arg(&eps);
-        match &mut dst {
-            Dst::Bf16(o) => b.arg(o),
-            Dst::F32(o) => b.arg(o),
-        };
+        dst.push(&mut b);
         b.arg(&tokens_i);
         b.arg(&units_i);
         b.arg(&k_i);
@@ -389,10 +396,7 @@ fn mma1_launch(
         None => b.arg(x),
     };
     b.arg(&eps);
-    match &mut dst {
-        Dst::Bf16(o) => b.arg(o),
-        Dst::F32(o) => b.arg(o),
-    };
+    dst.push(&mut b);
     b.arg(&units_i);
     b.arg(&k_i);
     b.arg(&mode);
@@ -436,10 +440,7 @@ fn mma_tokens_launch(
     b.arg(w.bytes);
     b.arg(&row_bytes_i);
     b.arg(x);
-    match &mut dst {
-        Dst::Bf16(o) => b.arg(o),
-        Dst::F32(o) => b.arg(o),
-    };
+    dst.push(&mut b);
     b.arg(&tokens_i);
     b.arg(&units_i);
     b.arg(&k_i);
@@ -648,9 +649,10 @@ struct Mma1Kernels {
     /// Taken only for products of few blocks ([`MMA1_FEW_BLOCKS_BELOW`]): with more, the CUDA-core
     /// product is as fast.
     few_blocks_only: bool,
-    /// Steps of 2 to [`MMA_MAX_TOKENS`] tokens (`qmma_*`), `[2, 4 tokens][plain, SwiGLU]`, for
-    /// the types that have them; the warps as the one-token kernels'.
-    tokens: Option<[[&'static str; 2]; 2]>,
+    /// Steps of 2 to [`MMA_MAX_TOKENS`] tokens (`qmma_*`), `[2, 4 tokens][plain, SwiGLU]`, and
+    /// their warps a block (`QMMA_<type>_TOKENS_WARPS`), for the types that have them; taken
+    /// whatever the number of blocks.
+    tokens: Option<([[&'static str; 2]; 2], u32)>,
 }
 
 macro_rules! kernel_names {
@@ -706,10 +708,13 @@ static Q4_K: KernelNames = kernel_names!(
         ],
         warps: 4,
         few_blocks_only: false,
-        tokens: Some([
-            ["qmma_Q4_K_m2", "qmma_swiglu_Q4_K_m2"],
-            ["qmma_Q4_K_m4", "qmma_swiglu_Q4_K_m4"]
-        ]),
+        tokens: Some((
+            [
+                ["qmma_Q4_K_m2", "qmma_swiglu_Q4_K_m2"],
+                ["qmma_Q4_K_m4", "qmma_swiglu_Q4_K_m4"],
+            ],
+            4,
+        )),
     })
 );
 static Q5_K: KernelNames = kernel_names!("quant_q5_k", "Q5_K");
@@ -723,7 +728,13 @@ static Q6_K: KernelNames = kernel_names!(
         ],
         warps: 8,
         few_blocks_only: true,
-        tokens: None,
+        tokens: Some((
+            [
+                ["qmma_Q6_K_m2", "qmma_swiglu_Q6_K_m2"],
+                ["qmma_Q6_K_m4", "qmma_swiglu_Q6_K_m4"],
+            ],
+            4,
+        )),
     })
 );
 
