@@ -4,6 +4,8 @@
 // them from memory. Each variant's output is compared with the first variant's (max |difference|).
 // Build and run on the GPU machine (docs/perf/h100.md has figures):
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Ikernels benches/quant_kernels/qx.cu -o qx && ./qx [Q4_K|Q6_K|small|Q8_0|Q5_0]
+// The tensor-core products: `./qx mma` (Q4_K, one token, with the read-only floor and the fused
+// norm), `mma6` (Q6_K, one token), `mmat` (Q4_K, 2 and 4 tokens), `mma6t` (Q6_K, 2 and 4 tokens).
 // Environment: QX_ITERS (launches timed, default 200), QX_SHAPE (a shape name's substring), QX_M.
 #include "../../kernels/quant.cu"
 #include "../../kernels/norm.cu"
