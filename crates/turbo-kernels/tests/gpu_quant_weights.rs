@@ -237,7 +237,7 @@ fn decode_products_match_f64_on_every_type_and_token_count() {
             let g_dev = dev.stream.clone_htod(&g).unwrap();
             let xf = to_f64(&x);
             let (want, mag) = reference(&wf, &xf, tokens, rows, cols);
-            let mma = quant::on_tensor_cores(dev, dtype, rows, tokens);
+            let mma = quant::on_tensor_cores(dev, dtype, (rows, cols), tokens);
             let unit = unit_code_bound((dtype, mma), &wf, &xf, tokens, rows, cols);
 
             // f32 out: only the f32 accumulation's rounding.

@@ -37,12 +37,23 @@ fn x_tile_bytes(m: usize, cols: usize) -> usize {
     (m * stride / 4 + m * stride / 32 + 1) * 16
 }
 
-/// Whether a `tokens`-token product over `rows` rows of `dtype` blocks runs on tensor cores
-/// (`qmma1_*`, `qmma_*`), which round the normalized x to bf16 where they apply a norm.
-pub fn on_tensor_cores(dev: &CudaDevice, dtype: DType, rows: usize, tokens: usize) -> bool {
+/// Whether a `tokens`-token product over `rows` rows of `cols` values of `dtype` blocks runs on
+/// tensor cores (`qmma1_*`, `qmma_*`), which round the normalized x to bf16 where they apply a
+/// norm. (Their blocks address rows by 32-bit offsets: a matrix of 4 GiB or more takes the
+/// CUDA-core products.)
+pub fn on_tensor_cores(
+    dev: &CudaDevice,
+    dtype: DType,
+    (rows, cols): (usize, usize),
+    tokens: usize,
+) -> bool {
     let Some(mma1) = names(dtype).and_then(|n| n.mma1.as_ref()) else {
         return false;
     };
+    let bytes = dtype.row_bytes(cols).and_then(|b| b.checked_mul(rows));
+    if bytes.is_none_or(|b| b > u32::MAX as usize) {
+        return false;
+    }
     match tokens {
         1 => !mma1.few_blocks_only || few_mma1_blocks(dev, rows),
         _ => mma1.tokens.is_some() && tokens <= QGEMV_MAX_TOKENS,
@@ -75,7 +86,8 @@ pub fn takes_normalized_x(
     (rows, cols): (usize, usize),
     tokens: usize,
 ) -> bool {
-    on_tensor_cores(dev, dtype, rows, tokens) && (tokens > 1 || !mma1_fuses_norm(dev, rows, cols))
+    on_tensor_cores(dev, dtype, (rows, cols), tokens)
+        && (tokens > 1 || !mma1_fuses_norm(dev, rows, cols))
 }
 
 /// Whether a tensor-core product over `rows` rows of `cols` values applies a norm itself.
@@ -157,7 +169,7 @@ pub fn qgemv(
     let (names, row_bytes) = w.check("qgemv")?;
     let swiglu = matches!(out, QuantOut::SwiGlu(_));
     // (K-quant rows are whole super-blocks of 256: `check` saw whole blocks.)
-    let mma = on_tensor_cores(dev, w.dtype, w.rows, tokens);
+    let mma = on_tensor_cores(dev, w.dtype, (w.rows, w.cols), tokens);
     let norm_ok = !mma || (tokens == 1 && mma1_fuses_norm(dev, w.rows, w.cols));
     let units = if swiglu { w.rows / 2 } else { w.rows };
     let out_len = match &out {
@@ -636,13 +648,14 @@ struct KernelNames {
     gemv_loop: [&'static str; 2],
     dequant: &'static str,
     embed: &'static str,
-    /// One-token products on tensor cores, for the types that have them.
+    /// Products on tensor cores, for the types that have them.
     mma1: Option<Mma1Kernels>,
 }
 
-/// A type's one-token tensor-core products (`qmma1_*` in kernels/quant.cu).
+/// A type's tensor-core products (`qmma1_*` for one token and `qmma_*` for several, in
+/// kernels/quant.cu).
 struct Mma1Kernels {
-    /// `[without, with the norm][plain, SwiGLU]`.
+    /// One token: `[without, with the norm][plain, SwiGLU]`.
     names: [[&'static str; 2]; 2],
     /// Warps of a block (`QMMA1_<type>_WARPS`).
     warps: u32,
