@@ -770,8 +770,9 @@ __device__ __forceinline__ void normalize_to_shared(const __nv_bfloat16* __restr
 }
 
 // Grid: ceil(units / UNITS) blocks of W warps, UNITS = 16 rows (R == 1) or 8 SwiGLU units (R == 2:
-// rows g are gates, rows g + 8 the matching ups, stored as silu(gate) · up). One token; mode as
-// qgemv's; k % 256 == 0; with NORM, k <= MMA1_NORM_MAX_K.
+// rows g are gates, rows g + 8 the matching ups, stored as silu(gate) · up). Up to M tokens
+// (`tokens`, token t's outputs at out + t · ld; one, with NORM); mode as qgemv's; k % 256 == 0;
+// with NORM, k <= MMA1_NORM_MAX_K.
 //
 // Warp w takes super-blocks w, w + W, ... and copies each (its 16 rows' blocks, and x over it)
 // into its own S slots of shared memory with cp.async, S super-blocks ahead of the one it
@@ -783,7 +784,8 @@ __device__ __forceinline__ void normalize_to_shared(const __nv_bfloat16* __restr
 //
 // With NORM the block first computes x's RMSNorm times g, as rms_norm_bf16 does (f32, rounded once
 // to bf16), into shared memory while its first weights are in flight, instead of a separate launch
-// writing it to global memory; x is then not copied per super-block.
+// writing it to global memory; x is then not copied per super-block. With M > 1, each code is
+// decoded once for every token (q4k_mma_superblock_tokens; measured in docs/perf/h100.md).
 template <int R, int W, int S, bool NORM, int M = 1>
 __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long long row_bytes,
                                           const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
