@@ -608,6 +608,43 @@ struct Mma1Lane {
     }
 };
 
+// The A fragments of k-steps t and t + 1 (a0, a1): bf16 codes of values 2t.. and 2t + 2.. of the
+// lane's two sub-blocks in rows a and b, from word t / 2 of their chunks.
+__device__ __forceinline__ void q4k_code_pairs(const Mma1Lane& l, uint32_t qa, uint32_t qb, uint32_t (&a0)[4],
+                                               uint32_t (&a1)[4]) {
+    const uint32_t la = qa & 0x0F0F0F0Fu, lb = qb & 0x0F0F0F0Fu;
+    const uint32_t ua = (qa >> 4) & 0x0F0F0F0Fu, ub = (qb >> 4) & 0x0F0F0F0Fu;
+    a0[0] = code_pair(la, l.sel01), a0[1] = code_pair(lb, l.sel01);
+    a0[2] = code_pair(ua, l.sel01), a0[3] = code_pair(ub, l.sel01);
+    a1[0] = code_pair(la, l.sel23), a1[1] = code_pair(lb, l.sel23);
+    a1[2] = code_pair(ua, l.sel23), a1[3] = code_pair(ub, l.sel23);
+}
+
+// A super-block's scales and minimums of the lane's sub-blocks in rows a and b (from the headers
+// ha and hb), decoded once for every token's sums.
+struct Q4kRowScales {
+    float sca[2], ma[2], scb[2], mb[2];
+    float2 dma, dmb;
+    __device__ __forceinline__ Q4kRowScales(const Mma1Lane& l, const uint4& ha, const uint4& hb) {
+        q4k_scales2(ha, l.p, sca, ma);
+        q4k_scales2(hb, l.p, scb, mb);
+        dma = __half22float2(*reinterpret_cast<const __half2*>(&ha.x));
+        dmb = __half22float2(*reinterpret_cast<const __half2*>(&hb.x));
+    }
+    // Adds a token's sums to rows a and b: c[0], c[1] are row a's sub-blocks 2p, 2p + 1 (c[2],
+    // c[3]: row b), each Σ (128 + code) x; s holds each sub-block's Σx. Row sum: d Σ sc (c - 128 s)
+    // - dmin Σ m s.
+    __device__ __forceinline__ void add(const float (&c)[4], const float (&s)[4], float& acc_a,
+                                        float& acc_b) const {
+        const float ca = fmaf(sca[1], fmaf(-128.f, s[1], c[1]), sca[0] * fmaf(-128.f, s[0], c[0]));
+        const float na = fmaf(ma[1], s[1], ma[0] * s[0]);
+        const float cb = fmaf(scb[1], fmaf(-128.f, s[3], c[3]), scb[0] * fmaf(-128.f, s[2], c[2]));
+        const float nb = fmaf(mb[1], s[3], mb[0] * s[2]);
+        acc_a = fmaf(-dma.y, na, fmaf(dma.x, ca, acc_a));
+        acc_b = fmaf(-dmb.y, nb, fmaf(dmb.x, cb, acc_b));
+    }
+};
+
 // One super-block of the lane's rows a (g) and b (g + 8) added into acc_a and acc_b: headers ha and
 // hb, the lane's chunk p of each row (qa, qb: 32 bytes), x over the lane's column (xw; only read
 // where the lane is on_a or on_b).
@@ -619,32 +656,16 @@ __device__ __forceinline__ void q4k_mma_superblock(const Mma1Lane& l, const uint
 #pragma unroll
     for (int t = 0; t < 16; t += 2) {
         // k-step t takes values 2t, 2t + 1 of each sub-block: bytes 0-1 of word t / 2, then 2-3.
-        const uint32_t la = qa[t / 2] & 0x0F0F0F0Fu, lb = qb[t / 2] & 0x0F0F0F0Fu;
-        const uint32_t ua = (qa[t / 2] >> 4) & 0x0F0F0F0Fu, ub = (qb[t / 2] >> 4) & 0x0F0F0F0Fu;
-        const uint32_t a0[4] = {code_pair(la, l.sel01), code_pair(lb, l.sel01), code_pair(ua, l.sel01),
-                                code_pair(ub, l.sel01)};
+        uint32_t a0[4], a1[4];
+        q4k_code_pairs(l, qa[t / 2], qb[t / 2], a0, a1);
         const uint32_t b00 = xw[t] & l.mask_a, b01 = xw[t] & l.mask_b;
         qmma_16816(c, a0, b00, b01);
         qmma_16816(s, ones, b00, b01);
-        const uint32_t a1[4] = {code_pair(la, l.sel23), code_pair(lb, l.sel23), code_pair(ua, l.sel23),
-                                code_pair(ub, l.sel23)};
         const uint32_t b10 = xw[t + 1] & l.mask_a, b11 = xw[t + 1] & l.mask_b;
         qmma_16816(c, a1, b10, b11);
         qmma_16816(s, ones, b10, b11);
     }
-    // c[0], c[1]: row a, sub-blocks 2p, 2p + 1 (c[2], c[3]: row b), each Σ (128 + code) x; s
-    // holds each sub-block's Σx. Row sum: d Σ sc (c - 128 s) - dmin Σ m s.
-    float sca[2], ma[2], scb[2], mb[2];
-    q4k_scales2(ha, l.p, sca, ma);
-    q4k_scales2(hb, l.p, scb, mb);
-    const float2 dma = __half22float2(*reinterpret_cast<const __half2*>(&ha.x));
-    const float2 dmb = __half22float2(*reinterpret_cast<const __half2*>(&hb.x));
-    const float ca = fmaf(sca[1], fmaf(-128.f, s[1], c[1]), sca[0] * fmaf(-128.f, s[0], c[0]));
-    const float na = fmaf(ma[1], s[1], ma[0] * s[0]);
-    const float cb = fmaf(scb[1], fmaf(-128.f, s[3], c[3]), scb[0] * fmaf(-128.f, s[2], c[2]));
-    const float nb = fmaf(mb[1], s[3], mb[0] * s[2]);
-    acc_a = fmaf(-dma.y, na, fmaf(dma.x, ca, acc_a));
-    acc_b = fmaf(-dmb.y, nb, fmaf(dmb.x, cb, acc_b));
+    Q4kRowScales(l, ha, hb).add(c, s, acc_a, acc_b);
 }
 
 // The block's sums of rows a and b for each of M tokens (each warp's part of the super-blocks)
@@ -709,12 +730,8 @@ __device__ __forceinline__ void q4k_mma_superblock_tokens(const Mma1Lane& l, con
 #pragma unroll
             for (int m = 0; m < M; m++) xq[m] = xs[32 * m + l.x_at / 8 + t / 4];
         }
-        const uint32_t la = qa[t / 2] & 0x0F0F0F0Fu, lb = qb[t / 2] & 0x0F0F0F0Fu;
-        const uint32_t ua = (qa[t / 2] >> 4) & 0x0F0F0F0Fu, ub = (qb[t / 2] >> 4) & 0x0F0F0F0Fu;
-        const uint32_t a0[4] = {code_pair(la, l.sel01), code_pair(lb, l.sel01), code_pair(ua, l.sel01),
-                                code_pair(ub, l.sel01)};
-        const uint32_t a1[4] = {code_pair(la, l.sel23), code_pair(lb, l.sel23), code_pair(ua, l.sel23),
-                                code_pair(ub, l.sel23)};
+        uint32_t a0[4], a1[4];
+        q4k_code_pairs(l, qa[t / 2], qb[t / 2], a0, a1);
 #pragma unroll
         for (int m = 0; m < M; m++) {
             const uint32_t x0 = t % 4 == 0 ? xq[m].x : xq[m].z, x1 = t % 4 == 0 ? xq[m].y : xq[m].w;
@@ -724,20 +741,9 @@ __device__ __forceinline__ void q4k_mma_superblock_tokens(const Mma1Lane& l, con
             qmma_16816(s[m], ones, x1 & l.mask_a, x1 & l.mask_b);
         }
     }
-    float sca[2], ma[2], scb[2], mb[2];
-    q4k_scales2(ha, l.p, sca, ma);
-    q4k_scales2(hb, l.p, scb, mb);
-    const float2 dma = __half22float2(*reinterpret_cast<const __half2*>(&ha.x));
-    const float2 dmb = __half22float2(*reinterpret_cast<const __half2*>(&hb.x));
+    const Q4kRowScales scales(l, ha, hb);
 #pragma unroll
-    for (int m = 0; m < M; m++) {
-        const float ca = fmaf(sca[1], fmaf(-128.f, s[m][1], c[m][1]), sca[0] * fmaf(-128.f, s[m][0], c[m][0]));
-        const float na = fmaf(ma[1], s[m][1], ma[0] * s[m][0]);
-        const float cb = fmaf(scb[1], fmaf(-128.f, s[m][3], c[m][3]), scb[0] * fmaf(-128.f, s[m][2], c[m][2]));
-        const float nb = fmaf(mb[1], s[m][3], mb[0] * s[m][2]);
-        acc_a[m] = fmaf(-dma.y, na, fmaf(dma.x, ca, acc_a[m]));
-        acc_b[m] = fmaf(-dmb.y, nb, fmaf(dmb.x, cb, acc_b[m]));
-    }
+    for (int m = 0; m < M; m++) scales.add(c[m], s[m], acc_a[m], acc_b[m]);
 }
 
 // The widest x that the one-token products normalize themselves (in shared memory, bf16).
