@@ -552,7 +552,9 @@ extern "C" __global__ void kv_score_gather(float* __restrict__ out, const unsign
 //                       (key, KV head) touched a 32-byte sector for each 4-byte score), while the
 //                       logit reads stay contiguous along keys across the warp.
 // Tables: spans as above, with row_base the span's logits offset (padding spans are all zeros).
-#define LOGIT_THREADS 256
+// CTAs of any size up to LOGIT_MAX_THREADS (the kernel strides by blockDim.x): ops::scores
+// chooses it by what else the step runs beside the key sums (measured in docs/keyformer.md).
+#define LOGIT_MAX_THREADS 1024
 
 // The distance between a span's rows of logits: kv_len rounded up to even, so that the attention
 // kernel writes pairs of keys as float2s (ops::attention::logit_row_stride).
@@ -573,7 +575,7 @@ __device__ __forceinline__ float score_logit_inc(const float* __restrict__ logit
     return inc;
 }
 
-extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)
+extern "C" __global__ void __launch_bounds__(LOGIT_MAX_THREADS)
     kv_score_logit_add(const float* __restrict__ logits, float* __restrict__ scores,
                        const unsigned* __restrict__ tables, const unsigned* __restrict__ spans,
                        const float* __restrict__ lse, int n_heads, int n_kv_heads, int block_size, int parts) {

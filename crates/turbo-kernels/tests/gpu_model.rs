@@ -253,7 +253,7 @@ fn scored_run<B: turbo_core::Backend>(
         n_kv_heads,
         head_dim,
         block_size: 16,
-        max_blocks: 40,
+        max_blocks: 64,
         dtype,
     };
     let kv_cols = spec.n_kv_heads * head_dim;
@@ -261,23 +261,26 @@ fn scored_run<B: turbo_core::Backend>(
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(head_dim as u64);
     let mut cache = backend.kv_cache(spec).unwrap();
     let mut batch = backend.new_batch().unwrap();
-    // Shuffled, disjoint blocks: 12 for sequence 0 (up to 192 keys), 8 for sequence 1.
-    let blocks: Vec<u32> = (0..40u32).map(|b| (b * 17 + 5) % 40).collect();
-    let tables = [blocks[..12].to_vec(), blocks[12..20].to_vec()];
+    // Shuffled, disjoint blocks: 40 for sequence 0 (up to 640 keys), 8 for sequence 1.
+    let blocks: Vec<u32> = (0..64u32).map(|b| (b * 17 + 5) % 64).collect();
+    let tables = [blocks[..40].to_vec(), blocks[40..48].to_vec()];
     let mut keys = [0usize, 0usize];
     let mut positions = [0u32, 0u32];
     let steps = [
+        // Sequence 0 long enough that its decode steps split its keys into several ranges. The
+        // decode steps output both rows, as recordable steps do: on the GPU they take the
+        // recorded steps' plan (a fixed split, the scores' launch shapes fixed by the rows).
         ScoreStep {
-            chunks: vec![(0, 0, 70)],
+            chunks: vec![(0, 0, 300)],
         },
         ScoreStep {
-            chunks: vec![(0, 70, 45), (1, 0, 33)],
+            chunks: vec![(0, 300, 300), (1, 0, 33)],
         },
         ScoreStep {
-            chunks: vec![(0, 115, 1), (1, 33, 1)],
+            chunks: vec![(0, 600, 1), (1, 33, 1)],
         },
         ScoreStep {
-            chunks: vec![(0, 116, 1), (1, 34, 1)],
+            chunks: vec![(0, 601, 1), (1, 34, 1)],
         },
         // After compaction (below): decode at the true positions over fewer keys.
         ScoreStep {
@@ -339,13 +342,14 @@ fn scored_run<B: turbo_core::Backend>(
             })
             .collect();
         let inv_freq = vec![1.0f32; head_dim / 2];
+        let decode = step.chunks.iter().all(|&(_, _, n)| n == 1);
         let layout = BatchLayout {
             ids: &ids,
             positions: &pos,
             slots: &slots,
             spans: &spans,
             inv_freq: &inv_freq,
-            outputs: &[],
+            outputs: if decode { &[0, 1] } else { &[] },
             n_heads: HEADS,
             vocab: 1,
             sampling: None,

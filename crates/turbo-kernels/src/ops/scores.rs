@@ -125,6 +125,8 @@ pub struct ScorePlan {
     logit_parts: usize,
     /// Logits the spans scored from logits read (the end of the last span's).
     logit_len: usize,
+    /// Threads a CTA of their key sums ([`logit_threads`]).
+    logit_threads: u32,
     n_heads: usize,
     tokens: usize,
     /// `[scored rows not from logits][n_heads]` normalisers, rewritten by every layer (those of
@@ -136,8 +138,19 @@ pub struct ScorePlan {
 
 /// Keys per part of a span scored from logits, when the parts are not fixed.
 const LOGIT_CHUNK: usize = 1024;
-/// Threads of the kernels scoring from logits (`LOGIT_THREADS`).
-const LOGIT_THREADS: u32 = 256;
+/// Threads of `kv_score_logit_add` (at most `LOGIT_MAX_THREADS`) in a step whose scores from
+/// logits are all softmax ones (H2O) or some of them Gumbel ones (Keyformer, whose noise pass
+/// runs on the side stream just before). The key sums run beside the layer's products, and the
+/// CTA size that slows those least differs with what shares the side stream: measured on an H200
+/// (docs/keyformer.md; 8-layer 8B-shape file, 12.7 sequences of ~4k keys, device µs a decode
+/// step): H2O 1832 / 1858 / 1849 / 1842 at 64 / 128 / 256 / 512 threads, Keyformer 1899 / 1901
+/// / 1898 / 1888.
+fn logit_threads(gumbel: bool) -> u32 {
+    match gumbel {
+        true => 512,
+        false => 64,
+    }
+}
 
 /// Launch shapes of a plan that a recorded decode step replays: every scored span is a decode row
 /// scored from logits, the tables are padded to `rows` spans, and each span's keys are cut into
@@ -263,6 +276,7 @@ impl ScorePlan {
         let mut partial_entries = 0usize;
         let mut logit_len = 0usize;
         let mut longest_logit_span = 0usize;
+        let mut gumbel = false;
         for (span, c, logit_base) in &scored {
             let table_len = span.kv_len.div_ceil(bs);
             check(
@@ -288,6 +302,7 @@ impl ScorePlan {
             tables.extend_from_slice(&span.block_table[..table_len]);
             match logit_base {
                 Some(base) => {
+                    gumbel |= matches!(c.function, ScoreFunction::GumbelSoftmax(_));
                     l_words.extend(span_words(span, c, table_start, *base, 0, 0));
                     logit_len = logit_len
                         .max(*base as usize + span.n_q * n_heads * logit_row_stride(span.kv_len));
@@ -369,6 +384,7 @@ impl ScorePlan {
             n_logit_rows,
             logit_parts,
             logit_len,
+            logit_threads: logit_threads(gumbel),
             n_heads,
             tokens,
             lse,
@@ -548,7 +564,7 @@ impl ScorePlan {
                 geometry.n_kv_heads as u32,
                 logit_head_groups(geometry.n_kv_heads),
             ),
-            block_dim: (LOGIT_THREADS, 1, 1),
+            block_dim: (self.logit_threads, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match the kernel's signature; every span's logits were sized by
