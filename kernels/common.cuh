@@ -231,6 +231,17 @@ __device__ __forceinline__ uint32_t kvq_e4m3_code(float y) {
     return sign | min(code, 0x7Eu);
 }
 
+// The value of y's E4M3 code for finite y: kv_quant::e4m3_value(e4m3_code(y)) computed on the f32
+// bits (the mantissa rounded to 3 bits, ties to even, a carry moving into the exponent; below
+// 2^-6 the multiples of 2^-9; saturating at 448), without forming the code.
+__device__ __forceinline__ float kvq_e4m3_round(float y) {
+    const float a = fabsf(y);
+    const uint32_t bits = __float_as_uint(a);
+    const float normal = __uint_as_float((bits + 0x7FFFFu + ((bits >> 20) & 1u)) & ~0xFFFFFu);
+    const float mag = fminf(a < 0x1p-6f ? rintf(a * 512.f) * 0x1p-9f : normal, 448.f);
+    return copysignf(mag, y);
+}
+
 template <int KIND>
 __device__ __forceinline__ uint32_t kvq_code(float y) {
     if constexpr (KIND == KV_INT8) {

@@ -96,7 +96,52 @@ __device__ __forceinline__ void ew_kvq_store_row(const float (&x)[2][4], int hea
     // A NaN anywhere in the row: scale NaN and codes 0, as on the CPU (fmaxf skips NaNs).
     const bool row_nan = __any_sync(0xffffffffu, nan);
     const float amax = row_nan ? 0.f : warp_max(m);
-    const float s = row_nan ? __int_as_float(0x7fc00000) : amax / kvq_code_max<KIND>();  // +0 for a row of zeros
+    float s = row_nan ? __int_as_float(0x7fc00000) : amax / kvq_code_max<KIND>();  // +0 for a row of zeros
+    if constexpr (KIND == KV_FP8) {
+        // The scale max|x| / t, t in E4M3's top binade (448, 416, ..., 256), whose row has the
+        // least squared error, the first of equals: kv_quant::quantize_row with fp8_row_error's
+        // order of sums (each lane its elements in order, then the warp's butterfly), every
+        // operation rounded on its own (no contraction), so the CPU and GPU choose alike; the
+        // errors are measured on x · (t / max|x|), a product where the codes take a quotient. The
+        // seven candidates are independent chains, unrolled so that their latencies overlap (a
+        // decode step's writer is one warp per row).
+        if (amax != 0.f) {
+            float err[7], sc[7], inv[7];
+#pragma unroll
+            for (int c = 0; c < 7; c++) {
+                sc[c] = amax / (448.f - 32.f * (float)c);
+                inv[c] = (448.f - 32.f * (float)c) / amax;
+                err[c] = 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                if (lane + TURBO_WARP * i < quads) {
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+#pragma unroll
+                        for (int c = 0; c < 7; c++) {
+                            const float y = __fmul_rn(x[i][j], inv[c]);
+                            const float d = __fsub_rn(__fmul_rn(kvq_e4m3_round(y), sc[c]), x[i][j]);
+                            err[c] = __fadd_rn(err[c], __fmul_rn(d, d));
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int o = TURBO_WARP / 2; o > 0; o >>= 1) {
+#pragma unroll
+                for (int c = 0; c < 7; c++) err[c] = __fadd_rn(err[c], __shfl_xor_sync(0xffffffffu, err[c], o));
+            }
+            float least = __int_as_float(0x7f800000);
+#pragma unroll
+            for (int c = 0; c < 7; c++) {
+                if (err[c] < least) {
+                    least = err[c];
+                    s = sc[c];
+                }
+            }
+        }
+    }
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         const int q = lane + TURBO_WARP * i;
