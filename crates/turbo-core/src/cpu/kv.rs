@@ -1,8 +1,13 @@
 //! Host storage for a paged KV cache, grown on demand.
 
 use crate::backend::{BackendError, KvCompaction};
+use rayon::prelude::*;
 use turbo_attention::kv_quant::{quantize_row, MAX_QUANT_HEAD_DIM};
 use turbo_attention::{KvDtype, PagedKv, QuantKv};
+
+/// Rows of a KV write one parallel task quantizes at least (a decode step's few rows stay on one
+/// thread).
+const QUANTIZE_ROWS_A_TASK: usize = 64;
 
 /// Shape of a model's KV cache: one slot per token holds `n_kv_heads × head_dim` keys and values in
 /// each layer, stored as `dtype`.
@@ -135,21 +140,27 @@ impl CpuKvCache {
                     scales.resize(needed / hd, 0.0);
                 }
             }
+            // Rows are quantized in parallel (an FP8 row tries seven scales), then placed.
+            let quantized = |x: &[f32]| {
+                let mut codes = vec![0u8; x.len()];
+                let mut scales = vec![0f32; x.len() / hd];
+                codes
+                    .par_chunks_mut(hd)
+                    .zip(scales.par_iter_mut())
+                    .zip(x.par_chunks(hd))
+                    .with_min_len(QUANTIZE_ROWS_A_TASK)
+                    .for_each(|((c, scale), row)| *scale = quantize_row(dtype, row, c));
+                (codes, scales)
+            };
+            let (k_codes, k_scales) = quantized(&k[..slots.len() * n]);
+            let (v_codes, v_scales) = quantized(&v[..slots.len() * n]);
             for (i, &s) in slots.iter().enumerate() {
-                for h in 0..heads {
-                    let row = (s as usize * heads + h) * hd;
-                    let src = (i * heads + h) * hd;
-                    store.key_scales[row / hd] = quantize_row(
-                        dtype,
-                        &k[src..src + hd],
-                        &mut store.key_codes[row..row + hd],
-                    );
-                    store.value_scales[row / hd] = quantize_row(
-                        dtype,
-                        &v[src..src + hd],
-                        &mut store.value_codes[row..row + hd],
-                    );
-                }
+                let (row, src) = (s as usize * n, i * n);
+                store.key_codes[row..row + n].copy_from_slice(&k_codes[src..src + n]);
+                store.value_codes[row..row + n].copy_from_slice(&v_codes[src..src + n]);
+                let (row, src) = (row / hd, src / hd);
+                store.key_scales[row..row + heads].copy_from_slice(&k_scales[src..src + heads]);
+                store.value_scales[row..row + heads].copy_from_slice(&v_scales[src..src + heads]);
             }
         } else {
             for rows in [&mut store.keys, &mut store.values] {

@@ -496,7 +496,8 @@ impl Backend for CpuBackend {
         v: &HostTensor,
         batch: &CpuBatch,
     ) -> Result<()> {
-        cache.write(layer, &k.data, &v.data, &batch.slots);
+        self.pool
+            .install(|| cache.write(layer, &k.data, &v.data, &batch.slots));
         Ok(())
     }
 
