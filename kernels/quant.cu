@@ -668,13 +668,42 @@ __device__ __forceinline__ void q4k_mma_superblock(const Mma1Lane& l, const uint
     Q4kRowScales(l, ha, hb).add(c, s, acc_a, acc_b);
 }
 
+// An RMSNorm split between two tensor-core products (ops::quant::NormLink). The residual step
+// that writes x (mode QGEMV_ADD_RESIDUAL, `g` set) also writes x · g rounded to bf16 (`scaled`,
+// laid out as its output) and each block's Σx² of every token (`parts_out[t · gridDim.x + block]`,
+// over the stored bf16 values, in a fixed order); the next product takes x · g as its x, and with
+// `parts_in` set it multiplies each token's sums by rsqrt(Σ parts / k + eps) before its epilogue.
+// The norm then costs neither a launch of its own nor a pass over x in every block, and the
+// residual step's blocks pay 16 multiplies and a shuffle reduction.
+struct NormLink {
+    const float* parts_in;    // the product over x · g: [tokens][k / 16] partial sums, or null
+    const __nv_bfloat16* g;   // the residual step: the next norm's weights, or null
+    __nv_bfloat16* scaled;    // the residual step: x · g, [tokens][ld]
+    float* parts_out;         // the residual step: [tokens][gridDim.x]
+    float eps;
+};
+
+// Each token's 1 / rms from the residual step's parts (warp m for token m < M), into inv[m]; read
+// after the block's next __syncthreads. Tokens past the step's reuse the last token's parts.
+template <int M>
+__device__ __forceinline__ void norm_link_inv(const NormLink& link, int k, int tokens, float* inv) {
+    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
+    if (link.parts_in == nullptr || warp >= M) return;  // uniform per warp
+    const int n = k / 16, m = min(warp, tokens - 1);
+    const float* parts = link.parts_in + (size_t)m * (size_t)n;
+    float s = 0.f;
+    for (int i = lane; i < n; i += TURBO_WARP) s += __ldg(parts + i);
+    s = warp_sum(s);
+    if (lane == 0) inv[warp] = rsqrtf(s / (float)k + link.eps);
+}
+
 // The block's sums of rows a and b for each of M tokens (each warp's part of the super-blocks)
 // added and stored as qgemv's mode says (R == 2: SwiGLU of gate row a and up row b), token m's at
 // out + m · ld, for the first `tokens`.
-template <int R, int W, int M>
-__device__ __forceinline__ void qmma1_store(float (&part)[W][M][16], float (&acc_a)[M], float (&acc_b)[M],
-                                            int unit0, int units, void* out, int tokens, int ld, int mode) {
-    constexpr int UNITS = R == 2 ? 8 : 16;
+// The warps' sums of rows a and b for each of M tokens, reduced over the lanes of a row and put in
+// `part` for the block's epilogue (qmma1_store), which may read them once this returns.
+template <int W, int M>
+__device__ __forceinline__ void qmma1_gather(float (&part)[W][M][16], float (&acc_a)[M], float (&acc_b)[M]) {
     const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
 #pragma unroll
     for (int m = 0; m < M; m++) {
@@ -688,6 +717,13 @@ __device__ __forceinline__ void qmma1_store(float (&part)[W][M][16], float (&acc
         }
     }
     __syncthreads();
+}
+
+template <int R, int W, int M>
+__device__ __forceinline__ void qmma1_store(float (&part)[W][M][16], float (&acc_a)[M], float (&acc_b)[M],
+                                            int unit0, int units, void* out, int tokens, int ld, int mode) {
+    constexpr int UNITS = R == 2 ? 8 : 16;
+    qmma1_gather(part, acc_a, acc_b);
     const int i = threadIdx.x % UNITS, m = threadIdx.x / UNITS;
     if (m >= M || m >= tokens || unit0 + i >= units) return;
     const int unit = unit0 + i;
@@ -708,6 +744,64 @@ __device__ __forceinline__ void qmma1_store(float (&part)[W][M][16], float (&acc
         __nv_bfloat16* o = static_cast<__nv_bfloat16*>(out);
         o[at] = __float2bfloat16_rn(mode == QGEMV_ADD_RESIDUAL ? __bfloat162float(o[at]) + v : v);
     }
+}
+
+template <int R, int W, int M>
+__device__ __forceinline__ void qmma1_store_linked(float (&part)[W][M][16], float (&acc_a)[M], float (&acc_b)[M],
+                                            int unit0, int units, void* out, int tokens, int ld, int mode,
+                                            const NormLink& link, const float* inv) {
+    constexpr int UNITS = R == 2 ? 8 : 16;
+    qmma1_gather(part, acc_a, acc_b);
+    // Thread (m, i) stores unit i of token m; no thread returns before the residual step's
+    // shuffles, which every thread of a warp takes part in.
+    const int i = threadIdx.x % UNITS, m = threadIdx.x / UNITS, mi = m < M ? m : 0;
+    const bool on = m < M && m < tokens && unit0 + i < units;
+    const int unit = unit0 + i;
+    const size_t at = (size_t)m * (size_t)ld + (size_t)unit;
+    const float scale = link.parts_in != nullptr ? inv[mi] : 1.f;
+    float v = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < W; wi++) v += part[wi][mi][i];
+    if (R == 2) {
+        if (!on) return;
+        float up = 0.f;
+#pragma unroll
+        for (int wi = 0; wi < W; wi++) up += part[wi][mi][i + 8];
+        const float gate = round_to_bf16(v * scale);
+        up = round_to_bf16(up * scale);
+        static_cast<__nv_bfloat16*>(out)[at] = __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up);
+    } else if (mode == QGEMV_STORE_F32) {
+        if (on) static_cast<float*>(out)[at] = v * scale;
+    } else {
+        __nv_bfloat16* o = static_cast<__nv_bfloat16*>(out);
+        float h = 0.f;
+        if (on) {
+            const float p = v * scale;
+            const __nv_bfloat16 r = __float2bfloat16_rn(mode == QGEMV_ADD_RESIDUAL ? __bfloat162float(o[at]) + p : p);
+            o[at] = r;
+            h = __bfloat162float(r);
+            if (link.g != nullptr) link.scaled[at] = __float2bfloat16_rn(h * __bfloat162float(link.g[unit]));
+        }
+        if (mode == QGEMV_ADD_RESIDUAL && link.g != nullptr) {  // uniform per block
+            // Σ h² over the token's 16 units: lanes 16(m % 2) .. of warp m / 2.
+            float sq = h * h;
+#pragma unroll
+            for (int o2 = 8; o2 > 0; o2 >>= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, o2);
+            if (i == 0 && m < M && m < tokens) link.parts_out[(size_t)m * gridDim.x + blockIdx.x] = sq;
+        }
+    }
+}
+
+// qmma1_store, or with LINK its part in a split norm (qmma1_store_linked): separate functions, so
+// that the products without a link compile as they did before it existed.
+template <int R, int W, int M, bool LINK>
+__device__ __forceinline__ void qmma1_epilogue(float (&part)[W][M][16], float (&acc_a)[M], float (&acc_b)[M],
+                                               int unit0, int units, void* out, int tokens, int ld, int mode,
+                                               const NormLink& link, const float* inv) {
+    if constexpr (LINK)
+        qmma1_store_linked<R, W, M>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode, link, inv);
+    else
+        qmma1_store<R, W, M>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode);
 }
 
 // As q4k_mma_superblock for M tokens: the codes are decoded once for all of them, and each
@@ -792,11 +886,11 @@ __device__ __forceinline__ void normalize_to_shared(const __nv_bfloat16* __restr
 // to bf16), into shared memory while its first weights are in flight, instead of a separate launch
 // writing it to global memory; x is then not copied per super-block. With M > 1, each code is
 // decoded once for every token (q4k_mma_superblock_tokens; measured in docs/perf/h100.md).
-template <int R, int W, int S, bool NORM, int M = 1>
+template <int R, int W, int S, bool NORM, int M = 1, bool LINK = false>
 __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long long row_bytes,
                                           const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
                                           float eps, void* out, int units, int k, int mode, int tokens = 1,
-                                          int ld = 0) {
+                                          int ld = 0, NormLink link = {}) {
     static_assert(M == 1 || !NORM, "steps of several tokens take normalized x");
     constexpr int UNITS = R == 2 ? 8 : 16, SB_BYTES = 144, SB_WORDS = 9;
     // A slot: x over the super-block (32 words a token, without NORM), then the 16 rows' blocks.
@@ -804,6 +898,7 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
     __shared__ float part[W][M][16];
     __shared__ uint4 stage[W][S][SLOT_WORDS];
     __shared__ uint4 normed[NORM ? MMA1_NORM_MAX_K / 8 : 1];
+    __shared__ float norm_inv[M];
     const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
     const Mma1Lane l;
     const int unit0 = blockIdx.x * UNITS;
@@ -842,6 +937,7 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
         pf_cp_async_commit();
     }
     if constexpr (NORM) normalize_to_shared(x, g, eps, k, normed);
+    if constexpr (LINK) norm_link_inv<M>(link, k, tokens, norm_inv);  // while the first weights are in flight
     float acc_a[M], acc_b[M];
 #pragma unroll
     for (int m = 0; m < M; m++) acc_a[m] = acc_b[m] = 0.f;
@@ -881,7 +977,7 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
             pf_cp_async_commit();
         }
     }
-    qmma1_store<R, W, M>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode);
+    qmma1_epilogue<R, W, M, LINK>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode, link, norm_inv);
 }
 
 // -- one-token Q6_K products on tensor cores -----------------------------------------------------
@@ -903,13 +999,15 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
 // 1024-row V band with the norm 8.5 -> 8.2. With 128 registers a thread it is no faster for many
 // blocks: the 49152-row LM head 66.1 -> 66.2 (4 warps), gate/up 44.3 -> 49.8, so ops::quant takes
 // it only for products of few blocks.
-template <int R, int W, bool NORM>
+template <int R, int W, bool NORM, bool LINK = false>
 __device__ __forceinline__ void qmma1_q6k(const uint8_t* __restrict__ w, long long row_bytes,
                                           const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
-                                          float eps, void* out, int units, int k, int mode) {
+                                          float eps, void* out, int units, int k, int mode, int /* tokens: 1 */ = 1,
+                                          int /* ld */ = 0, NormLink link = {}) {
     constexpr int UNITS = R == 2 ? 8 : 16, SB_BYTES = 210;
     __shared__ float part[W][1][16];
     __shared__ uint4 normed[NORM ? MMA1_NORM_MAX_K / 8 : 1];
+    __shared__ float norm_inv[1];
     const int warp = threadIdx.x / TURBO_WARP;
     const Mma1Lane l;
     const int half = l.p / 2, quarter_l = 16 * (l.p % 2);
@@ -919,6 +1017,7 @@ __device__ __forceinline__ void qmma1_q6k(const uint8_t* __restrict__ w, long lo
     const uint8_t* wa = w + (size_t)ra * (size_t)row_bytes;
     const uint8_t* wb = w + (size_t)rb * (size_t)row_bytes;
     if constexpr (NORM) normalize_to_shared(x, g, eps, k, normed);
+    if constexpr (LINK) norm_link_inv<1>(link, k, 1, norm_inv);
     const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
     // x over the lane's column in tile T: quarter 2T (on_a) or 2T + 1 (on_b) of its half.
     const int x_at = 128 * half + (l.on_b ? 32 : 0) + quarter_l;
@@ -999,7 +1098,7 @@ __device__ __forceinline__ void qmma1_q6k(const uint8_t* __restrict__ w, long lo
         acc_b = fmaf(db, sumb, acc_b);
     }
     float sums_a[1] = {acc_a}, sums_b[1] = {acc_b};
-    qmma1_store<R, W, 1>(part, sums_a, sums_b, unit0, units, out, 1, 0, mode);
+    qmma1_epilogue<R, W, 1, LINK>(part, sums_a, sums_b, unit0, units, out, 1, 0, mode, link, norm_inv);
 }
 
 // As qmma1_q6k for steps of up to M tokens (x normalized by the caller): each warp copies the M
@@ -1251,15 +1350,19 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
 #define QMMA1_KERNEL(NAME, W, CALL)                                                                           \
     extern "C" __global__ void __launch_bounds__(W * TURBO_WARP)                                              \
         NAME(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, const __nv_bfloat16* g, float eps, \
-             void* out, int units, int k, int mode) {                                                         \
-        CALL(w, row_bytes, x, g, eps, out, units, k, mode);                                                   \
+             void* out, int units, int k, int mode, NormLink link) {                                          \
+        CALL(w, row_bytes, x, g, eps, out, units, k, mode, 1, 0, link);                                          \
     }
-// The four kernels of type T from template F<R, W, [the arguments after W,] NORM>.
-#define QMMA1_KERNELS(T, F, W, ...)                                                                           \
+// The six kernels of type T from template F<R, W, [the arguments after W,] NORM, ...>: without and
+// with the norm, and the link_ forms that take part in a split norm (NormLink; the others ignore it),
+// F's template arguments after NORM being LINKED for them.
+#define QMMA1_KERNELS(T, F, W, LINKED, ...)                                                                           \
     QMMA1_KERNEL(qmma1_##T, W, (F<1, W, __VA_ARGS__ false>))                                                  \
     QMMA1_KERNEL(qmma1_swiglu_##T, W, (F<2, W, __VA_ARGS__ false>))                                           \
     QMMA1_KERNEL(qmma1_norm_##T, W, (F<1, W, __VA_ARGS__ true>))                                              \
-    QMMA1_KERNEL(qmma1_norm_swiglu_##T, W, (F<2, W, __VA_ARGS__ true>))
+    QMMA1_KERNEL(qmma1_norm_swiglu_##T, W, (F<2, W, __VA_ARGS__ true>))                                       \
+    QMMA1_KERNEL(qmma1_link_##T, W, (F<1, W, __VA_ARGS__ false, LINKED>))                               \
+    QMMA1_KERNEL(qmma1_link_swiglu_##T, W, (F<2, W, __VA_ARGS__ false, LINKED>))
 
 // Tensor-core products for steps of up to M tokens (x normalized by the caller), W warps a block:
 // the one-token kernels' layouts, each code decoded once for every token. F(R, M) names the
@@ -1288,12 +1391,13 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
 #ifdef QUANT_TYPE
 QUANT_KERNELS_OF(QUANT_TYPE)
 #if QUANT_IS_Q4_K(QUANT_TYPE)
-QMMA1_KERNELS(Q4_K, qmma1_q4k, QMMA1_Q4K_WARPS, QMMA1_Q4K_SLOTS, )
+#define QMMA1_Q4K_LINKED 1, true
+QMMA1_KERNELS(Q4_K, qmma1_q4k, QMMA1_Q4K_WARPS, QMMA1_Q4K_LINKED, QMMA1_Q4K_SLOTS, )
 QMMA_TOKENS_KERNELS(Q4_K, QMMA1_Q4K_WARPS, QMMA_Q4K_TOKENS, 2)
 QMMA_TOKENS_KERNELS(Q4_K, QMMA1_Q4K_WARPS, QMMA_Q4K_TOKENS, 4)
 #endif
 #if QUANT_IS_Q6_K(QUANT_TYPE)
-QMMA1_KERNELS(Q6_K, qmma1_q6k, QMMA1_Q6K_WARPS, )
+QMMA1_KERNELS(Q6_K, qmma1_q6k, QMMA1_Q6K_WARPS, true, )
 QMMA_TOKENS_KERNELS(Q6_K, QMMA_Q6K_TOKENS_WARPS, QMMA_Q6K_TOKENS, 2)
 QMMA_TOKENS_KERNELS(Q6_K, QMMA_Q6K_TOKENS_WARPS, QMMA_Q6K_TOKENS, 4)
 #endif

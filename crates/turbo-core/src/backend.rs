@@ -285,6 +285,15 @@ pub struct BatchRows {
     pub outputs: usize,
 }
 
+/// The RMSNorm that follows a residual step ([`Backend::linear_residual_before_norm`]):
+/// `rms_norm(x) · weight`, computed by the next `norm_*` call into its `normed` scratch.
+pub struct NextNorm<'a, T> {
+    pub weight: &'a T,
+    pub eps: f32,
+    /// The scratch that call takes as `normed`.
+    pub normed: &'a mut T,
+}
+
 /// The operations of a LLaMA-style decoder, over the backend's own buffers.
 ///
 /// Activations are row-major `[tokens, features]` f32 tensors. A batch is a concatenation of
@@ -470,6 +479,23 @@ pub trait Backend: Send + Sync {
         x: &mut Self::Tensor,
     ) -> Result<()> {
         split_linear_residual(self, input, w, product, x)
+    }
+    /// [`Backend::linear_residual_all_reduce`] where the next use of `x` is the RMSNorm `next`,
+    /// in the next `norm_*` call ([`Backend::norm_linear`], [`Backend::norm_linear_swiglu`],
+    /// [`Backend::norm_qkv_rope_write`]) with the same `x`, weight, eps and `normed` scratch, and
+    /// nothing writes `x` or `normed` in between: a backend may compute that norm's parts in
+    /// this step's epilogue, so that the norm costs no pass of its own. The default is the plain
+    /// step.
+    fn linear_residual_before_norm(
+        &self,
+        input: &Self::Tensor,
+        w: &Self::Matrix,
+        product: &mut Self::Tensor,
+        x: &mut Self::Tensor,
+        next: NextNorm<'_, Self::Tensor>,
+    ) -> Result<()> {
+        let _ = next;
+        self.linear_residual_all_reduce(input, w, product, x)
     }
     /// Called by a rank that failed where its peers may be waiting in a collective: they get an
     /// error instead of waiting forever. The group is unusable afterwards.

@@ -21,8 +21,8 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use turbo_core::backend::{
-    Backend, BatchLayout, BatchRows, KvCompaction, KvRuleCompaction, Result, SampledTokens,
-    TokensLater, CARRIED_TOKEN,
+    Backend, BatchLayout, BatchRows, KvCompaction, KvRuleCompaction, NextNorm, Result,
+    SampledTokens, TokensLater, CARRIED_TOKEN,
 };
 use turbo_core::comm::{own_vocab_part, RankInfo};
 use turbo_core::cpu::KvCacheSpec;
@@ -219,6 +219,52 @@ pub struct CudaBackend {
     /// Where larger steps' products decode bands of quantized weights to bf16
     /// ([`crate::matrix::DecodeScratch`]).
     decode_scratch: Arc<Mutex<crate::matrix::DecodeScratch>>,
+    /// A split RMSNorm between the residual step that began it and the `norm_*` call that
+    /// finishes it ([`Backend::linear_residual_before_norm`]).
+    norm_ahead: Arc<Mutex<NormAhead>>,
+}
+
+/// Partial sums a split norm holds at most: one per 16 values of the stream, for streams of up to
+/// 65,536 values (one-token steps).
+const NORM_PARTS: usize = 4096;
+
+/// The state of a split RMSNorm ([`ops::quant::NormLink`]): the residual step's partial sums,
+/// allocated with the backend (a recorded step must not allocate), and which norm they belong to.
+struct NormAhead {
+    parts: CudaSlice<f32>,
+    pending: Option<NormKey>,
+}
+
+/// What a split norm's parts were computed for: the stream `x`, the norm's weights and eps,
+/// the `normed` scratch holding x · weight, and the step's tokens. The `norm_*` call that
+/// finishes it must name the same.
+#[derive(PartialEq, Eq, Clone, Copy)]
+struct NormKey {
+    x: u64,
+    weight: u64,
+    normed: u64,
+    eps: u32,
+    rows: usize,
+}
+
+impl NormKey {
+    fn of(
+        dev: &CudaDevice,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+        normed: &CudaTensor,
+    ) -> Self {
+        use cudarc::driver::DevicePtr;
+        let ptr = |t: &CudaTensor| t.data.device_ptr(&dev.stream).0;
+        NormKey {
+            x: ptr(x),
+            weight: ptr(weight),
+            normed: ptr(normed),
+            eps: eps.to_bits(),
+            rows: x.rows,
+        }
+    }
 }
 
 impl CudaBackend {
@@ -227,6 +273,13 @@ impl CudaBackend {
     pub fn new(ordinal: usize) -> Result<Self> {
         let dev = CudaDevice::new(ordinal)?;
         dev.load_modules()?;
+        let norm_ahead = NormAhead {
+            parts: dev
+                .stream
+                .alloc_zeros::<f32>(NORM_PARTS)
+                .map_err(CudaError::from)?,
+            pending: None,
+        };
         Ok(CudaBackend {
             dev: Arc::new(dev),
             graphs: Arc::new(AtomicBool::new(true)),
@@ -239,7 +292,58 @@ impl CudaBackend {
             upload_staging: Arc::new(Mutex::new(Vec::new())),
             native_weights: Arc::new(AtomicBool::new(true)),
             decode_scratch: Arc::new(Mutex::new(Default::default())),
+            norm_ahead: Arc::new(Mutex::new(norm_ahead)),
         })
+    }
+
+    /// Drops a pending split norm: called by every operation that may write a stream or a scratch
+    /// before the `norm_*` call that would finish it.
+    fn forget_norm_ahead(&self) -> Result<()> {
+        lock(&self.norm_ahead)?.pending = None;
+        Ok(())
+    }
+
+    /// Takes the pending split norm if it was computed for this `norm_*` call (same stream,
+    /// weights, eps, scratch and tokens); any other pending norm is dropped, since the call may
+    /// write the scratch it would have used.
+    fn take_norm_ahead(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+        normed: &CudaTensor,
+    ) -> Result<bool> {
+        let pending = lock(&self.norm_ahead)?.pending.take();
+        Ok(pending.is_some_and(|k| k == NormKey::of(&self.dev, x, weight, eps, normed)))
+    }
+
+    /// `out ← rms_norm(x) · weight · wᵀ` for a quantized `w` from a split norm's parts (the
+    /// pending one taken, `normed` holding x · weight): `false` (nothing done) where `w` cannot
+    /// finish it.
+    fn finish_norm_product(
+        &self,
+        normed: &CudaTensor,
+        eps: f32,
+        w: &CudaMatrix,
+        out: ProductOut,
+    ) -> Result<bool> {
+        if !w.links_norm(&self.dev, normed.rows, false) {
+            return Ok(false);
+        }
+        let guard = lock(&self.norm_ahead)?;
+        let link = ops::quant::NormLink::Finish {
+            parts: &guard.parts,
+            eps,
+        };
+        crate::matrix::product(
+            &self.dev,
+            &self.decode_scratch,
+            normed,
+            w,
+            (None, link),
+            out,
+        )?;
+        Ok(true)
     }
 
     /// The backends of a tensor-parallel group over GPUs `first .. first + world`, rank order,
@@ -493,7 +597,7 @@ impl CudaBackend {
             &self.decode_scratch,
             x,
             w,
-            norm,
+            (norm, ops::quant::NormLink::None),
             out,
         )?)
     }
@@ -1020,6 +1124,7 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaMatrix, batch: &CudaBatch, out: &mut CudaTensor) -> Result<()> {
+        self.forget_norm_ahead()?;
         self.embed_rows(table, batch, 0..table.rows, table.rows, out)
     }
 
@@ -1030,6 +1135,7 @@ impl Backend for CudaBackend {
         vocab: usize,
         out: &mut CudaTensor,
     ) -> Result<()> {
+        self.forget_norm_ahead()?;
         let part = own_vocab_part("an embedding part", table.rows, vocab, self.rank_info())?;
         self.embed_rows(table, batch, part, vocab, out)
     }
@@ -1041,6 +1147,7 @@ impl Backend for CudaBackend {
         eps: f32,
         out: &mut CudaTensor,
     ) -> Result<()> {
+        self.forget_norm_ahead()?;
         Ok(ops::norm::rms_norm(
             &self.dev,
             &x.data,
@@ -1053,6 +1160,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &CudaTensor, w: &CudaMatrix, out: &mut CudaTensor) -> Result<()> {
+        self.forget_norm_ahead()?;
         let Some(data) = w.bf16() else {
             return self.quant_product(x, w, None, ProductOut::Bf16(&mut out.data));
         };
@@ -1085,6 +1193,11 @@ impl Backend for CudaBackend {
         w: &CudaMatrix,
         out: &mut CudaTensor,
     ) -> Result<()> {
+        if self.take_norm_ahead(x, weight, eps, normed)?
+            && self.finish_norm_product(normed, eps, w, ProductOut::Bf16(&mut out.data))?
+        {
+            return Ok(());
+        }
         let norm = GemvNorm {
             weight: &weight.data,
             eps,
@@ -1119,6 +1232,38 @@ impl Backend for CudaBackend {
         gate_up: &mut CudaTensor,
         out: &mut CudaTensor,
     ) -> Result<()> {
+        if self.take_norm_ahead(x, weight, eps, normed)?
+            && w_gate_up.links_norm(&self.dev, x.rows, false)
+        {
+            let guard = lock(&self.norm_ahead)?;
+            let link = ops::quant::NormLink::Finish {
+                parts: &guard.parts,
+                eps,
+            };
+            if crate::matrix::swiglu_product(
+                &self.dev,
+                normed,
+                w_gate_up,
+                (None, link),
+                &mut out.data,
+            )? {
+                return Ok(());
+            }
+            let link = ops::quant::NormLink::Finish {
+                parts: &guard.parts,
+                eps,
+            };
+            crate::matrix::product(
+                &self.dev,
+                &self.decode_scratch,
+                normed,
+                w_gate_up,
+                (None, link),
+                ProductOut::Bf16(&mut gate_up.data),
+            )?;
+            drop(guard);
+            return self.swiglu(gate_up, out);
+        }
         let norm = GemvNorm {
             weight: &weight.data,
             eps,
@@ -1134,7 +1279,7 @@ impl Backend for CudaBackend {
                     &self.dev,
                     normed,
                     w_gate_up,
-                    None,
+                    (None, ops::quant::NormLink::None),
                     &mut out.data,
                 )?;
                 if fused {
@@ -1147,7 +1292,7 @@ impl Backend for CudaBackend {
                 &self.dev,
                 x,
                 w_gate_up,
-                Some(norm),
+                (Some(norm), ops::quant::NormLink::None),
                 &mut out.data,
             )? =>
             {
@@ -1166,6 +1311,7 @@ impl Backend for CudaBackend {
         _product: &mut CudaTensor,
         x: &mut CudaTensor,
     ) -> Result<()> {
+        self.forget_norm_ahead()?;
         let Some(data) = w.bf16() else {
             return self.quant_product(input, w, None, ProductOut::AddTo(&mut x.data));
         };
@@ -1242,6 +1388,7 @@ impl Backend for CudaBackend {
     }
 
     fn add(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        self.forget_norm_ahead()?;
         let n = x.rows * x.cols;
         Ok(ops::elementwise::add(&self.dev, &mut x.data, &y.data, n)?)
     }
@@ -1253,6 +1400,7 @@ impl Backend for CudaBackend {
     }
 
     fn all_reduce_sum(&self, x: &mut CudaTensor) -> Result<()> {
+        self.forget_norm_ahead()?;
         let n = x.rows * x.cols;
         match (self.peer(), &self.nccl) {
             (Some(p), _) if p.fits(n) => Ok(p.all_reduce_sum(&self.dev, &mut x.data, n)?),
@@ -1268,6 +1416,7 @@ impl Backend for CudaBackend {
         product: &mut CudaTensor,
         x: &mut CudaTensor,
     ) -> Result<()> {
+        self.forget_norm_ahead()?;
         // A decode step's product and all-reduce in one kernel where the peer path allows it.
         if let (Some(p), Some(data)) = (self.peer(), w.bf16()) {
             let group = match gemv_fits(input.rows, w.cols) && x.cols == w.rows {
@@ -1291,6 +1440,53 @@ impl Backend for CudaBackend {
             }
         }
         turbo_core::backend::split_linear_residual(self, input, w, product, x)
+    }
+
+    fn linear_residual_before_norm(
+        &self,
+        input: &CudaTensor,
+        w: &CudaMatrix,
+        product: &mut CudaTensor,
+        x: &mut CudaTensor,
+        next: NextNorm<'_, CudaTensor>,
+    ) -> Result<()> {
+        let mut ahead = lock(&self.norm_ahead)?;
+        ahead.pending = None;
+        let tokens = input.rows;
+        let linked = self.rank_info().world == 1
+            && x.rows == tokens
+            && x.cols == w.rows
+            && w.links_norm(&self.dev, tokens, true)
+            && tokens * (w.rows / 16) <= ahead.parts.len()
+            && next.normed.rows == tokens
+            && next.normed.cols == w.rows
+            && next.weight.data.len() >= w.rows;
+        if !linked {
+            drop(ahead);
+            return self.linear_residual_all_reduce(input, w, product, x);
+        }
+        let NormAhead { parts, pending } = &mut *ahead;
+        let link = ops::quant::NormLink::Ahead {
+            weight: &next.weight.data,
+            scaled: &mut next.normed.data,
+            parts,
+        };
+        crate::matrix::product(
+            &self.dev,
+            &self.decode_scratch,
+            input,
+            w,
+            (None, link),
+            ProductOut::AddTo(&mut x.data),
+        )?;
+        *pending = Some(NormKey::of(
+            &self.dev,
+            x,
+            next.weight,
+            next.eps,
+            next.normed,
+        ));
+        Ok(())
     }
 
     fn broadcast_sampled(&self, batch: &CudaBatch) -> Result<()> {
@@ -1779,6 +1975,7 @@ impl Backend for CudaBackend {
             self.norm_linear(x, weight, eps, normed, wqkv, qkv)?;
             return self.qkv_rope_write(qkv, q, k, v, head_dim, cache, layer, batch);
         };
+        self.forget_norm_ahead()?;
         batch.check_cache(cache)?;
         let widths = (q.cols, k.cols, head_dim);
         let (k_cache, v_cache) = cache.layer_mut(layer);

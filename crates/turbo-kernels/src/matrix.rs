@@ -8,7 +8,7 @@ use crate::error::{CudaError, Result};
 use crate::ops;
 use crate::ops::gemv::GemvNorm;
 use crate::ops::linear::{Band, GemmOut};
-use crate::ops::quant::{QuantOut, QuantRows, PADDING_BYTES, QGEMV_MAX_TOKENS};
+use crate::ops::quant::{NormLink, QuantOut, QuantRows, PADDING_BYTES, QGEMV_MAX_TOKENS};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use std::sync::Mutex;
@@ -64,6 +64,22 @@ impl CudaMatrix {
             MatrixStore::Blocks(bands) => bands
                 .iter()
                 .any(|b| ops::quant::takes_normalized_x(dev, b.dtype, (b.rows, self.cols), tokens)),
+        }
+    }
+
+    /// Whether a `tokens`-token product with this matrix can take part in a split norm
+    /// ([`NormLink`]): as the residual step (`ahead`), one band; as the product that finishes
+    /// it, every band; each as [`ops::quant::links_norm`] says (one token, on tensor cores).
+    pub fn links_norm(&self, dev: &CudaDevice, tokens: usize, ahead: bool) -> bool {
+        match &self.store {
+            MatrixStore::Bf16(_) => false,
+            MatrixStore::Blocks(bands) => {
+                (!ahead || bands.len() == 1)
+                    && (1..=QGEMV_MAX_TOKENS).contains(&tokens)
+                    && bands
+                        .iter()
+                        .all(|b| ops::quant::links_norm(dev, b.dtype, (b.rows, self.cols), tokens))
+            }
         }
     }
 
@@ -197,14 +213,15 @@ pub enum ProductOut<'a> {
 
 /// `out ← x · wᵀ` (or `+=` for [`ProductOut::AddTo`]) for a matrix of blocks. Steps of at most
 /// [`QGEMV_MAX_TOKENS`] tokens decode the blocks inside the product (with `norm` applied to `x`
-/// first when given); larger ones decode bands of rows to bf16 in `scratch` and multiply them by
-/// cuBLASLt, and take no `norm` (the caller normalizes first).
+/// first when given, or with a part in a split norm, `link`, where [`CudaMatrix::links_norm`]);
+/// larger ones decode bands of rows to bf16 in `scratch` and multiply them by cuBLASLt, and take
+/// no `norm` (the caller normalizes first).
 pub fn product(
     dev: &CudaDevice,
     scratch: &Mutex<DecodeScratch>,
     x: &CudaTensor,
     w: &CudaMatrix,
-    norm: Option<GemvNorm>,
+    (norm, link): (Option<GemvNorm>, NormLink),
     out: ProductOut,
 ) -> Result<()> {
     let MatrixStore::Blocks(bands) = &w.store else {
@@ -214,6 +231,15 @@ pub fn product(
     };
     if x.rows <= QGEMV_MAX_TOKENS {
         let mut out = out;
+        let mut link = link;
+        if !matches!(link, NormLink::None)
+            && !w.links_norm(dev, x.rows, matches!(link, NormLink::Ahead { .. }))
+        {
+            return Err(CudaError::Shape(format!(
+                "a split norm over a {}x{} product of {} tokens that cannot take part in one",
+                w.rows, w.cols, x.rows
+            )));
+        }
         let short = || {
             CudaError::Shape(format!(
                 "a quantized product's output is shorter than {} rows",
@@ -222,25 +248,38 @@ pub fn product(
         };
         for band in bands {
             let rows = band.rows(w.cols);
+            // Every band finishes a split norm from the same parts; `Ahead` has one band.
+            let link = match &mut link {
+                NormLink::None => NormLink::None,
+                NormLink::Finish { parts, eps } => NormLink::Finish { parts, eps: *eps },
+                NormLink::Ahead { .. } => std::mem::take(&mut link),
+            };
+            let x = (&x.data, x.rows);
             match &mut out {
                 ProductOut::Bf16(o) => {
                     let mut view = o.try_slice_mut(band.first_row..).ok_or_else(short)?;
                     let out = QuantOut::Bf16(&mut view);
-                    ops::quant::qgemv(dev, &x.data, x.rows, &rows, norm, out, w.rows)?;
+                    ops::quant::qgemv_linked(dev, x, &rows, (norm, link), out, w.rows)?;
                 }
                 ProductOut::AddTo(o) => {
                     let mut view = o.try_slice_mut(band.first_row..).ok_or_else(short)?;
                     let out = QuantOut::AddTo(&mut view);
-                    ops::quant::qgemv(dev, &x.data, x.rows, &rows, norm, out, w.rows)?;
+                    ops::quant::qgemv_linked(dev, x, &rows, (norm, link), out, w.rows)?;
                 }
                 ProductOut::F32(o) => {
                     let mut view = o.try_slice_mut(band.first_row..).ok_or_else(short)?;
                     let out = QuantOut::F32(&mut view);
-                    ops::quant::qgemv(dev, &x.data, x.rows, &rows, norm, out, w.rows)?;
+                    ops::quant::qgemv_linked(dev, x, &rows, (norm, link), out, w.rows)?;
                 }
             }
         }
         return Ok(());
+    }
+    if !matches!(link, NormLink::None) {
+        return Err(CudaError::Shape(format!(
+            "a split norm over a quantized product of {} tokens",
+            x.rows
+        )));
     }
     if norm.is_some() {
         return Err(CudaError::Shape(format!(
@@ -286,14 +325,14 @@ fn decoded_product<T: GemmOut>(
 }
 
 /// `[gate; up]` times the normalized `x` (normalized here by `norm`, or by the caller where
-/// [`CudaMatrix::takes_normalized_x`]), then SwiGLU, in one kernel per step of at most
-/// [`QGEMV_MAX_TOKENS`] tokens when the matrix is one band (gate and up of one type); `false`
-/// when the caller must take the unfused path.
+/// [`CudaMatrix::takes_normalized_x`], or finished from a split norm's parts by `link`), then
+/// SwiGLU, in one kernel per step of at most [`QGEMV_MAX_TOKENS`] tokens when the matrix is one
+/// band (gate and up of one type); `false` when the caller must take the unfused path.
 pub fn swiglu_product(
     dev: &CudaDevice,
     x: &CudaTensor,
     w: &CudaMatrix,
-    norm: Option<GemvNorm>,
+    (norm, link): (Option<GemvNorm>, NormLink),
     out: &mut CudaSlice<bf16>,
 ) -> Result<bool> {
     let MatrixStore::Blocks(bands) = &w.store else {
@@ -307,12 +346,11 @@ pub fn swiglu_product(
     }
     let mut view = out.slice_mut(0..);
     let units = w.rows / 2;
-    ops::quant::qgemv(
+    ops::quant::qgemv_linked(
         dev,
-        &x.data,
-        x.rows,
+        (&x.data, x.rows),
         &band.rows(w.cols),
-        norm,
+        (norm, link),
         QuantOut::SwiGlu(&mut view),
         units,
     )?;

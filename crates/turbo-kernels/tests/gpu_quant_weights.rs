@@ -456,6 +456,208 @@ fn tensor_core_products_that_do_not_normalize_take_normalized_x() {
     }
 }
 
+/// A norm split between two one-token tensor-core products (`NormLink`): the residual step writes
+/// the same stream as without it, x · g rounded to bf16 and per-16-row sums of squares; the
+/// product over x · g, finished from those sums, matches f64 `rsqrt(mean x² + eps) · Σ w · (x · g)`
+/// in every output mode. Steps of several tokens and CUDA-core products are refused.
+#[test]
+fn split_norm_products_match_f64() {
+    let Some(gpu) = gpu() else { return };
+    let dev = gpu.device();
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let (hidden, k_in, rows) = (1024, 512, 48);
+    let eps = 1e-5f32;
+    for (step_type, next_type) in [
+        (DType::Q4_K, DType::Q4_K),
+        (DType::Q6_K, DType::Q6_K),
+        (DType::Q6_K, DType::Q4_K),
+    ] {
+        let (_, step_bytes) = random_rows(dev, step_type, (hidden, k_in), &mut rng);
+        let step_w = quant_rows(step_type, &step_bytes, (hidden, k_in));
+        let (wf, next_bytes) = random_rows(dev, next_type, (rows, hidden), &mut rng);
+        let next_w = quant_rows(next_type, &next_bytes, (rows, hidden));
+        assert!(!quant::links_norm(dev, step_type, (hidden, k_in), 2));
+        // Fresh values in each round.
+        for tokens in [1, 1] {
+            assert!(quant::links_norm(dev, step_type, (hidden, k_in), tokens));
+            assert!(quant::links_norm(dev, next_type, (rows, hidden), tokens));
+            let a = dev
+                .stream
+                .clone_htod(&bf16_values(&mut rng, tokens * k_in))
+                .unwrap();
+            let resid = bf16_values(&mut rng, tokens * hidden);
+            let g = bf16_values(&mut rng, hidden);
+            let g_dev = dev.stream.clone_htod(&g).unwrap();
+
+            // The residual step, plain and linked: the same stream.
+            let mut plain = dev.stream.clone_htod(&resid).unwrap();
+            let mut view = plain.slice_mut(0..);
+            let out = QuantOut::AddTo(&mut view);
+            quant::qgemv(dev, &a, tokens, &step_w, None, out, hidden).unwrap();
+            let mut linked = dev.stream.clone_htod(&resid).unwrap();
+            let mut scaled = dev.stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
+            let mut parts = dev.stream.alloc_zeros::<f32>(tokens * hidden / 16).unwrap();
+            let link = quant::NormLink::Ahead {
+                weight: &g_dev,
+                scaled: &mut scaled,
+                parts: &mut parts,
+            };
+            let mut view = linked.slice_mut(0..);
+            let out = QuantOut::AddTo(&mut view);
+            quant::qgemv_linked(dev, (&a, tokens), &step_w, (None, link), out, hidden).unwrap();
+            let h = dev.stream.clone_dtoh(&linked).unwrap();
+            assert_eq!(
+                h,
+                dev.stream.clone_dtoh(&plain).unwrap(),
+                "{step_type} tokens {tokens}"
+            );
+            let scaled_host = dev.stream.clone_dtoh(&scaled).unwrap();
+            let parts_host = dev.stream.clone_dtoh(&parts).unwrap();
+            let mut inv = vec![0.0f64; tokens];
+            for t in 0..tokens {
+                for j in 0..hidden {
+                    let want = bf16::from_f32(h[t * hidden + j].to_f32() * g[j].to_f32());
+                    assert_eq!(
+                        scaled_host[t * hidden + j],
+                        want,
+                        "{step_type} x·g [{t},{j}]"
+                    );
+                }
+                for (b, &p) in parts_host[t * hidden / 16..(t + 1) * hidden / 16]
+                    .iter()
+                    .enumerate()
+                {
+                    let want: f64 = h[t * hidden + 16 * b..t * hidden + 16 * (b + 1)]
+                        .iter()
+                        .map(|v| v.to_f64() * v.to_f64())
+                        .sum();
+                    assert!(
+                        (p as f64 - want).abs() <= want * 1e-6,
+                        "{step_type} tokens {tokens}: part [{t},{b}] = {p}, f64 {want}"
+                    );
+                }
+                let ss: f64 = h[t * hidden..(t + 1) * hidden]
+                    .iter()
+                    .map(|v| v.to_f64().powi(2))
+                    .sum();
+                inv[t] = 1.0 / (ss / hidden as f64 + eps as f64).sqrt();
+            }
+
+            // The product over x · g, finished from the parts: f32, bf16 and SwiGLU outputs.
+            let xg = to_f64(&scaled_host);
+            let (sums, mag) = reference(&wf, &xg, tokens, rows, hidden);
+            let unit = unit_code_bound((next_type, true), &wf, &xg, tokens, rows, hidden);
+            let want: Vec<f64> = (0..tokens * rows)
+                .map(|i| sums[i] * inv[i / rows])
+                .collect();
+            // The sums' accumulation error, scaled; rsqrtf and the parts' f32 sum: 2⁻²⁰.
+            let tol: Vec<f64> = (0..tokens * rows)
+                .map(|i| (2e-6 * mag[i] + unit[i]) * inv[i / rows] + want[i].abs() * 2f64.powi(-20))
+                .collect();
+            let finish = || quant::NormLink::Finish { parts: &parts, eps };
+            let mut out = dev.stream.alloc_zeros::<f32>(tokens * rows).unwrap();
+            let mut view = out.slice_mut(0..);
+            let mode = QuantOut::F32(&mut view);
+            quant::qgemv_linked(
+                dev,
+                (&scaled, tokens),
+                &next_w,
+                (None, finish()),
+                mode,
+                rows,
+            )
+            .unwrap();
+            let got = dev.stream.clone_dtoh(&out).unwrap();
+            for i in 0..tokens * rows {
+                assert!(
+                    (got[i] as f64 - want[i]).abs() <= tol[i],
+                    "{next_type} tokens {tokens}: out {i} = {}, f64 {} (tolerance {})",
+                    got[i],
+                    want[i],
+                    tol[i]
+                );
+            }
+            let mut out = dev.stream.alloc_zeros::<bf16>(tokens * rows).unwrap();
+            let mut view = out.slice_mut(0..);
+            let mode = QuantOut::Bf16(&mut view);
+            quant::qgemv_linked(
+                dev,
+                (&scaled, tokens),
+                &next_w,
+                (None, finish()),
+                mode,
+                rows,
+            )
+            .unwrap();
+            let got = dev.stream.clone_dtoh(&out).unwrap();
+            for i in 0..tokens * rows {
+                let t = tol[i] + want[i].abs() * 2f64.powi(-8);
+                assert!(
+                    (got[i].to_f64() - want[i]).abs() <= t,
+                    "{next_type} tokens {tokens}: bf16 out {i} = {}, f64 {}",
+                    got[i],
+                    want[i]
+                );
+            }
+            let units = rows / 2;
+            let mut out = dev.stream.alloc_zeros::<bf16>(tokens * units).unwrap();
+            let mut view = out.slice_mut(0..);
+            let mode = QuantOut::SwiGlu(&mut view);
+            quant::qgemv_linked(
+                dev,
+                (&scaled, tokens),
+                &next_w,
+                (None, finish()),
+                mode,
+                units,
+            )
+            .unwrap();
+            let got = dev.stream.clone_dtoh(&out).unwrap();
+            for t in 0..tokens {
+                for u in 0..units {
+                    let (gi, ui) = (t * rows + u, t * rows + units + u);
+                    let (gate, up) = (want[gi], want[ui]);
+                    let w = gate / (1.0 + (-gate).exp()) * up;
+                    let scale = (gate.abs() + tol[gi]) * (up.abs() + tol[ui]);
+                    let tol = 4.0 * 2f64.powi(-8) * scale + 1e-6;
+                    let v = got[t * units + u].to_f64();
+                    assert!(
+                        (v - w).abs() <= tol,
+                        "{next_type} tokens {tokens}: swiglu[{t},{u}] = {v}, f64 {w} (tolerance {tol})"
+                    );
+                }
+            }
+        }
+    }
+    // A split norm is refused where a product cannot take part: CUDA-core products, and a norm
+    // of the product's own beside it.
+    let (_, bytes) = random_rows(dev, DType::Q8_0, (32, 256), &mut rng);
+    let q8 = quant_rows(DType::Q8_0, &bytes, (32, 256));
+    let x = dev.stream.clone_htod(&bf16_values(&mut rng, 256)).unwrap();
+    let parts = dev.stream.alloc_zeros::<f32>(16).unwrap();
+    let mut out = dev.stream.alloc_zeros::<f32>(32).unwrap();
+    let mut view = out.slice_mut(0..);
+    let link = quant::NormLink::Finish { parts: &parts, eps };
+    let refused = quant::qgemv_linked(
+        dev,
+        (&x, 1),
+        &q8,
+        (None, link),
+        QuantOut::F32(&mut view),
+        32,
+    );
+    assert!(refused.is_err(), "a split norm on a CUDA-core product");
+    let (_, bytes) = random_rows(dev, DType::Q4_K, (32, 256), &mut rng);
+    let q4 = quant_rows(DType::Q4_K, &bytes, (32, 256));
+    let x2 = dev.stream.clone_htod(&bf16_values(&mut rng, 512)).unwrap();
+    let mut out = dev.stream.alloc_zeros::<f32>(64).unwrap();
+    let mut view = out.slice_mut(0..);
+    let link = quant::NormLink::Finish { parts: &parts, eps };
+    let out = QuantOut::F32(&mut view);
+    let refused = quant::qgemv_linked(dev, (&x2, 2), &q4, (None, link), out, 32);
+    assert!(refused.is_err(), "a split norm over two tokens");
+}
+
 #[test]
 fn quantized_embedding_rows_are_the_decoded_rows() {
     let Some(gpu) = gpu() else { return };

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
 use turbo_attention::QuerySpan;
-use turbo_core::backend::{BatchLayout, Sampling, TokensLater};
+use turbo_core::backend::{BatchLayout, NextNorm, Sampling, TokensLater};
 use turbo_core::comm::RankInfo;
 use turbo_core::cpu::KvCacheSpec;
 use turbo_core::sampling::{PenaltyLists, SampleParams};
@@ -635,10 +635,27 @@ impl<B: Backend> RankModel<B> {
                 if !scoring.is_empty() {
                     b.accumulate_kv_scores(q, cache, i, c.n_heads, batch_layout, scale)?;
                 }
-                b.linear_residual_all_reduce(attn, &layer.wo, o, x)?;
+                // Each residual step names the norm that comes next, which a backend may
+                // begin in the step's epilogue.
+                let ffn_norm = NextNorm {
+                    weight: &layer.ffn_norm,
+                    eps,
+                    normed: &mut *h,
+                };
+                b.linear_residual_before_norm(attn, &layer.wo, o, x, ffn_norm)?;
                 // Feed-forward block (SwiGLU).
                 b.norm_linear_swiglu(x, &layer.ffn_norm, eps, h, &layer.w_gate_up, gate_up, act)?;
-                b.linear_residual_all_reduce(act, &layer.w_down, o, x)?;
+                match self.layers.get(i + 1) {
+                    Some(next) => {
+                        let attn_norm = NextNorm {
+                            weight: &next.attn_norm,
+                            eps,
+                            normed: &mut *h,
+                        };
+                        b.linear_residual_before_norm(act, &layer.w_down, o, x, attn_norm)?;
+                    }
+                    None => b.linear_residual_all_reduce(act, &layer.w_down, o, x)?,
+                }
             }
             b.gather_outputs(x, batch_layout, last)?;
             b.rms_norm(last, &self.final_norm, eps, normed)?;
