@@ -683,6 +683,46 @@ struct NormLink {
     float eps;
 };
 
+// Where a one-token QKV product puts its outputs instead of a qkv row (qkv_rope_kv_bf16 of
+// kernels/elementwise.cu in its epilogue): rotated queries to q, the rotated keys and the values
+// to the token's slot of the layer's bf16 caches (skipped for a slot past cache_slots). Each
+// output is first rounded to bf16, as the qkv row stores it, then rotated in f32 with its pair's
+// partner (the neighbouring unit, a lane away) and rounded again: the same values as the unfused
+// path. unit0 is the band's first row within the [q | k | v] rows.
+struct RopeKvOut {
+    __nv_bfloat16* q;
+    __nv_bfloat16* k_cache;
+    __nv_bfloat16* v_cache;
+    const unsigned* positions;
+    const unsigned* slots;
+    const float* inv_freq;
+    long long cache_slots;
+    int q_cols, kv_cols, head_dim, unit0;
+};
+
+// Stores unit u's value r (bf16-exact) of the QKV rows as RopeKvOut says, `partner` the value of
+// unit u ^ 1.
+__device__ __forceinline__ void rope_kv_store(const RopeKvOut& rope, int u, float r, float partner) {
+    const int g = rope.unit0 + u;
+    const bool even = (g & 1) == 0;
+    const unsigned slot = rope.slots[0];
+    const bool store = (long long)slot < rope.cache_slots;
+    const int half = rope.head_dim / 2;
+    if (g < rope.q_cols + rope.kv_cols) {
+        const bool key = g >= rope.q_cols;
+        const int at = key ? g - rope.q_cols : g;
+        const float2 ab = even ? make_float2(r, partner) : make_float2(partner, r);
+        const float2 rot = rope_rotate(ab, (float)rope.positions[0], rope.inv_freq[(at / 2) % half]);
+        const __nv_bfloat16 v = __float2bfloat16_rn(even ? rot.x : rot.y);
+        if (!key)
+            rope.q[at] = v;
+        else if (store)
+            rope.k_cache[(size_t)slot * (size_t)rope.kv_cols + at] = v;
+    } else if (store) {
+        rope.v_cache[(size_t)slot * (size_t)rope.kv_cols + (g - rope.q_cols - rope.kv_cols)] = __float2bfloat16_rn(r);
+    }
+}
+
 // Each token's 1 / rms from the residual step's parts (warp m for token m < M), into inv[m]; read
 // after the block's next __syncthreads. Tokens past the step's reuse the last token's parts.
 template <int M>
@@ -746,10 +786,10 @@ __device__ __forceinline__ void qmma1_store(float (&part)[W][M][16], float (&acc
     }
 }
 
-template <int R, int W, int M>
+template <int R, int W, int M, bool ROPE>
 __device__ __forceinline__ void qmma1_store_linked(float (&part)[W][M][16], float (&acc_a)[M], float (&acc_b)[M],
                                             int unit0, int units, void* out, int tokens, int ld, int mode,
-                                            const NormLink& link, const float* inv) {
+                                            const NormLink& link, const float* inv, const RopeKvOut& rope) {
     constexpr int UNITS = R == 2 ? 8 : 16;
     qmma1_gather(part, acc_a, acc_b);
     // Thread (m, i) stores unit i of token m; no thread returns before the residual step's
@@ -770,6 +810,12 @@ __device__ __forceinline__ void qmma1_store_linked(float (&part)[W][M][16], floa
         const float gate = round_to_bf16(v * scale);
         up = round_to_bf16(up * scale);
         static_cast<__nv_bfloat16*>(out)[at] = __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up);
+    } else if (ROPE && M == 1) {
+        // One token: units 0-15 in lanes 0-15 of warp 0, a pair's units in neighbouring lanes.
+        if (threadIdx.x >= TURBO_WARP) return;
+        const float r = on ? round_to_bf16(v * scale) : 0.f;
+        const float partner = __shfl_xor_sync(0xFFFFFFFFu, r, 1);
+        if (on) rope_kv_store(rope, unit, r, partner);
     } else if (mode == QGEMV_STORE_F32) {
         if (on) static_cast<float*>(out)[at] = v * scale;
     } else {
@@ -792,14 +838,15 @@ __device__ __forceinline__ void qmma1_store_linked(float (&part)[W][M][16], floa
     }
 }
 
-// qmma1_store, or with LINK its part in a split norm (qmma1_store_linked): separate functions, so
-// that the products without a link compile as they did before it existed.
-template <int R, int W, int M, bool LINK>
+// qmma1_store, or with LINK its part in a split norm (qmma1_store_linked; with ROPE, a QKV product
+// whose epilogue rotates and writes the KV cache): separate functions, so that the products without
+// a link compile as they did before it existed.
+template <int R, int W, int M, bool LINK, bool ROPE>
 __device__ __forceinline__ void qmma1_epilogue(float (&part)[W][M][16], float (&acc_a)[M], float (&acc_b)[M],
                                                int unit0, int units, void* out, int tokens, int ld, int mode,
-                                               const NormLink& link, const float* inv) {
+                                               const NormLink& link, const float* inv, const RopeKvOut& rope) {
     if constexpr (LINK)
-        qmma1_store_linked<R, W, M>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode, link, inv);
+        qmma1_store_linked<R, W, M, ROPE>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode, link, inv, rope);
     else
         qmma1_store<R, W, M>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode);
 }
@@ -886,11 +933,11 @@ __device__ __forceinline__ void normalize_to_shared(const __nv_bfloat16* __restr
 // to bf16), into shared memory while its first weights are in flight, instead of a separate launch
 // writing it to global memory; x is then not copied per super-block. With M > 1, each code is
 // decoded once for every token (q4k_mma_superblock_tokens; measured in docs/perf/h100.md).
-template <int R, int W, int S, bool NORM, int M = 1, bool LINK = false>
+template <int R, int W, int S, bool NORM, int M = 1, bool LINK = false, bool ROPE = false>
 __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long long row_bytes,
                                           const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
                                           float eps, void* out, int units, int k, int mode, int tokens = 1,
-                                          int ld = 0, NormLink link = {}) {
+                                          int ld = 0, NormLink link = {}, RopeKvOut rope = {}) {
     static_assert(M == 1 || !NORM, "steps of several tokens take normalized x");
     constexpr int UNITS = R == 2 ? 8 : 16, SB_BYTES = 144, SB_WORDS = 9;
     // A slot: x over the super-block (32 words a token, without NORM), then the 16 rows' blocks.
@@ -977,7 +1024,8 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
             pf_cp_async_commit();
         }
     }
-    qmma1_epilogue<R, W, M, LINK>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode, link, norm_inv);
+    qmma1_epilogue<R, W, M, LINK, ROPE>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode, link, norm_inv,
+                                        rope);
 }
 
 // -- one-token Q6_K products on tensor cores -----------------------------------------------------
@@ -999,11 +1047,11 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
 // 1024-row V band with the norm 8.5 -> 8.2. With 128 registers a thread it is no faster for many
 // blocks: the 49152-row LM head 66.1 -> 66.2 (4 warps), gate/up 44.3 -> 49.8, so ops::quant takes
 // it only for products of few blocks.
-template <int R, int W, bool NORM, bool LINK = false>
+template <int R, int W, bool NORM, bool LINK = false, bool ROPE = false>
 __device__ __forceinline__ void qmma1_q6k(const uint8_t* __restrict__ w, long long row_bytes,
                                           const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
                                           float eps, void* out, int units, int k, int mode, int /* tokens: 1 */ = 1,
-                                          int /* ld */ = 0, NormLink link = {}) {
+                                          int /* ld */ = 0, NormLink link = {}, RopeKvOut rope = {}) {
     constexpr int UNITS = R == 2 ? 8 : 16, SB_BYTES = 210;
     __shared__ float part[W][1][16];
     __shared__ uint4 normed[NORM ? MMA1_NORM_MAX_K / 8 : 1];
@@ -1098,7 +1146,7 @@ __device__ __forceinline__ void qmma1_q6k(const uint8_t* __restrict__ w, long lo
         acc_b = fmaf(db, sumb, acc_b);
     }
     float sums_a[1] = {acc_a}, sums_b[1] = {acc_b};
-    qmma1_epilogue<R, W, 1, LINK>(part, sums_a, sums_b, unit0, units, out, 1, 0, mode, link, norm_inv);
+    qmma1_epilogue<R, W, 1, LINK, ROPE>(part, sums_a, sums_b, unit0, units, out, 1, 0, mode, link, norm_inv, rope);
 }
 
 // As qmma1_q6k for steps of up to M tokens (x normalized by the caller): each warp copies the M
@@ -1350,19 +1398,21 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
 #define QMMA1_KERNEL(NAME, W, CALL)                                                                           \
     extern "C" __global__ void __launch_bounds__(W * TURBO_WARP)                                              \
         NAME(const uint8_t* w, long long row_bytes, const __nv_bfloat16* x, const __nv_bfloat16* g, float eps, \
-             void* out, int units, int k, int mode, NormLink link) {                                          \
-        CALL(w, row_bytes, x, g, eps, out, units, k, mode, 1, 0, link);                                          \
+             void* out, int units, int k, int mode, NormLink link, RopeKvOut rope) {                          \
+        CALL(w, row_bytes, x, g, eps, out, units, k, mode, 1, 0, link, rope);                                 \
     }
-// The six kernels of type T from template F<R, W, [the arguments after W,] NORM, ...>: without and
-// with the norm, and the link_ forms that take part in a split norm (NormLink; the others ignore it),
-// F's template arguments after NORM being LINKED for them.
+// The seven kernels of type T from template F<R, W, [the arguments after W,] NORM, ...>: without
+// and with the norm, and the link_ forms that take part in a split norm (NormLink; the others ignore
+// it), F's template arguments after NORM being LINKED for them; link_rope_ also puts a QKV
+// product's outputs where RopeKvOut says (the others ignore it).
 #define QMMA1_KERNELS(T, F, W, LINKED, ...)                                                                           \
     QMMA1_KERNEL(qmma1_##T, W, (F<1, W, __VA_ARGS__ false>))                                                  \
     QMMA1_KERNEL(qmma1_swiglu_##T, W, (F<2, W, __VA_ARGS__ false>))                                           \
     QMMA1_KERNEL(qmma1_norm_##T, W, (F<1, W, __VA_ARGS__ true>))                                              \
     QMMA1_KERNEL(qmma1_norm_swiglu_##T, W, (F<2, W, __VA_ARGS__ true>))                                       \
-    QMMA1_KERNEL(qmma1_link_##T, W, (F<1, W, __VA_ARGS__ false, LINKED>))                               \
-    QMMA1_KERNEL(qmma1_link_swiglu_##T, W, (F<2, W, __VA_ARGS__ false, LINKED>))
+    QMMA1_KERNEL(qmma1_link_##T, W, (F<1, W, __VA_ARGS__ false, LINKED>))                                    \
+    QMMA1_KERNEL(qmma1_link_swiglu_##T, W, (F<2, W, __VA_ARGS__ false, LINKED>))                             \
+    QMMA1_KERNEL(qmma1_link_rope_##T, W, (F<1, W, __VA_ARGS__ false, LINKED, true>))
 
 // Tensor-core products for steps of up to M tokens (x normalized by the caller), W warps a block:
 // the one-token kernels' layouts, each code decoded once for every token. F(R, M) names the

@@ -1972,6 +1972,46 @@ impl Backend for CudaBackend {
                 && !cache.spec().dtype.is_quantized()
         });
         let Some(wqkv_data) = fused else {
+            // One token finishing a split norm, with a bf16 cache: the product rotates its
+            // outputs and writes the KV cache itself.
+            if x.rows == 1
+                && wqkv.rows == q.cols + 2 * k.cols
+                && !cache.spec().dtype.is_quantized()
+                && wqkv.links_norm(&self.dev, 1, false)
+                && self.take_norm_ahead(x, weight, eps, normed)?
+            {
+                batch.check_cache(cache)?;
+                let (keys, values) = cache.layer_mut(layer);
+                let (positions, slots) = (
+                    batch.view(&batch.sections.positions),
+                    batch.view(&batch.sections.slots),
+                );
+                let rope = ops::quant::RopeKvOut::new(
+                    &self.dev,
+                    ops::quant::RopeKv {
+                        q: &mut q.data,
+                        k_cache: keys,
+                        v_cache: values,
+                        positions: &positions,
+                        slots: &slots,
+                        inv_freq: &batch.inv_freq_dev,
+                        widths: (q.cols, k.cols, head_dim),
+                    },
+                )?;
+                let guard = lock(&self.norm_ahead)?;
+                let link = ops::quant::NormLink::Finish {
+                    parts: &guard.parts,
+                    eps,
+                };
+                return Ok(crate::matrix::product(
+                    &self.dev,
+                    &self.decode_scratch,
+                    normed,
+                    wqkv,
+                    (None, link),
+                    ProductOut::RopeKv(rope),
+                )?);
+            }
             self.norm_linear(x, weight, eps, normed, wqkv, qkv)?;
             return self.qkv_rope_write(qkv, q, k, v, head_dim, cache, layer, batch);
         };

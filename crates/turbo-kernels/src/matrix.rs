@@ -8,7 +8,9 @@ use crate::error::{CudaError, Result};
 use crate::ops;
 use crate::ops::gemv::GemvNorm;
 use crate::ops::linear::{Band, GemmOut};
-use crate::ops::quant::{NormLink, QuantOut, QuantRows, PADDING_BYTES, QGEMV_MAX_TOKENS};
+use crate::ops::quant::{
+    NormLink, QuantOut, QuantRows, RopeKvOut, PADDING_BYTES, QGEMV_MAX_TOKENS,
+};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use std::sync::Mutex;
@@ -209,6 +211,9 @@ pub enum ProductOut<'a> {
     F32(&'a mut CudaSlice<f32>),
     /// Added to the residual stream in place.
     AddTo(&'a mut CudaSlice<bf16>),
+    /// A one-token QKV product finishing a split norm: its outputs rotated and written to q and
+    /// the KV cache ([`ops::quant::qgemv_rope_kv`]).
+    RopeKv(RopeKvOut<'a>),
 }
 
 /// `out ← x · wᵀ` (or `+=` for [`ProductOut::AddTo`]) for a matrix of blocks. Steps of at most
@@ -256,6 +261,10 @@ pub fn product(
             };
             let x = (&x.data, x.rows);
             match &mut out {
+                ProductOut::RopeKv(rope) => {
+                    let rope = rope.from_row(band.first_row);
+                    ops::quant::qgemv_rope_kv(dev, x.0, &rows, link, rope)?;
+                }
                 ProductOut::Bf16(o) => {
                     let mut view = o.try_slice_mut(band.first_row..).ok_or_else(short)?;
                     let out = QuantOut::Bf16(&mut view);
@@ -295,6 +304,10 @@ pub fn product(
         ProductOut::Bf16(o) => decoded_product(dev, scratch, x, w, bands, 0.0, o),
         ProductOut::AddTo(o) => decoded_product(dev, scratch, x, w, bands, 1.0, o),
         ProductOut::F32(o) => decoded_product(dev, scratch, x, w, bands, 0.0, o),
+        ProductOut::RopeKv(_) => Err(CudaError::Shape(format!(
+            "a QKV product's RoPE and KV write in its epilogue over {} tokens",
+            x.rows
+        ))),
     }
 }
 

@@ -658,6 +658,131 @@ fn split_norm_products_match_f64() {
     assert!(refused.is_err(), "a split norm over two tokens");
 }
 
+/// A one-token QKV product finishing a split norm that rotates its outputs and writes the KV
+/// cache itself (`RopeKvOut`) gives, bit for bit, what the product into a qkv row followed by
+/// `qkv_rope_kv` gives: q, the keys and the values at the token's slot, nothing else written;
+/// over two bands (Q4_K q and k, Q6_K v), and with a slot past the caches, which is skipped.
+#[test]
+fn qkv_product_with_rope_and_kv_write_equals_its_parts() {
+    use std::sync::Mutex;
+    use turbo_kernels::matrix::{self, DecodeScratch, ProductOut};
+    use turbo_kernels::ops::elementwise::qkv_rope_kv;
+    let Some(gpu) = gpu() else { return };
+    let dev = gpu.device();
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let (hidden, head_dim, q_cols, kv_cols, slots_n) = (512, 64, 256, 128, 40);
+    let wq = random_matrix(DType::Q4_K, q_cols, hidden, &mut rng);
+    let wk = random_matrix(DType::Q4_K, kv_cols, hidden, &mut rng);
+    let wv = random_matrix(DType::Q6_K, kv_cols, hidden, &mut rng);
+    let wqkv = matrix::upload_blocks(dev, &[&wq, &wk, &wv]).unwrap();
+    assert_eq!(wqkv.block_types(), vec![DType::Q4_K, DType::Q6_K]);
+    assert!(wqkv.links_norm(dev, 1, false));
+    let scratch = Mutex::new(DecodeScratch::default());
+    let x = turbo_kernels::CudaTensor {
+        data: dev
+            .stream
+            .clone_htod(&bf16_values(&mut rng, hidden))
+            .unwrap(),
+        rows: 1,
+        cols: hidden,
+    };
+    let parts_host: Vec<f32> = (0..hidden / 16)
+        .map(|_| rng.random_range(0.5..8.0))
+        .collect();
+    let parts = dev.stream.clone_htod(&parts_host).unwrap();
+    let inv_freq: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 500000f32.powf(-2.0 * i as f32 / head_dim as f32))
+        .collect();
+    let inv_freq = dev.stream.clone_htod(&inv_freq).unwrap();
+    let poison = vec![bf16::from_f32(-7.25); slots_n * kv_cols];
+    for (position, slot) in [(1234u32, 17u32), (7, 3), (50_000, slots_n as u32 + 5)] {
+        let positions = dev.stream.clone_htod(&[position]).unwrap();
+        let slots = dev.stream.clone_htod(&[slot]).unwrap();
+        let (positions, slots) = (positions.slice(..), slots.slice(..));
+        let finish = || quant::NormLink::Finish {
+            parts: &parts,
+            eps: 1e-5,
+        };
+
+        // The product into a qkv row, then the step after it.
+        let mut qkv = dev
+            .stream
+            .alloc_zeros::<bf16>(q_cols + 2 * kv_cols)
+            .unwrap();
+        let out = ProductOut::Bf16(&mut qkv);
+        matrix::product(dev, &scratch, &x, &wqkv, (None, finish()), out).unwrap();
+        let mut q_want = dev.stream.alloc_zeros::<bf16>(q_cols).unwrap();
+        let mut k_want = dev.stream.clone_htod(&poison).unwrap();
+        let mut v_want = dev.stream.clone_htod(&poison).unwrap();
+        let widths = (q_cols, kv_cols, head_dim);
+        qkv_rope_kv(
+            dev,
+            &qkv,
+            &mut q_want,
+            &mut k_want,
+            &mut v_want,
+            1,
+            widths,
+            &positions,
+            &slots,
+            &inv_freq,
+        )
+        .unwrap();
+
+        // The product that does both.
+        let mut q_got = dev.stream.alloc_zeros::<bf16>(q_cols).unwrap();
+        let mut k_got = dev.stream.clone_htod(&poison).unwrap();
+        let mut v_got = dev.stream.clone_htod(&poison).unwrap();
+        let rope = quant::RopeKvOut::new(
+            dev,
+            quant::RopeKv {
+                q: &mut q_got,
+                k_cache: &mut k_got,
+                v_cache: &mut v_got,
+                positions: &positions,
+                slots: &slots,
+                inv_freq: &inv_freq,
+                widths,
+            },
+        )
+        .unwrap();
+        let out = ProductOut::RopeKv(rope);
+        matrix::product(dev, &scratch, &x, &wqkv, (None, finish()), out).unwrap();
+        let host = |b: &cudarc::driver::CudaSlice<bf16>| dev.stream.clone_dtoh(b).unwrap();
+        assert_eq!(
+            host(&q_got),
+            host(&q_want),
+            "queries at position {position}"
+        );
+        assert_eq!(host(&k_got), host(&k_want), "keys at slot {slot}");
+        assert_eq!(host(&v_got), host(&v_want), "values at slot {slot}");
+        if slot as usize >= slots_n {
+            assert_eq!(host(&k_got), poison, "a slot past the cache is skipped");
+        }
+    }
+    // Without a split norm to finish, or over two tokens, it is refused.
+    let mut q = dev.stream.alloc_zeros::<bf16>(q_cols).unwrap();
+    let mut kc = dev.stream.clone_htod(&poison).unwrap();
+    let mut vc = dev.stream.clone_htod(&poison).unwrap();
+    let one = dev.stream.clone_htod(&[0u32]).unwrap();
+    let one = one.slice(..);
+    let rope = quant::RopeKvOut::new(
+        dev,
+        quant::RopeKv {
+            q: &mut q,
+            k_cache: &mut kc,
+            v_cache: &mut vc,
+            positions: &one,
+            slots: &one,
+            inv_freq: &inv_freq,
+            widths: (q_cols, kv_cols, head_dim),
+        },
+    )
+    .unwrap();
+    let unlinked = (None, quant::NormLink::None);
+    assert!(matrix::product(dev, &scratch, &x, &wqkv, unlinked, ProductOut::RopeKv(rope)).is_err());
+}
+
 #[test]
 fn quantized_embedding_rows_are_the_decoded_rows() {
     let Some(gpu) = gpu() else { return };

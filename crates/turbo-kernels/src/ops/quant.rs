@@ -233,6 +233,108 @@ impl NormLinkArgs {
     }
 }
 
+/// Where a one-token QKV product puts its outputs instead of a qkv row: the attention block's step
+/// after it ([`super::elementwise::qkv_rope_kv`]) in the product's epilogue. `q` receives the
+/// rotated queries; the rotated keys and the values go to slot `slots[0]` of the layer's bf16
+/// caches (a slot past them is skipped). `widths` is `(q_cols, kv_cols, head_dim)`.
+pub struct RopeKv<'a, 'b> {
+    pub q: &'a mut CudaSlice<bf16>,
+    pub k_cache: &'a mut CudaSlice<bf16>,
+    pub v_cache: &'a mut CudaSlice<bf16>,
+    pub positions: &'a CudaView<'b, u32>,
+    pub slots: &'a CudaView<'b, u32>,
+    pub inv_freq: &'a CudaSlice<f32>,
+    pub widths: (usize, usize, usize),
+}
+
+/// A [`RopeKv`] as the kernels take it (`RopeKvOut` in kernels/quant.cu), its sizes checked, for
+/// the band of rows from `unit0` on; it holds the borrows of the buffers it points into.
+#[derive(Clone, Copy)]
+pub struct RopeKvOut<'a> {
+    args: RopeKvArgs,
+    _borrows: std::marker::PhantomData<&'a mut CudaSlice<bf16>>,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RopeKvArgs {
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    positions: u64,
+    slots: u64,
+    inv_freq: u64,
+    cache_slots: i64,
+    q_cols: i32,
+    kv_cols: i32,
+    head_dim: i32,
+    unit0: i32,
+}
+
+// SAFETY: a plain C struct of the kernels' layout (six pointers, an i64, four i32s).
+unsafe impl DeviceRepr for RopeKvArgs {}
+
+impl<'a> RopeKvOut<'a> {
+    /// Checks `t`'s sizes as [`super::elementwise::qkv_rope_kv`] does for one token. The
+    /// pointers' guards are dropped at once: the device's one stream orders every use.
+    pub fn new(dev: &CudaDevice, t: RopeKv<'a, '_>) -> Result<Self> {
+        let (q_cols, kv_cols, head_dim) = t.widths;
+        check(
+            head_dim > 0
+                && head_dim % 2 == 0
+                && q_cols % head_dim == 0
+                && kv_cols % head_dim == 0
+                && kv_cols > 0
+                && q_cols + 2 * kv_cols <= i32::MAX as usize
+                && t.q.len() >= q_cols
+                && !t.positions.is_empty()
+                && !t.slots.is_empty()
+                && t.inv_freq.len() >= head_dim / 2,
+            || {
+                format!(
+                    "a QKV product's RoPE and KV write: q {} / positions {} / slots {} / inv_freq {} \
+                     elements for q_cols={q_cols} kv_cols={kv_cols} head_dim={head_dim}",
+                    t.q.len(),
+                    t.positions.len(),
+                    t.slots.len(),
+                    t.inv_freq.len()
+                )
+            },
+        )?;
+        let stream = &dev.stream;
+        let cache_slots = (t.k_cache.len().min(t.v_cache.len()) / kv_cols) as i64;
+        let args = RopeKvArgs {
+            q: t.q.device_ptr_mut(stream).0,
+            k_cache: t.k_cache.device_ptr_mut(stream).0,
+            v_cache: t.v_cache.device_ptr_mut(stream).0,
+            positions: t.positions.device_ptr(stream).0,
+            slots: t.slots.device_ptr(stream).0,
+            inv_freq: t.inv_freq.device_ptr(stream).0,
+            cache_slots,
+            q_cols: q_cols as i32,
+            kv_cols: kv_cols as i32,
+            head_dim: head_dim as i32,
+            unit0: 0,
+        };
+        Ok(RopeKvOut {
+            args,
+            _borrows: std::marker::PhantomData,
+        })
+    }
+
+    /// The same outputs for a band of the QKV rows starting at row `unit0`.
+    pub fn from_row(self, unit0: usize) -> Self {
+        let mut out = self;
+        out.args.unit0 = unit0 as i32;
+        out
+    }
+
+    /// Rows of the QKV product: `q_cols + 2 · kv_cols`.
+    fn rows(&self) -> usize {
+        (self.args.q_cols + 2 * self.args.kv_cols) as usize
+    }
+}
+
 /// `out ← x · wᵀ` for `x` `[tokens, cols]` (1 to [`QGEMV_MAX_TOKENS`] tokens) and quantized `w`,
 /// f32 accumulation, with `norm` applied to `x` first when given (SwiGLU needs it, as
 /// [`super::gemv::gemv`]). `ld` is the distance between tokens' rows of `out`.
@@ -292,7 +394,12 @@ pub fn qgemv_linked(
             && x.len() >= tokens * w.cols
             && out_len >= (tokens - 1) * ld + units
             && norm.as_ref().is_none_or(|n| n.weight.len() >= w.cols)
-            && link_fits(&link, tokens, w, (mma, norm.is_some(), &out)),
+            && link_fits(
+                &link,
+                tokens,
+                w,
+                (mma, norm.is_some(), matches!(out, QuantOut::AddTo(_))),
+            ),
         || {
             format!(
                 "qgemv: x {} / out {out_len} elements for tokens={tokens} rows={} cols={} ld={ld} \
@@ -380,13 +487,78 @@ pub fn qgemv_linked(
     product.launch(dev, &x.slice(..), tokens, dst.rows_from(0))
 }
 
+/// A one-token product over `x` (an `Ahead` step's x · g) finishing the split norm `link`, whose
+/// rows are a band of a QKV product's: its outputs rotated and written as `rope` says, instead of
+/// stored as a qkv row.
+pub fn qgemv_rope_kv(
+    dev: &CudaDevice,
+    x: &CudaSlice<bf16>,
+    w: &QuantRows,
+    link: NormLink,
+    rope: RopeKvOut,
+) -> Result<()> {
+    let (names, row_bytes) = w.check("qgemv_rope_kv")?;
+    let mma1 = names
+        .mma1
+        .as_ref()
+        .filter(|_| on_tensor_cores(dev, w.dtype, (w.rows, w.cols), 1));
+    let band_end = (rope.args.unit0 as usize).checked_add(w.rows);
+    check(
+        mma1.is_some()
+            && matches!(link, NormLink::Finish { .. })
+            && link_fits(&link, 1, w, (true, false, false))
+            && x.len() >= w.cols
+            && band_end.is_some_and(|end| end <= rope.rows()),
+        || {
+            format!(
+                "qgemv_rope_kv: a {} band of {} rows from row {} of {} QKV rows, x {} elements \
+                 (one token on tensor cores, finishing a split norm)",
+                w.dtype,
+                w.rows,
+                rope.args.unit0,
+                rope.rows(),
+                x.len()
+            )
+        },
+    )?;
+    let mut link = link;
+    let link = NormLinkArgs::of(dev, &mut link);
+    let mma1 = mma1.expect("checked");
+    let f = dev.function(names.module, mma1.rope)?;
+    let (row_bytes_i, units_i, k_i, mode) = (row_bytes as i64, w.rows as i32, w.cols as i32, 0i32);
+    let mut b = dev.stream.launch_builder(&f);
+    b.arg(w.bytes);
+    b.arg(&row_bytes_i);
+    b.arg(x);
+    b.arg(x); // g: no norm of its own
+    b.arg(&0f32);
+    b.arg(x); // out: unused, the outputs go where `rope` says
+    b.arg(&units_i);
+    b.arg(&k_i);
+    b.arg(&mode);
+    b.arg(&link);
+    b.arg(&rope.args);
+    let cfg = LaunchConfig {
+        grid_dim: (w.rows.div_ceil(16) as u32, 1, 1),
+        block_dim: (mma1.warps * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; one token's x holds `cols` values, rows
+    // are whole super-blocks with their padding, the link's parts and `rope`'s buffers were
+    // checked (the band lies within the QKV rows, so every unit lands in q or a cache row of
+    // `kv_cols`, or is skipped past the caches' slots), and `rope` holds their borrows.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
 /// Whether `link` suits a product of `tokens` tokens over `w` (`mma`: on tensor cores; `normed`:
-/// with a norm of its own) writing `out`, its buffers holding what the kernel touches.
+/// with a norm of its own; `adds`: added into the stream), its buffers holding what the kernel
+/// touches.
 fn link_fits(
     link: &NormLink,
     tokens: usize,
     w: &QuantRows,
-    (mma, normed, out): (bool, bool, &QuantOut),
+    (mma, normed, adds): (bool, bool, bool),
 ) -> bool {
     let one = tokens == 1 && mma && !normed;
     match link {
@@ -396,7 +568,7 @@ fn link_fits(
             scaled,
             parts,
         } => {
-            one && matches!(out, QuantOut::AddTo(_))
+            one && adds
                 && w.rows.is_multiple_of(16)
                 && weight.len() >= w.rows
                 && scaled.len() >= w.rows
@@ -555,6 +727,8 @@ fn mma1_launch(
     b.arg(&k_i);
     b.arg(&mode);
     b.arg(&link);
+    let no_rope = RopeKvArgs::default();
+    b.arg(&no_rope);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: (mma1.warps * 32, 1, 1),
@@ -801,6 +975,8 @@ struct KernelNames {
 struct Mma1Kernels {
     /// One token: `[without, with the norm, in a split norm][plain, SwiGLU]`.
     names: [[&'static str; 2]; 3],
+    /// One token in a split norm, a QKV product's outputs rotated and written to the KV cache.
+    rope: &'static str,
     /// Warps of a block (`QMMA1_<type>_WARPS`).
     warps: u32,
     /// Taken only for products of few blocks ([`MMA1_FEW_BLOCKS_BELOW`]): with more, the CUDA-core
@@ -864,6 +1040,7 @@ static Q4_K: KernelNames = kernel_names!(
             ["qmma1_norm_Q4_K", "qmma1_norm_swiglu_Q4_K"],
             ["qmma1_link_Q4_K", "qmma1_link_swiglu_Q4_K"],
         ],
+        rope: "qmma1_link_rope_Q4_K",
         warps: 4,
         few_blocks_only: false,
         tokens: Some((
@@ -885,6 +1062,7 @@ static Q6_K: KernelNames = kernel_names!(
             ["qmma1_norm_Q6_K", "qmma1_norm_swiglu_Q6_K"],
             ["qmma1_link_Q6_K", "qmma1_link_swiglu_Q6_K"],
         ],
+        rope: "qmma1_link_rope_Q6_K",
         warps: 8,
         few_blocks_only: true,
         tokens: Some((
