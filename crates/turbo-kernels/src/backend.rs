@@ -330,20 +330,31 @@ impl CudaBackend {
         if !w.links_norm(&self.dev, normed.rows, false) {
             return Ok(false);
         }
+        self.finishing_norm(eps, |link| {
+            crate::matrix::product(
+                &self.dev,
+                &self.decode_scratch,
+                normed,
+                w,
+                (None, link),
+                out,
+            )
+        })?;
+        Ok(true)
+    }
+
+    /// Runs `f` with the link that finishes the split norm whose parts the backend holds.
+    fn finishing_norm<R>(
+        &self,
+        eps: f32,
+        f: impl FnOnce(ops::quant::NormLink) -> crate::Result<R>,
+    ) -> Result<R> {
         let guard = lock(&self.norm_ahead)?;
         let link = ops::quant::NormLink::Finish {
             parts: &guard.parts,
             eps,
         };
-        crate::matrix::product(
-            &self.dev,
-            &self.decode_scratch,
-            normed,
-            w,
-            (None, link),
-            out,
-        )?;
-        Ok(true)
+        Ok(f(link)?)
     }
 
     /// The backends of a tensor-parallel group over GPUs `first .. first + world`, rank order,
@@ -1235,33 +1246,19 @@ impl Backend for CudaBackend {
         if self.take_norm_ahead(x, weight, eps, normed)?
             && w_gate_up.links_norm(&self.dev, x.rows, false)
         {
-            let guard = lock(&self.norm_ahead)?;
-            let link = ops::quant::NormLink::Finish {
-                parts: &guard.parts,
-                eps,
-            };
-            if crate::matrix::swiglu_product(
-                &self.dev,
-                normed,
-                w_gate_up,
-                (None, link),
-                &mut out.data,
-            )? {
+            let fused = self.finishing_norm(eps, |link| {
+                crate::matrix::swiglu_product(
+                    &self.dev,
+                    normed,
+                    w_gate_up,
+                    (None, link),
+                    &mut out.data,
+                )
+            })?;
+            if fused {
                 return Ok(());
             }
-            let link = ops::quant::NormLink::Finish {
-                parts: &guard.parts,
-                eps,
-            };
-            crate::matrix::product(
-                &self.dev,
-                &self.decode_scratch,
-                normed,
-                w_gate_up,
-                (None, link),
-                ProductOut::Bf16(&mut gate_up.data),
-            )?;
-            drop(guard);
+            self.finish_norm_product(normed, eps, w_gate_up, ProductOut::Bf16(&mut gate_up.data))?;
             return self.swiglu(gate_up, out);
         }
         let norm = GemvNorm {
@@ -1988,7 +1985,7 @@ impl Backend for CudaBackend {
                 );
                 let rope = ops::quant::RopeKvOut::new(
                     &self.dev,
-                    ops::quant::RopeKv {
+                    QkvRopeOut {
                         q: &mut q.data,
                         k_cache: keys,
                         v_cache: values,
@@ -1998,19 +1995,17 @@ impl Backend for CudaBackend {
                         widths: (q.cols, k.cols, head_dim),
                     },
                 )?;
-                let guard = lock(&self.norm_ahead)?;
-                let link = ops::quant::NormLink::Finish {
-                    parts: &guard.parts,
-                    eps,
-                };
-                return Ok(crate::matrix::product(
-                    &self.dev,
-                    &self.decode_scratch,
-                    normed,
-                    wqkv,
-                    (None, link),
-                    ProductOut::RopeKv(rope),
-                )?);
+                let out = ProductOut::RopeKv(rope);
+                return self.finishing_norm(eps, |link| {
+                    crate::matrix::product(
+                        &self.dev,
+                        &self.decode_scratch,
+                        normed,
+                        wqkv,
+                        (None, link),
+                        out,
+                    )
+                });
             }
             self.norm_linear(x, weight, eps, normed, wqkv, qkv)?;
             return self.qkv_rope_write(qkv, q, k, v, head_dim, cache, layer, batch);

@@ -9,7 +9,7 @@ use turbo_core::backend::Backend;
 use turbo_core::cpu::CpuBackend;
 use turbo_core::storage::Bytes;
 use turbo_core::{DType, WeightMatrix};
-use turbo_kernels::ops::gemv::GemvNorm;
+use turbo_kernels::ops::gemv::{GemvNorm, QkvRopeOut};
 use turbo_kernels::ops::quant::{self, QuantOut, QuantRows, PADDING_BYTES, QGEMV_MAX_TOKENS};
 use turbo_kernels::{CudaBackend, CudaDevice};
 use turbo_llama::{Llama, LoadedModel};
@@ -555,18 +555,12 @@ fn split_norm_products_match_f64() {
                 .map(|i| (2e-6 * mag[i] + unit[i]) * inv[i / rows] + want[i].abs() * 2f64.powi(-20))
                 .collect();
             let finish = || quant::NormLink::Finish { parts: &parts, eps };
+            let product = |out: QuantOut, ld: usize| {
+                let x = (&scaled, tokens);
+                quant::qgemv_linked(dev, x, &next_w, (None, finish()), out, ld).unwrap()
+            };
             let mut out = dev.stream.alloc_zeros::<f32>(tokens * rows).unwrap();
-            let mut view = out.slice_mut(0..);
-            let mode = QuantOut::F32(&mut view);
-            quant::qgemv_linked(
-                dev,
-                (&scaled, tokens),
-                &next_w,
-                (None, finish()),
-                mode,
-                rows,
-            )
-            .unwrap();
+            product(QuantOut::F32(&mut out.slice_mut(0..)), rows);
             let got = dev.stream.clone_dtoh(&out).unwrap();
             for i in 0..tokens * rows {
                 assert!(
@@ -578,17 +572,7 @@ fn split_norm_products_match_f64() {
                 );
             }
             let mut out = dev.stream.alloc_zeros::<bf16>(tokens * rows).unwrap();
-            let mut view = out.slice_mut(0..);
-            let mode = QuantOut::Bf16(&mut view);
-            quant::qgemv_linked(
-                dev,
-                (&scaled, tokens),
-                &next_w,
-                (None, finish()),
-                mode,
-                rows,
-            )
-            .unwrap();
+            product(QuantOut::Bf16(&mut out.slice_mut(0..)), rows);
             let got = dev.stream.clone_dtoh(&out).unwrap();
             for i in 0..tokens * rows {
                 let t = tol[i] + want[i].abs() * 2f64.powi(-8);
@@ -601,17 +585,7 @@ fn split_norm_products_match_f64() {
             }
             let units = rows / 2;
             let mut out = dev.stream.alloc_zeros::<bf16>(tokens * units).unwrap();
-            let mut view = out.slice_mut(0..);
-            let mode = QuantOut::SwiGlu(&mut view);
-            quant::qgemv_linked(
-                dev,
-                (&scaled, tokens),
-                &next_w,
-                (None, finish()),
-                mode,
-                units,
-            )
-            .unwrap();
+            product(QuantOut::SwiGlu(&mut out.slice_mut(0..)), units);
             let got = dev.stream.clone_dtoh(&out).unwrap();
             for t in 0..tokens {
                 for u in 0..units {
@@ -735,7 +709,7 @@ fn qkv_product_with_rope_and_kv_write_equals_its_parts() {
         let mut v_got = dev.stream.clone_htod(&poison).unwrap();
         let rope = quant::RopeKvOut::new(
             dev,
-            quant::RopeKv {
+            QkvRopeOut {
                 q: &mut q_got,
                 k_cache: &mut k_got,
                 v_cache: &mut v_got,
@@ -768,7 +742,7 @@ fn qkv_product_with_rope_and_kv_write_equals_its_parts() {
     let one = one.slice(..);
     let rope = quant::RopeKvOut::new(
         dev,
-        quant::RopeKv {
+        QkvRopeOut {
             q: &mut q,
             k_cache: &mut kc,
             v_cache: &mut vc,

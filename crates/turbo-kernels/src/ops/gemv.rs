@@ -240,6 +240,24 @@ pub struct QkvRopeOut<'a, 'b> {
     pub widths: (usize, usize, usize),
 }
 
+impl QkvRopeOut<'_, '_> {
+    /// Whether the widths are whole heads of pairs and the buffers hold `tokens` tokens' queries,
+    /// positions and slots, and the rotation's frequencies.
+    pub(crate) fn fits(&self, tokens: usize) -> bool {
+        let (q_cols, kv_cols, head_dim) = self.widths;
+        head_dim > 0
+            && head_dim % 2 == 0
+            && q_cols % head_dim == 0
+            && kv_cols % head_dim == 0
+            && kv_cols > 0
+            && q_cols + 2 * kv_cols <= i32::MAX as usize
+            && self.q.len() >= tokens * q_cols
+            && self.positions.len() >= tokens
+            && self.slots.len() >= tokens
+            && self.inv_freq.len() >= head_dim / 2
+    }
+}
+
 /// The attention block's first product and the step after it, in one kernel: `rms_norm(x) ·
 /// wqkvᵀ` for the fused `[W_q; W_k; W_v]`, then what `elementwise::qkv_rope_kv` does with it
 /// (rotated queries to `q`, rotated keys and values to each token's slot), with the same
@@ -258,18 +276,10 @@ pub fn gemv_qkv_rope(
     let rows = q_cols + 2 * kv_cols;
     check(
         gemv_fits(tokens, k)
-            && head_dim > 0
-            && head_dim % 2 == 0
-            && q_cols % head_dim == 0
-            && kv_cols % head_dim == 0
-            && rows <= i32::MAX as usize
+            && out.fits(tokens)
             && x.len() >= tokens * k
             && w.len() >= rows * k
-            && norm.weight.len() >= k
-            && out.q.len() >= tokens * q_cols
-            && out.positions.len() >= tokens
-            && out.slots.len() >= tokens
-            && out.inv_freq.len() >= head_dim / 2,
+            && norm.weight.len() >= k,
         || {
             format!(
                 "gemv_qkv_rope: x {} / w {} / q {} elements for tokens={tokens} k={k} \

@@ -4,7 +4,7 @@
 //! quantized table.
 
 use super::check;
-use super::gemv::GemvNorm;
+use super::gemv::{GemvNorm, QkvRopeOut};
 use crate::device::CudaDevice;
 use crate::error::Result;
 use cudarc::driver::{
@@ -233,22 +233,10 @@ impl NormLinkArgs {
     }
 }
 
-/// Where a one-token QKV product puts its outputs instead of a qkv row: the attention block's step
-/// after it ([`super::elementwise::qkv_rope_kv`]) in the product's epilogue. `q` receives the
-/// rotated queries; the rotated keys and the values go to slot `slots[0]` of the layer's bf16
-/// caches (a slot past them is skipped). `widths` is `(q_cols, kv_cols, head_dim)`.
-pub struct RopeKv<'a, 'b> {
-    pub q: &'a mut CudaSlice<bf16>,
-    pub k_cache: &'a mut CudaSlice<bf16>,
-    pub v_cache: &'a mut CudaSlice<bf16>,
-    pub positions: &'a CudaView<'b, u32>,
-    pub slots: &'a CudaView<'b, u32>,
-    pub inv_freq: &'a CudaSlice<f32>,
-    pub widths: (usize, usize, usize),
-}
-
-/// A [`RopeKv`] as the kernels take it (`RopeKvOut` in kernels/quant.cu), its sizes checked, for
-/// the band of rows from `unit0` on; it holds the borrows of the buffers it points into.
+/// Where a one-token QKV product puts its outputs instead of a qkv row, as the kernels take it
+/// (`RopeKvOut` in kernels/quant.cu): the step after it ([`super::gemv::gemv_qkv_rope`]'s outputs,
+/// a [`QkvRopeOut`] of one token) in the product's epilogue, for the band of its rows from `unit0`
+/// on. It holds the borrows of the buffers it points into.
 #[derive(Clone, Copy)]
 pub struct RopeKvOut<'a> {
     args: RopeKvArgs,
@@ -275,32 +263,20 @@ struct RopeKvArgs {
 unsafe impl DeviceRepr for RopeKvArgs {}
 
 impl<'a> RopeKvOut<'a> {
-    /// Checks `t`'s sizes as [`super::elementwise::qkv_rope_kv`] does for one token. The
-    /// pointers' guards are dropped at once: the device's one stream orders every use.
-    pub fn new(dev: &CudaDevice, t: RopeKv<'a, '_>) -> Result<Self> {
+    /// Checks `t`'s sizes for one token. The pointers' guards are dropped at once: the device's
+    /// one stream orders every use.
+    pub fn new(dev: &CudaDevice, t: QkvRopeOut<'a, '_>) -> Result<Self> {
         let (q_cols, kv_cols, head_dim) = t.widths;
-        check(
-            head_dim > 0
-                && head_dim % 2 == 0
-                && q_cols % head_dim == 0
-                && kv_cols % head_dim == 0
-                && kv_cols > 0
-                && q_cols + 2 * kv_cols <= i32::MAX as usize
-                && t.q.len() >= q_cols
-                && !t.positions.is_empty()
-                && !t.slots.is_empty()
-                && t.inv_freq.len() >= head_dim / 2,
-            || {
-                format!(
-                    "a QKV product's RoPE and KV write: q {} / positions {} / slots {} / inv_freq {} \
-                     elements for q_cols={q_cols} kv_cols={kv_cols} head_dim={head_dim}",
-                    t.q.len(),
-                    t.positions.len(),
-                    t.slots.len(),
-                    t.inv_freq.len()
-                )
-            },
-        )?;
+        check(t.fits(1), || {
+            format!(
+                "a QKV product's RoPE and KV write: q {} / positions {} / slots {} / inv_freq {} \
+                 elements for q_cols={q_cols} kv_cols={kv_cols} head_dim={head_dim}",
+                t.q.len(),
+                t.positions.len(),
+                t.slots.len(),
+                t.inv_freq.len()
+            )
+        })?;
         let stream = &dev.stream;
         let cache_slots = (t.k_cache.len().min(t.v_cache.len()) / kv_cols) as i64;
         let args = RopeKvArgs {
