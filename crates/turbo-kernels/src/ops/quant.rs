@@ -200,7 +200,7 @@ impl NormLinkArgs {
         self.parts_in != 0 || self.g != 0
     }
 
-    /// The arguments of a one-token launch over `w`. The pointers' guards are dropped at once:
+    /// The arguments of a one-token launch. The pointers' guards are dropped at once:
     /// the device's one stream orders every use.
     fn of(dev: &CudaDevice, link: &mut NormLink) -> Self {
         let stream = &dev.stream;
