@@ -668,18 +668,18 @@ __device__ __forceinline__ void q4k_mma_superblock(const Mma1Lane& l, const uint
     Q4kRowScales(l, ha, hb).add(c, s, acc_a, acc_b);
 }
 
-// An RMSNorm split between two tensor-core products (ops::quant::NormLink). The residual step
-// that writes x (mode QGEMV_ADD_RESIDUAL, `g` set) also writes x · g rounded to bf16 (`scaled`,
-// laid out as its output) and each block's Σx² of every token (`parts_out[t · gridDim.x + block]`,
-// over the stored bf16 values, in a fixed order); the next product takes x · g as its x, and with
-// `parts_in` set it multiplies each token's sums by rsqrt(Σ parts / k + eps) before its epilogue.
-// The norm then costs neither a launch of its own nor a pass over x in every block, and the
-// residual step's blocks pay 16 multiplies and a shuffle reduction.
+// An RMSNorm split between two one-token tensor-core products (ops::quant::NormLink). The residual
+// step that writes x (mode QGEMV_ADD_RESIDUAL, `g` set) also writes x · g rounded to bf16 (`scaled`,
+// laid out as its output) and each block's Σx² (`parts_out[block]`, over the stored bf16 values, in
+// a fixed order); the next product takes x · g as its x, and with `parts_in` set it multiplies its
+// sums by rsqrt(Σ parts / k + eps) before its epilogue. The norm then costs neither a launch of its
+// own nor a pass over x in every block, and the residual step's blocks pay 16 multiplies and a
+// shuffle reduction.
 struct NormLink {
-    const float* parts_in;    // the product over x · g: [tokens][k / 16] partial sums, or null
+    const float* parts_in;    // the product over x · g: k / 16 partial sums, or null
     const __nv_bfloat16* g;   // the residual step: the next norm's weights, or null
-    __nv_bfloat16* scaled;    // the residual step: x · g, [tokens][ld]
-    float* parts_out;         // the residual step: [tokens][gridDim.x]
+    __nv_bfloat16* scaled;    // the residual step: x · g, as many values as its outputs
+    float* parts_out;         // the residual step: gridDim.x partial sums
     float eps;
 };
 
@@ -723,23 +723,17 @@ __device__ __forceinline__ void rope_kv_store(const RopeKvOut& rope, int u, floa
     }
 }
 
-// Each token's 1 / rms from the residual step's parts (warp m for token m < M), into inv[m]; read
-// after the block's next __syncthreads. Tokens past the step's reuse the last token's parts.
-template <int M>
-__device__ __forceinline__ void norm_link_inv(const NormLink& link, int k, int tokens, float* inv) {
-    const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
-    if (link.parts_in == nullptr || warp >= M) return;  // uniform per warp
-    const int n = k / 16, m = min(warp, tokens - 1);
-    const float* parts = link.parts_in + (size_t)m * (size_t)n;
+// 1 / rms from the residual step's parts (warp 0), into *inv; read after the block's next
+// __syncthreads.
+__device__ __forceinline__ void norm_link_inv(const NormLink& link, int k, float* inv) {
+    const int lane = threadIdx.x % TURBO_WARP;
+    if (link.parts_in == nullptr || threadIdx.x >= TURBO_WARP) return;  // uniform per warp
     float s = 0.f;
-    for (int i = lane; i < n; i += TURBO_WARP) s += __ldg(parts + i);
+    for (int i = lane; i < k / 16; i += TURBO_WARP) s += __ldg(link.parts_in + i);
     s = warp_sum(s);
-    if (lane == 0) inv[warp] = rsqrtf(s / (float)k + link.eps);
+    if (lane == 0) *inv = rsqrtf(s / (float)k + link.eps);
 }
 
-// The block's sums of rows a and b for each of M tokens (each warp's part of the super-blocks)
-// added and stored as qgemv's mode says (R == 2: SwiGLU of gate row a and up row b), token m's at
-// out + m · ld, for the first `tokens`.
 // The warps' sums of rows a and b for each of M tokens, reduced over the lanes of a row and put in
 // `part` for the block's epilogue (qmma1_store), which may read them once this returns.
 template <int W, int M>
@@ -788,52 +782,51 @@ __device__ __forceinline__ void qmma1_store(float (&part)[W][M][16], float (&acc
 
 template <int R, int W, int M, bool ROPE>
 __device__ __forceinline__ void qmma1_store_linked(float (&part)[W][M][16], float (&acc_a)[M], float (&acc_b)[M],
-                                            int unit0, int units, void* out, int tokens, int ld, int mode,
-                                            const NormLink& link, const float* inv, const RopeKvOut& rope) {
+                                                   int unit0, int units, void* out, int mode, const NormLink& link,
+                                                   float inv, const RopeKvOut& rope) {
+    static_assert(M == 1, "a split norm joins one-token products");
     constexpr int UNITS = R == 2 ? 8 : 16;
     qmma1_gather(part, acc_a, acc_b);
-    // Thread (m, i) stores unit i of token m; no thread returns before the residual step's
-    // shuffles, which every thread of a warp takes part in.
-    const int i = threadIdx.x % UNITS, m = threadIdx.x / UNITS, mi = m < M ? m : 0;
-    const bool on = m < M && m < tokens && unit0 + i < units;
-    const int unit = unit0 + i;
-    const size_t at = (size_t)m * (size_t)ld + (size_t)unit;
-    const float scale = link.parts_in != nullptr ? inv[mi] : 1.f;
+    // Thread i < UNITS stores unit i; no thread of warp 0 returns before the residual step's or
+    // the rotation's shuffles, which every thread of the warp takes part in.
+    if (threadIdx.x >= TURBO_WARP) return;
+    const int i = threadIdx.x % UNITS, unit = unit0 + i;
+    const bool on = threadIdx.x < UNITS && unit < units;
+    const float scale = link.parts_in != nullptr ? inv : 1.f;
     float v = 0.f;
 #pragma unroll
-    for (int wi = 0; wi < W; wi++) v += part[wi][mi][i];
+    for (int wi = 0; wi < W; wi++) v += part[wi][0][i];
     if (R == 2) {
         if (!on) return;
         float up = 0.f;
 #pragma unroll
-        for (int wi = 0; wi < W; wi++) up += part[wi][mi][i + 8];
+        for (int wi = 0; wi < W; wi++) up += part[wi][0][i + 8];
         const float gate = round_to_bf16(v * scale);
         up = round_to_bf16(up * scale);
-        static_cast<__nv_bfloat16*>(out)[at] = __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up);
-    } else if (ROPE && M == 1) {
-        // One token: units 0-15 in lanes 0-15 of warp 0, a pair's units in neighbouring lanes.
-        if (threadIdx.x >= TURBO_WARP) return;
+        static_cast<__nv_bfloat16*>(out)[unit] = __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up);
+    } else if (ROPE) {
+        // A pair's units are neighbouring lanes.
         const float r = on ? round_to_bf16(v * scale) : 0.f;
         const float partner = __shfl_xor_sync(0xFFFFFFFFu, r, 1);
         if (on) rope_kv_store(rope, unit, r, partner);
     } else if (mode == QGEMV_STORE_F32) {
-        if (on) static_cast<float*>(out)[at] = v * scale;
+        if (on) static_cast<float*>(out)[unit] = v * scale;
     } else {
         __nv_bfloat16* o = static_cast<__nv_bfloat16*>(out);
         float h = 0.f;
         if (on) {
             const float p = v * scale;
-            const __nv_bfloat16 r = __float2bfloat16_rn(mode == QGEMV_ADD_RESIDUAL ? __bfloat162float(o[at]) + p : p);
-            o[at] = r;
+            const __nv_bfloat16 r = __float2bfloat16_rn(mode == QGEMV_ADD_RESIDUAL ? __bfloat162float(o[unit]) + p : p);
+            o[unit] = r;
             h = __bfloat162float(r);
-            if (link.g != nullptr) link.scaled[at] = __float2bfloat16_rn(h * __bfloat162float(link.g[unit]));
+            if (link.g != nullptr) link.scaled[unit] = __float2bfloat16_rn(h * __bfloat162float(link.g[unit]));
         }
         if (mode == QGEMV_ADD_RESIDUAL && link.g != nullptr) {  // uniform per block
-            // Σ h² over the token's 16 units: lanes 16(m % 2) .. of warp m / 2.
+            // Σ h² over the block's 16 units, lanes 0-15 (lanes 16-31 add zeros among themselves).
             float sq = h * h;
 #pragma unroll
             for (int o2 = 8; o2 > 0; o2 >>= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, o2);
-            if (i == 0 && m < M && m < tokens) link.parts_out[(size_t)m * gridDim.x + blockIdx.x] = sq;
+            if (threadIdx.x == 0) link.parts_out[blockIdx.x] = sq;
         }
     }
 }
@@ -846,7 +839,7 @@ __device__ __forceinline__ void qmma1_epilogue(float (&part)[W][M][16], float (&
                                                int unit0, int units, void* out, int tokens, int ld, int mode,
                                                const NormLink& link, const float* inv, const RopeKvOut& rope) {
     if constexpr (LINK)
-        qmma1_store_linked<R, W, M, ROPE>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode, link, inv, rope);
+        qmma1_store_linked<R, W, M, ROPE>(part, acc_a, acc_b, unit0, units, out, mode, link, *inv, rope);
     else
         qmma1_store<R, W, M>(part, acc_a, acc_b, unit0, units, out, tokens, ld, mode);
 }
@@ -945,7 +938,7 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
     __shared__ float part[W][M][16];
     __shared__ uint4 stage[W][S][SLOT_WORDS];
     __shared__ uint4 normed[NORM ? MMA1_NORM_MAX_K / 8 : 1];
-    __shared__ float norm_inv[M];
+    __shared__ float norm_inv[1];
     const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
     const Mma1Lane l;
     const int unit0 = blockIdx.x * UNITS;
@@ -984,7 +977,7 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
         pf_cp_async_commit();
     }
     if constexpr (NORM) normalize_to_shared(x, g, eps, k, normed);
-    if constexpr (LINK) norm_link_inv<M>(link, k, tokens, norm_inv);  // while the first weights are in flight
+    if constexpr (LINK) norm_link_inv(link, k, norm_inv);  // while the first weights are in flight
     float acc_a[M], acc_b[M];
 #pragma unroll
     for (int m = 0; m < M; m++) acc_a[m] = acc_b[m] = 0.f;
@@ -1065,7 +1058,7 @@ __device__ __forceinline__ void qmma1_q6k(const uint8_t* __restrict__ w, long lo
     const uint8_t* wa = w + (size_t)ra * (size_t)row_bytes;
     const uint8_t* wb = w + (size_t)rb * (size_t)row_bytes;
     if constexpr (NORM) normalize_to_shared(x, g, eps, k, normed);
-    if constexpr (LINK) norm_link_inv<1>(link, k, 1, norm_inv);
+    if constexpr (LINK) norm_link_inv(link, k, norm_inv);
     const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
     // x over the lane's column in tile T: quarter 2T (on_a) or 2T + 1 (on_b) of its half.
     const int x_at = 128 * half + (l.on_b ? 32 : 0) + quarter_l;

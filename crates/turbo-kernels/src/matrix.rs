@@ -77,7 +77,6 @@ impl CudaMatrix {
             MatrixStore::Bf16(_) => false,
             MatrixStore::Blocks(bands) => {
                 (!ahead || bands.len() == 1)
-                    && (1..=QGEMV_MAX_TOKENS).contains(&tokens)
                     && bands
                         .iter()
                         .all(|b| ops::quant::links_norm(dev, b.dtype, (b.rows, self.cols), tokens))

@@ -429,7 +429,7 @@ pub fn qgemv_linked(
                 (w, row_bytes),
                 (x, norm),
                 shape,
-                (mode, dst),
+                Mma1Out::Store(mode, dst),
                 link,
             );
         }
@@ -500,31 +500,15 @@ pub fn qgemv_rope_kv(
     let mut link = link;
     let link = NormLinkArgs::of(dev, &mut link);
     let mma1 = mma1.expect("checked");
-    let f = dev.function(names.module, mma1.rope)?;
-    let (row_bytes_i, units_i, k_i, mode) = (row_bytes as i64, w.rows as i32, w.cols as i32, 0i32);
-    let mut b = dev.stream.launch_builder(&f);
-    b.arg(w.bytes);
-    b.arg(&row_bytes_i);
-    b.arg(x);
-    b.arg(x); // g: no norm of its own
-    b.arg(&0f32);
-    b.arg(x); // out: unused, the outputs go where `rope` says
-    b.arg(&units_i);
-    b.arg(&k_i);
-    b.arg(&mode);
-    b.arg(&link);
-    b.arg(&rope.args);
-    let cfg = LaunchConfig {
-        grid_dim: (w.rows.div_ceil(16) as u32, 1, 1),
-        block_dim: (mma1.warps * 32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: the arguments match the kernel's signature; one token's x holds `cols` values, rows
-    // are whole super-blocks with their padding, the link's parts and `rope`'s buffers were
-    // checked (the band lies within the QKV rows, so every unit lands in q or a cache row of
-    // `kv_cols`, or is skipped past the caches' slots), and `rope` holds their borrows.
-    unsafe { b.launch(cfg) }?;
-    Ok(())
+    mma1_launch(
+        dev,
+        (names.module, mma1),
+        (w, row_bytes),
+        (x, None),
+        (w.rows, false),
+        Mma1Out::RopeKv(rope.args),
+        link,
+    )
 }
 
 /// Whether `link` suits a product of `tokens` tokens over `w` (`mma`: on tensor cores; `normed`:
@@ -668,26 +652,39 @@ impl Product<'_> {
     }
 }
 
+/// Where a one-token tensor-core launch ([`mma1_launch`]) puts its outputs.
+enum Mma1Out<'v> {
+    /// Stored to `Dst` in qgemv's output mode.
+    Store(i32, Dst<'v>),
+    /// A QKV band's, rotated and written to q and the KV cache (the `qmma1_link_rope_*` kernel).
+    RopeKv(RopeKvArgs),
+}
+
 /// A one-token product on tensor cores (`qmma1_*`, from `(module, mma1)`), with `norm` applied to
-/// x first when given: a block per 16 rows (8 SwiGLU units), `units` outputs, written to `dst` in
-/// qgemv's output `mode`.
+/// x first when given: a block per 16 rows (8 SwiGLU units), `units` outputs, put where `out`
+/// says.
 fn mma1_launch(
     dev: &CudaDevice,
     (module, mma1): (&'static str, &Mma1Kernels),
     (w, row_bytes): (&QuantRows, usize),
     (x, norm): (&CudaSlice<bf16>, Option<GemvNorm>),
     (units, swiglu): (usize, bool),
-    (mode, mut dst): (i32, Dst<'_>),
+    mut out: Mma1Out<'_>,
     link: NormLinkArgs,
 ) -> Result<()> {
     let blocks = units.div_ceil(if swiglu { 8 } else { 16 });
-    let form = match (norm.is_some(), link.linked()) {
-        (_, true) => 2,
-        (normed, false) => normed as usize,
+    let name = match (&out, norm.is_some(), link.linked()) {
+        (Mma1Out::RopeKv(_), _, _) => mma1.rope,
+        (_, _, true) => mma1.names[2][swiglu as usize],
+        (_, normed, false) => mma1.names[normed as usize][swiglu as usize],
     };
-    let f = dev.function(module, mma1.names[form][swiglu as usize])?;
+    let f = dev.function(module, name)?;
     let (row_bytes_i, units_i, k_i) = (row_bytes as i64, units as i32, w.cols as i32);
     let eps = norm.as_ref().map_or(0.0, |n| n.eps);
+    let (mode, rope) = match &out {
+        Mma1Out::Store(mode, _) => (*mode, RopeKvArgs::default()),
+        Mma1Out::RopeKv(args) => (0, *args),
+    };
     let mut b = dev.stream.launch_builder(&f);
     b.arg(w.bytes);
     b.arg(&row_bytes_i);
@@ -698,23 +695,29 @@ fn mma1_launch(
         None => b.arg(x),
     };
     b.arg(&eps);
-    dst.push(&mut b);
+    match &mut out {
+        Mma1Out::Store(_, dst) => dst.push(&mut b),
+        // The outputs go where `rope` says: x stands in for `out`, which the kernel never reads.
+        Mma1Out::RopeKv(_) => {
+            b.arg(x);
+        }
+    }
     b.arg(&units_i);
     b.arg(&k_i);
     b.arg(&mode);
     b.arg(&link);
-    let no_rope = RopeKvArgs::default();
-    b.arg(&no_rope);
+    b.arg(&rope);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: (mma1.warps * 32, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the arguments match the kernel's signature; `qgemv` checked the sizes (one token:
-    // x and the norm's weights hold `cols` values, at most MMA1_NORM_MAX_COLS with a norm; the
-    // output `units`), rows are whole super-blocks, the buffer holds its padding, and device
-    // allocations keep x's and g's 16-byte loads aligned; a link's buffers hold what
-    // `link_fits` checked.
+    // SAFETY: the arguments match the kernel's signature; the callers checked the sizes (one
+    // token: x and the norm's weights hold `cols` values, at most MMA1_NORM_MAX_COLS with a norm;
+    // the output `units`, or a QKV band within `rope`'s rows, so that every unit lands in q or a
+    // cache row of `kv_cols`, or is skipped past the caches' slots), rows are whole super-blocks,
+    // the buffer holds its padding, and device allocations keep x's and g's 16-byte loads aligned;
+    // a link's buffers hold what `link_fits` checked, and a `RopeKvOut` holds its buffers' borrows.
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
