@@ -5,29 +5,36 @@
 // The arguments, work items and semantics are those of attn_prefill_d128 / attn_shared_d128
 // (kernels/attention.cu), with 128 query rows per CTA, so the host plans both the same way.
 //
-// One CTA of two warpgroups (256 threads) computes 128 query rows of one span for one head (or,
-// for cascade, 128 flattened (row, query head) pairs of one KV head over a prefix chunk); each
-// warpgroup owns 64 of the rows. The keys are walked in tiles of 128:
+// One CTA (384 threads) computes 128 query rows of one span for one head (or, for cascade, 128
+// flattened (row, query head) pairs of one KV head over a prefix chunk), FlashAttention-3's way:
+// a producer warpgroup gathers Q and the K and V tiles, and two consumer warpgroups of 64 rows
+// each walk the keys in tiles of 128:
 //   S = Q·Kᵀ   wgmma m64n128k16, Q and K both read from shared memory through descriptors
 //   mask, online softmax in the log2 domain (registers; a quad of lanes holds a row's scores)
 //   O += P·V   wgmma m64n128k16, P from registers (bf16), V from shared memory, transposed
 // Step j issues S(j) and P(j - 1)·V(j - 1) together and computes the softmax of S(j) while the
-// tensor cores run the second product (FlashAttention-3's intra-warpgroup overlap). K and V tiles
-// are gathered from the paged cache (each key's row through the block table, looked up a step
-// ahead) with 16-byte cp.async copies into two-stage rings, K two tiles ahead and V one. Measured
-// on an H100 (causal, 32 heads, d 128, S 8192): 1.60 ms, against 1.63 ms without the overlap and
-// 1.92 ms with it but the table look-ups waited for in line. Shared tiles use the 128-byte swizzle wgmma reads: a tile of rows of
-// 128 dimensions is two panels of 64 dimensions (rows of 128 bytes), and the 16-byte chunk c of
-// row r of a panel sits at chunk c ^ (r mod 8).
+// tensor cores run the second product (intra-warpgroup overlap), and the two consumers take turns
+// issuing (see the roles below). The producer gathers each key's K and V rows from the paged
+// cache (through the block table, looked up a tile ahead) with 16-byte cp.async copies into
+// two-stage rings, handing stages over through mbarriers, so no CTA-wide barrier stops the
+// consumers. Shared tiles use the 128-byte swizzle wgmma reads: a tile of rows of 128 dimensions
+// is two panels of 64 dimensions (rows of 128 bytes), and the 16-byte chunk c of row r of a panel
+// sits at chunk c ^ (r mod 8).
+//
+// Measured on an H200 (causal, 32 heads, d 128; docs/perf/h100.md), S 8192 / S 2048: 1.237 ms /
+// 96.7 µs, against 1.555 ms / 122.7-129.3 µs for the kernel this replaced (two warpgroups that
+// both copied and computed, with CTA-wide barriers between tiles); three stages a ring 1.308 ms /
+// 103.5 µs; without the turns 1.245 ms / 98.7 µs.
 #include "common.cuh"
 
-#define WG_THREADS 256
-#define WG_ROWS 128  // query rows per CTA
+#define WG_THREADS 384  // a producer warpgroup and two consumer warpgroups
+#define WG_ROWS 128     // query rows per CTA
 #define WG_KEYS 128  // keys per tile
 #define WG_HD 128
 #define WG_PANEL (128 * 128)             // bytes of one 64-dimension panel of a 128-row tile
 #define WG_TILE (2 * WG_PANEL)           // bytes of one 128 x 128 bf16 tile
-#define WG_SMEM (WG_TILE * 5)            // Q, and two stages of K and V
+#define WG_STAGES 2  // stages of the K ring and of the V ring (3 measured slower: above)
+#define WG_SMEM (WG_TILE * (1 + 2 * WG_STAGES) + 8 * (1 + 4 * WG_STAGES))  // Q, the rings, the barriers
 
 extern __shared__ __align__(1024) unsigned char wg_smem[];
 
@@ -117,6 +124,50 @@ __device__ __forceinline__ void wg_mma_rs_tb(float (&d)[64], const uint32_t (&a)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
+// The CTA's roles and barriers. Warpgroup 0 is the producer: it gathers Q once, then each K and
+// V tile, into rings of WG_STAGES stages, and each copy's landing arrives on the stage's "full"
+// barrier (cp.async.mbarrier.arrive). Warpgroups 1 and 2 are the consumers, 64 query rows each:
+// they wait on a stage's full barrier, and once their wgmma groups that read it are done they
+// arrive on its "empty" barrier (one arrival per warp), which the producer waits on before it
+// refills the stage. Stage s of tile j is in its (j / WG_STAGES)-th use: the barriers' phase
+// parity is that use's.
+//
+// The producer gives most of its registers to the consumers (setmaxnreg): 128 x 40 + 256 x 232
+// is the 384 x 168 the CTA is launched with.
+//
+// The two consumers take turns issuing their wgmma groups (named barriers 1 and 2, FlashAttention-3's
+// ping-pong): while one warpgroup's products run on the tensor cores, the other computes its
+// softmax, so the tensor cores see one product after another instead of both warpgroups' products
+// together and then nothing during both softmaxes.
+#define WG_PRODUCER_REGS 40
+#define WG_CONSUMER_REGS 232
+enum : int { WG_BAR_Q = 0, WG_BAR_FULL_K = 1, WG_BAR_FULL_V = 1 + WG_STAGES, WG_BAR_EMPTY_K = 1 + 2 * WG_STAGES,
+             WG_BAR_EMPTY_V = 1 + 3 * WG_STAGES, WG_BARS = 1 + 4 * WG_STAGES };
+
+__device__ __forceinline__ void wg_bar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Waits until the barrier's phase of the given parity has completed.
+__device__ __forceinline__ void wg_bar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWG_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WG_WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void wg_bar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives on the barrier once every cp.async this thread has issued so far has landed.
+__device__ __forceinline__ void wg_bar_arrive_copies(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Makes shared memory written through the generic proxy (cp.async) visible to wgmma's reads.
+__device__ __forceinline__ void wg_fence_async_proxy() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 template <bool SHARED>
 __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict__ q,
                                                 const __nv_bfloat16* __restrict__ k_cache,
@@ -129,12 +180,11 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
                                                 const uint32_t* __restrict__ shared_tokens,
                                                 const uint32_t* __restrict__ token_state,
                                                 float* __restrict__ part_o, float* __restrict__ part_lse) {
-    constexpr int PASSES = WG_KEYS / (WG_THREADS / 16);  // key rows a thread copies per tile
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wg = warp >> 2, wq = warp & 3;  // warpgroup, and warp within it
-    const int g = lane >> 2, t = lane & 3;    // accumulator row group and column pair
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const uint32_t sQ = wg_smem_addr(wg_smem);
-    const uint32_t sK = sQ + WG_TILE, sV = sQ + 3 * WG_TILE;  // stage s at + s · WG_TILE
+    const uint32_t sK = sQ + WG_TILE, sV = sK + WG_STAGES * WG_TILE;  // stage s at + s · WG_TILE
+    const uint32_t bars = sV + WG_STAGES * WG_TILE;
+    auto bar = [&](int i) { return bars + 8u * (uint32_t)i; };
 
     // Prefill: one head, rows token0 + r at positions pos0 + r, keys [0, pos0 + n_rows).
     // SHARED: one KV head, flattened rows f0 + r, keys [k0, k1).
@@ -170,69 +220,107 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
         }
     };
     const int n_tiles = (int)((k1 - k0 + WG_KEYS - 1) / WG_KEYS);
-    const uint32_t* table = tables + seq_table_start[seq];
-    const size_t slot_stride = (size_t)n_kv_heads * WG_HD;
-    const size_t head_off = (size_t)(head / group) * WG_HD;
-    const int cc = tid & 15;  // the 16-byte chunk of each row this thread copies
 
-    // Q rows (zeros past the item's rows), in the same copy group as the first K tile.
+    if (tid == 0) {
+        wg_bar_init(bar(WG_BAR_Q), 128);
 #pragma unroll
-    for (int p = 0; p < WG_ROWS / 16; p++) {
-        const int r = (tid >> 4) + 16 * p;
-        const bool valid = (uint32_t)r < n_rows;
-        const __nv_bfloat16* src = q;
-        if (valid) {
-            uint32_t token;
-            int h;
-            row_of((uint32_t)r, token, h);
-            src = q + ((size_t)token * (size_t)n_heads + (size_t)h) * WG_HD + cc * 8;
+        for (int s = 0; s < WG_STAGES; s++) {
+            wg_bar_init(bar(WG_BAR_FULL_K + s), 128);
+            wg_bar_init(bar(WG_BAR_FULL_V + s), 128);
+            wg_bar_init(bar(WG_BAR_EMPTY_K + s), 8);
+            wg_bar_init(bar(WG_BAR_EMPTY_V + s), 8);
         }
-        wg_cp_async16(sQ + wg_chunk(r, cc), src, valid);
     }
-    // Cache rows (block · block_size + slot) of the keys this thread copies for tile j; ~0u past
-    // k1. Looked up a step before the copies, so that the table reads are in flight meanwhile.
-    auto find_rows = [&](int j, uint32_t (&rows)[PASSES]) {
+    __syncthreads();
+
+    if (wg == 0) {
+        // -- the producer ----------------------------------------------------------------------
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WG_PRODUCER_REGS));
+        constexpr int PASSES = WG_KEYS / 16;  // rows a thread copies per tile, two chunks each
+        const int c0 = tid & 7;                // chunks c0 and c0 + 8 (one in each panel)
+        const uint32_t* table = tables + seq_table_start[seq];
+        const size_t slot_stride = (size_t)n_kv_heads * WG_HD;
+        const size_t head_off = (size_t)(head / group) * WG_HD + (size_t)c0 * 8;
+        // Q rows (zeros past the item's rows).
 #pragma unroll
         for (int p = 0; p < PASSES; p++) {
-            const uint32_t key = k0 + (uint32_t)(j * WG_KEYS + (tid >> 4) + 16 * p);
-            uint32_t row = ~0u;
-            if (key < k1) {
-                const uint32_t b = block_shift >= 0 ? key >> block_shift : key / (uint32_t)block_size;
-                row = table[b] * (uint32_t)block_size + (key - b * (uint32_t)block_size);
+            const int r = (tid >> 3) + 16 * p;
+            const bool valid = (uint32_t)r < n_rows;
+            const __nv_bfloat16* src = q;
+            if (valid) {
+                uint32_t token;
+                int h;
+                row_of((uint32_t)r, token, h);
+                src = q + ((size_t)token * (size_t)n_heads + (size_t)h) * WG_HD + c0 * 8;
             }
-            rows[p] = row;
+            wg_cp_async16(sQ + wg_chunk(r, c0), src, valid);
+            wg_cp_async16(sQ + wg_chunk(r, c0 + 8), src + 64, valid);
         }
-    };
-    // Copies tile j's K (or V) rows into ring stage j % 2 (zeros past k1).
-    auto copy_tile = [&](int j, const uint32_t (&rows)[PASSES], const __nv_bfloat16* __restrict__ cache,
-                         uint32_t ring) {
-        const uint32_t stage = ring + (uint32_t)(j & 1) * WG_TILE;
+        wg_bar_arrive_copies(bar(WG_BAR_Q));
+        // Cache rows (block · block_size + slot) of the keys this thread copies for tile j; ~0u
+        // past k1. Looked up a tile ahead, so that the table reads are in flight meanwhile.
+        uint32_t rows[PASSES];
+        auto find_rows = [&](int j) {
 #pragma unroll
-        for (int p = 0; p < PASSES; p++) {
-            const bool valid = rows[p] != ~0u;
-            const __nv_bfloat16* src = valid ? cache + (size_t)rows[p] * slot_stride + head_off + cc * 8 : cache;
-            wg_cp_async16(stage + wg_chunk((tid >> 4) + 16 * p, cc), src, valid);
+            for (int p = 0; p < PASSES; p++) {
+                const uint32_t key = k0 + (uint32_t)(j * WG_KEYS + (tid >> 3) + 16 * p);
+                uint32_t row = ~0u;
+                if (key < k1) {
+                    const uint32_t b = block_shift >= 0 ? key >> block_shift : key / (uint32_t)block_size;
+                    row = table[b] * (uint32_t)block_size + (key - b * (uint32_t)block_size);
+                }
+                rows[p] = row;
+            }
+        };
+        // Copies the current tile's K (or V) rows into a stage (zeros past k1).
+        auto copy_tile = [&](const __nv_bfloat16* __restrict__ cache, uint32_t stage) {
+#pragma unroll
+            for (int p = 0; p < PASSES; p++) {
+                const int r = (tid >> 3) + 16 * p;
+                const bool valid = rows[p] != ~0u;
+                const __nv_bfloat16* src = valid ? cache + (size_t)rows[p] * slot_stride + head_off : cache;
+                wg_cp_async16(stage + wg_chunk(r, c0), src, valid);
+                wg_cp_async16(stage + wg_chunk(r, c0 + 8), src + 64, valid);
+            }
+        };
+        find_rows(0);
+        for (int j = 0; j < n_tiles; j++) {
+            const int s = j % WG_STAGES;
+            const uint32_t refill_parity = (uint32_t)(j / WG_STAGES - 1) & 1u;
+            if (j >= WG_STAGES) wg_bar_wait(bar(WG_BAR_EMPTY_K + s), refill_parity);
+            copy_tile(k_cache, sK + (uint32_t)s * WG_TILE);
+            wg_bar_arrive_copies(bar(WG_BAR_FULL_K + s));
+            if (j >= WG_STAGES) wg_bar_wait(bar(WG_BAR_EMPTY_V + s), refill_parity);
+            copy_tile(v_cache, sV + (uint32_t)s * WG_TILE);
+            wg_bar_arrive_copies(bar(WG_BAR_FULL_V + s));
+            if (j + 1 < n_tiles) find_rows(j + 1);
         }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+
+    // -- the consumers ---------------------------------------------------------------------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WG_CONSUMER_REGS));
+    const int cw = wg - 1, wq = warp & 3;  // consumer warpgroup, and warp within it
+    const int g = lane >> 2, t = lane & 3;  // accumulator row group and column pair
+    // Turns at issuing wgmma groups: a warpgroup waits on its barrier (1 + cw) and, once it has
+    // issued, lets the other go; the first consumer goes first.
+    auto my_turn = [&] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + cw) : "memory"); };
+    auto your_turn = [&] { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - cw) : "memory"); };
+    if (cw == 0) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+    auto wait_full = [&](int first_bar, int j) {
+        wg_bar_wait(bar(first_bar + j % WG_STAGES), (uint32_t)(j / WG_STAGES) & 1u);
+        wg_fence_async_proxy();
     };
-    auto commit = [] { asm volatile("cp.async.commit_group;\n" ::: "memory"); };
-    // Copy groups: {Q, K0}, {K1, V0}, then after step j {K(j+2), V(j+1)}, so that at the top of
-    // step j the group before the newest holds K(j) and V(j - 1). next_k: the rows of the next K
-    // tile to copy; next_v: of the next V tile.
-    uint32_t next_k[PASSES], next_v[PASSES];
-    find_rows(0, next_v);
-    copy_tile(0, next_v, k_cache, sK);
-    commit();
-    find_rows(1, next_k);
-    copy_tile(1, next_k, k_cache, sK);
-    copy_tile(0, next_v, v_cache, sV);
-    commit();
-#pragma unroll
-    for (int p = 0; p < PASSES; p++) next_v[p] = next_k[p];
-    find_rows(2, next_k);
+    // This warp is done with a stage (its wgmma groups that read it have completed).
+    auto release = [&](int first_bar, int j) {
+        __syncwarp();
+        if (lane == 0) wg_bar_arrive(bar(first_bar + j % WG_STAGES));
+    };
 
     const float sl2 = scale * 1.4426950408889634f;  // scores to the log2 domain
     // This thread's rows: g (h = 0) and g + 8 (h = 1) of its warp's 16 rows.
-    const int row_base = 64 * wg + 16 * wq + g;
+    const int row_base = 64 * cw + 16 * wq + g;
     auto row_pos = [&](int h) { return pos0 + (uint32_t)(row_base + 8 * h); };
     float m[2] = {wg_neg_inf(), wg_neg_inf()}, l[2] = {0.f, 0.f};  // m: raw scores; l: this thread's columns
     float o[64];
@@ -241,19 +329,13 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
     float s[64];                   // S(j), then P(j) in f32
     uint32_t pa[WG_KEYS / 16][4];  // P(j) as A fragments
 
-    // Waits for this thread's copies but the newest group, and makes everyone's visible to wgmma.
-    auto landed = [] {
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-    };
     // Issues S(j) = Q·K(j)ᵀ as one wgmma group.
     auto issue_s = [&](int j) {
-        const uint32_t stage = (uint32_t)(j & 1) * WG_TILE;
+        const uint32_t stage = (uint32_t)(j % WG_STAGES) * WG_TILE;
 #pragma unroll
         for (int ks = 0; ks < WG_HD / 16; ks++) {
             const uint32_t kofs = (uint32_t)((ks >> 2) * WG_PANEL + (ks & 3) * 32);
-            wg_mma_ss(s, wg_desc(sQ + kofs + 64 * 128 * wg, 16, 1024), wg_desc(sK + stage + kofs, 16, 1024), ks);
+            wg_mma_ss(s, wg_desc(sQ + kofs + 64 * 128 * cw, 16, 1024), wg_desc(sK + stage + kofs, 16, 1024), ks);
         }
         wg_commit();
     };
@@ -261,7 +343,7 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
     // both panels; the panels (64 dimensions each) are WG_PANEL apart, groups of 8 keys 1024
     // bytes apart.
     auto issue_pv = [&](int j) {
-        const uint32_t stage = (uint32_t)(j & 1) * WG_TILE;
+        const uint32_t stage = (uint32_t)(j % WG_STAGES) * WG_TILE;
 #pragma unroll
         for (int kk = 0; kk < WG_KEYS / 16; kk++) {
             wg_mma_rs_tb(o, pa[kk], wg_desc(sV + stage + (uint32_t)(kk * 16 * 128), WG_PANEL, 1024));
@@ -275,7 +357,7 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
         // Keys past each row's position (tiles reaching past the warp's first row) or, SHARED,
         // at or past k1 (the last tile). s[4i + e]: n-tile i, row g + 8 (e >> 1), key
         // key0 + 8i + 2t + (e & 1).
-        const bool masked = SHARED ? key0 + WG_KEYS > k1 : key0 + WG_KEYS - 1 > pos0 + (uint32_t)(64 * wg + 16 * wq);
+        const bool masked = SHARED ? key0 + WG_KEYS > k1 : key0 + WG_KEYS - 1 > pos0 + (uint32_t)(64 * cw + 16 * wq);
         if (masked) {
 #pragma unroll
             for (int i = 0; i < 16; i++) {
@@ -327,48 +409,47 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
             pa[kk][3] = wg_pack(s[8 * kk + 6], s[8 * kk + 7]);
         }
     };
-    // After step j every warpgroup is done with K(j)'s and V(j - 1)'s stages: refill them.
-    auto refill = [&](int j) {
-        __syncthreads();
-        if (j + 2 < n_tiles) copy_tile(j + 2, next_k, k_cache, sK);
-        if (j + 1 < n_tiles) copy_tile(j + 1, next_v, v_cache, sV);
-        commit();
-#pragma unroll
-        for (int p = 0; p < PASSES; p++) next_v[p] = next_k[p];
-        find_rows(j + 3, next_k);
-    };
 
     // Step 0: S(0) and its softmax. Step j: S(j) and its softmax while O += P(j - 1)·V(j - 1)
     // runs on the tensor cores. Then the last P·V. (No wgmma sits in a branch: ptxas would
     // serialize them all.)
     float corr[2];
-    landed();  // Q, K(0)
+    wait_full(WG_BAR_Q, 0);
+    wait_full(WG_BAR_FULL_K, 0);
+    my_turn();
     wg_fence();
     issue_s(0);
+    your_turn();
     wg_wait<0>();
     wg_fence_regs(s);
+    release(WG_BAR_EMPTY_K, 0);
     softmax(0, corr);
     rescale_and_pack(corr);
-    refill(0);
     for (int j = 1; j < n_tiles; j++) {
-        landed();  // K(j), V(j - 1)
+        wait_full(WG_BAR_FULL_K, j);
+        wait_full(WG_BAR_FULL_V, j - 1);
+        my_turn();
         wg_fence();
         issue_s(j);
         issue_pv(j - 1);
+        your_turn();
         wg_wait<1>();  // S(j); P(j - 1)·V(j - 1) may still run
         wg_fence_regs(s);
+        release(WG_BAR_EMPTY_K, j);
         softmax(j, corr);
         wg_wait<0>();
         wg_fence_regs(o);
+        release(WG_BAR_EMPTY_V, j - 1);
         rescale_and_pack(corr);
-        refill(j);
     }
-    landed();  // V(n_tiles - 1)
+    wait_full(WG_BAR_FULL_V, n_tiles - 1);
+    my_turn();
     wg_fence();
     issue_pv(n_tiles - 1);
+    // The second consumer's last turn is the CTA's last: it leaves no arrival behind.
+    if (cw == 0) your_turn();
     wg_wait<0>();
     wg_fence_regs(o);
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 
     // Normalize and write this thread's rows: columns 8i + 2t, 8i + 2t + 1 of each n-tile i.
 #pragma unroll

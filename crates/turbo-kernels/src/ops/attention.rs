@@ -9,7 +9,8 @@
 //!   128 go, under [`KvSplit::Auto`], to a tensor-core FlashAttention kernel: one CTA computes 128
 //!   consecutive rows of a span for one head, walking the keys in tiles with an online softmax (bf16
 //!   in, f32 accumulation). On an sm_90 device with head_dim 128 it is the warpgroup-MMA kernel of
-//!   `kernels/attention_sm90a.cu` (wgmma, 128-key tiles, the softmax of one tile overlapping the
+//!   `kernels/attention_sm90a.cu` (wgmma, 128-key tiles gathered by a producer warpgroup, two
+//!   consumer warpgroups taking turns on the tensor cores, the softmax of one tile overlapping the
 //!   P·V product of the one before); elsewhere the `mma.sync` kernels of `kernels/attention.cu`
 //!   (see [`PrefillKernel`]).
 //! - Every other row (decode rows, short spans) goes to a row kernel: one CTA computes one query
@@ -320,14 +321,15 @@ fn prefill_shape(
         && dtype == KvDtype::Full
         && dev.supports_module("attention_sm90a")
     {
-        // Two warpgroups of 64 rows; Q and two stages of K and V, 128 x 128 bf16 each.
+        // A producer warpgroup and two consumer warpgroups of 64 rows; Q and two stages of K
+        // and V, 128 x 128 bf16 each, and the stages' nine barriers (`WG_SMEM`).
         return Some(PrefillShape {
             module: "attention_sm90a",
             prefill: "attn_prefill_wg_d128",
             shared: "attn_shared_wg_d128",
-            threads: 256,
+            threads: 384,
             rows: 128,
-            smem: 5 * 128 * 128 * 2,
+            smem: 5 * 128 * 128 * 2 + 9 * 8,
             ctas_per_sm: 1,
         });
     }
