@@ -477,8 +477,12 @@ mod avx2 {
         // a chain of dependent adds that the block loop waits on).
         if n == 1 {
             while r + ROWS <= end {
-                if r + 2 * ROWS <= end {
-                    prefetch_rows(data.as_ptr().add((r + ROWS) * row_bytes), ROWS, row_bytes);
+                if r + (AHEAD + 1) * ROWS <= end {
+                    prefetch_rows(
+                        data.as_ptr().add((r + AHEAD * ROWS) * row_bytes),
+                        ROWS,
+                        row_bytes,
+                    );
                 }
                 let base = data.as_ptr().add(r * row_bytes);
                 let mut acc = [_mm256_setzero_ps(); ROWS];
@@ -532,6 +536,11 @@ mod avx2 {
 
     /// Rows the one-token path takes at a time.
     const ROWS: usize = 4;
+    /// How many groups of [`ROWS`] rows ahead the one-token path prefetches. A decode step
+    /// streams the whole model from memory; one group ahead (about 1.4 KB of Q4_1 rows) left
+    /// a single core waiting on its loads, 4 groups ahead decoded 10-15% faster and 8 slower
+    /// than 4 (docs/perf/cpu.md).
+    const AHEAD: usize = 4;
 
     /// See [`super::round_codes`]; `xs.len()` is a multiple of 8 and equals `codes.len()`.
     #[target_feature(enable = "avx2")]
@@ -555,6 +564,10 @@ mod avx2 {
         }
     }
 
+    /// How many rows ahead the super-block kernel prefetches (as [`AHEAD`]; it prefetched
+    /// nothing before).
+    const K_AHEAD: usize = 4;
+
     /// Q4_K and Q6_K rows over activations in blocks of 256: each super-block's codes unpacked
     /// to bytes once per row; per token, its sub-blocks' integer dot products times their
     /// integer scales summed in the integers and converted once.
@@ -575,7 +588,11 @@ mod avx2 {
         let m4 = _mm256_set1_epi8(0x0f);
         let m2 = _mm256_set1_epi8(0x03);
         let m32 = _mm256_set1_epi8(32);
+        let end = rows.end;
         for r in rows {
+            if r + K_AHEAD < end {
+                prefetch_rows(data.as_ptr().add((r + K_AHEAD) * row_bytes), 1, row_bytes);
+            }
             let row = &data[r * row_bytes..(r + 1) * row_bytes];
             let mut acc = [_mm256_setzero_ps(); 4];
             let mut extra = [0f32; 4];
