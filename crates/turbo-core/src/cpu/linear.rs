@@ -134,16 +134,15 @@ fn gemv_kernel() -> GemvKernel {
 /// Instantiates the row-dot kernel inside a function compiled for the given CPU features, so the
 /// generic code below is auto-vectorised to that instruction set.
 macro_rules! row_dots_for {
-    ($name:ident, $isa:ty $(, $features:literal)?) => {
+    ($name:ident, $isa:ty, $q4:path $(, $features:literal)?) => {
         $(#[target_feature(enable = $features)])?
         unsafe fn $name(w: &WeightMatrix, rows: Range<usize>, x: &[f32], m: usize, out: *mut f32) {
             match w.dtype {
-                // Q4_1 (the default model's) and Q4_0 have a hand-written AVX2 kernel (same sums,
-                // bit for bit): the generic code below kept its accumulators in memory for them.
+                // Q4_1 (the default model's) and Q4_0 have hand-written AVX2 and AVX-512 kernels
+                // (same sums, bit for bit): the generic code below kept its accumulators in
+                // memory for them.
                 #[cfg(target_arch = "x86_64")]
-                DType::Q4_1 | DType::Q4_0 if <$isa as Isa>::AVX2 => {
-                    avx2_blocks::rows_by_tokens(w, rows, x, m, out)
-                }
+                DType::Q4_1 | DType::Q4_0 if <$isa as Isa>::AVX2 => $q4(w, rows, x, m, out),
                 DType::Q4_1 => rows_by_tokens::<Q4_1, $isa>(w, rows, x, m, out),
                 DType::Q4_0 => rows_by_tokens::<Q4_0, $isa>(w, rows, x, m, out),
                 DType::Q8_0 => rows_by_tokens::<Q8_0, $isa>(w, rows, x, m, out),
@@ -164,16 +163,23 @@ macro_rules! row_dots_for {
 row_dots_for!(
     row_dots_avx512,
     X86Fma,
+    q4_blocks::rows_by_tokens_avx512,
     "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
 );
 #[cfg(target_arch = "x86_64")]
-row_dots_for!(row_dots_avx2, X86Fma, "avx2,fma,f16c");
-row_dots_for!(row_dots_portable, Portable);
+row_dots_for!(
+    row_dots_avx2,
+    X86Fma,
+    q4_blocks::rows_by_tokens,
+    "avx2,fma,f16c"
+);
+// (The Q4 arm is compiled on x86-64 only, and `Portable` never takes it.)
+row_dots_for!(row_dots_portable, Portable, q4_blocks::rows_by_tokens);
 
 /// What the instruction set offers the generic kernel: fused multiply-add and hardware f16
 /// conversion. Only kernels compiled with those features may use an `Isa` that claims them.
 trait Isa {
-    /// Whether kernels of this instruction set may call [`avx2_blocks`].
+    /// Whether kernels of this instruction set may call [`q4_blocks`].
     const AVX2: bool;
     fn mul_add(a: f32, b: f32, c: f32) -> f32;
     fn f16_to_f32(bits: u16) -> f32;
@@ -536,7 +542,7 @@ fn row_dots<G: Group32, I: Isa, const M: usize>(row: &[u8], x: &[f32], cols: usi
 /// registers, where the generic code, indexing its two sets by the group's parity, kept them in
 /// memory and made every group's FMAs wait on a store and a reload.
 #[cfg(target_arch = "x86_64")]
-mod avx2_blocks {
+mod q4_blocks {
     use super::{prefetch_ahead, Group32};
     use crate::{DType, WeightMatrix};
     use std::arch::x86_64::*;
@@ -564,6 +570,111 @@ mod avx2_blocks {
             (_, 2) => rows_for::<Q4_0, 2>(w, rows, x, out),
             (_, 3) => rows_for::<Q4_0, 3>(w, rows, x, out),
             (_, _) => rows_for::<Q4_0, 4>(w, rows, x, out),
+        }
+    }
+
+    /// [`rows_by_tokens`] with 512-bit vectors: each group's 32 weights are two vectors of 16
+    /// instead of four of 8, and each token's sums one vector of 16 lanes (even and odd groups)
+    /// instead of two of 8, lane for lane the same operations, so the same bits.
+    ///
+    /// # Safety
+    /// As [`rows_by_tokens`], and the CPU must have AVX-512 F.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn rows_by_tokens_avx512(
+        w: &WeightMatrix,
+        rows: Range<usize>,
+        x: &[f32],
+        m: usize,
+        out: *mut f32,
+    ) {
+        match (w.dtype, m) {
+            (DType::Q4_1, 1) => rows_for_avx512::<Q4_1, 1>(w, rows, x, out),
+            (DType::Q4_1, 2) => rows_for_avx512::<Q4_1, 2>(w, rows, x, out),
+            (DType::Q4_1, 3) => rows_for_avx512::<Q4_1, 3>(w, rows, x, out),
+            (DType::Q4_1, _) => rows_for_avx512::<Q4_1, 4>(w, rows, x, out),
+            (_, 1) => rows_for_avx512::<Q4_0, 1>(w, rows, x, out),
+            (_, 2) => rows_for_avx512::<Q4_0, 2>(w, rows, x, out),
+            (_, 3) => rows_for_avx512::<Q4_0, 3>(w, rows, x, out),
+            (_, _) => rows_for_avx512::<Q4_0, 4>(w, rows, x, out),
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn rows_for_avx512<const KIND: u8, const M: usize>(
+        w: &WeightMatrix,
+        rows: Range<usize>,
+        x: &[f32],
+        out: *mut f32,
+    ) {
+        let data = w.data.as_slice();
+        let row_bytes = w.row_bytes();
+        let groups = w.cols / 32;
+        assert!(
+            row_bytes >= groups * block_bytes(KIND)
+                && data.len() >= rows.end * row_bytes
+                && x.len() >= (M - 1) * w.cols + groups * 32
+        );
+        let end = rows.end;
+        for r in rows {
+            prefetch_ahead(data, r, end, row_bytes);
+            let row = data.as_ptr().add(r * row_bytes);
+            let xp = x.as_ptr();
+            let (mut even, mut odd) = ([_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M]);
+            let mut g = 0;
+            while g + 1 < groups {
+                group_avx512::<KIND, M>(row, xp, w.cols, g, &mut even);
+                group_avx512::<KIND, M>(row, xp, w.cols, g + 1, &mut odd);
+                g += 2;
+            }
+            if g < groups {
+                group_avx512::<KIND, M>(row, xp, w.cols, g, &mut even);
+            }
+            for t in 0..M {
+                let mut lanes = [0f32; 16];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_add_ps(even[t], odd[t]));
+                *out.add(t * w.rows + r) = lanes.iter().sum::<f32>();
+            }
+        }
+    }
+
+    /// One group into each token's 16 lanes: lane l takes weight l times x[l], then weight
+    /// 16 + l times x[16 + l], as the AVX2 kernel's two 8-lane halves do.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn group_avx512<const KIND: u8, const M: usize>(
+        row: *const u8,
+        x: *const f32,
+        cols: usize,
+        g: usize,
+        acc: &mut [__m512; M],
+    ) {
+        let b = row.add(g * block_bytes(KIND));
+        let scales = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned()));
+        let d = _mm512_set1_ps(_mm_cvtss_f32(scales));
+        let widen = |bytes: __m128i| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+        let at = if KIND == Q4_1 { 4 } else { 2 };
+        let qs = _mm_loadu_si128(b.add(at) as *const __m128i);
+        let mask = _mm_set1_epi8(0x0f);
+        let codes = [
+            widen(_mm_and_si128(qs, mask)),
+            widen(_mm_and_si128(_mm_srli_epi16::<4>(qs), mask)),
+        ];
+        let [lo, hi] = if KIND == Q4_1 {
+            // code * d + m, rounded twice as the generic code does.
+            let m = _mm512_set1_ps(_mm_cvtss_f32(_mm_movehdup_ps(scales)));
+            codes.map(|c| _mm512_add_ps(_mm512_mul_ps(c, d), m))
+        } else {
+            // (code - 8) * d: the difference is exact in f32.
+            let eight = _mm512_set1_ps(8.0);
+            codes.map(|c| _mm512_mul_ps(_mm512_sub_ps(c, eight), d))
+        };
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let xs = x.add(t * cols + g * 32);
+            *acc = _mm512_fmadd_ps(
+                hi,
+                _mm512_loadu_ps(xs.add(16)),
+                _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs), *acc),
+            );
         }
     }
 
@@ -822,7 +933,7 @@ mod tests {
 
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn avx2_block_kernels_give_the_generic_sums_bit_for_bit() {
+    fn q4_block_kernels_give_the_generic_sums_bit_for_bit() {
         if !(is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c"))
@@ -855,10 +966,22 @@ mod tests {
                     // SAFETY: the features were detected above; both write m rows of `rows`.
                     unsafe {
                         generic_fma(&w, &x, m, want.as_mut_ptr());
-                        avx2_blocks::rows_by_tokens(&w, 0..rows, &x, m, got.as_mut_ptr());
+                        q4_blocks::rows_by_tokens(&w, 0..rows, &x, m, got.as_mut_ptr());
                     }
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&got), bits(&want), "{dtype} {rows}x{cols} m={m}");
+                    if is_x86_feature_detected!("avx512f") {
+                        got.fill(1.0);
+                        // SAFETY: AVX-512 F was detected, with the features above.
+                        unsafe {
+                            q4_blocks::rows_by_tokens_avx512(&w, 0..rows, &x, m, got.as_mut_ptr())
+                        };
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "avx512 {dtype} {rows}x{cols} m={m}"
+                        );
+                    }
                 }
             }
         }
