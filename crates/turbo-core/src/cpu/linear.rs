@@ -548,6 +548,22 @@ mod q4_blocks {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
+    /// Calls `$rows_for::<KIND, M>` for `$w`'s type (Q4_1, else Q4_0) and `$m` tokens (1-4).
+    macro_rules! by_type_and_tokens {
+        ($rows_for:ident, $w:expr, $rows:expr, $x:expr, $m:expr, $out:expr) => {
+            match ($w.dtype, $m) {
+                (DType::Q4_1, 1) => $rows_for::<Q4_1, 1>($w, $rows, $x, $out),
+                (DType::Q4_1, 2) => $rows_for::<Q4_1, 2>($w, $rows, $x, $out),
+                (DType::Q4_1, 3) => $rows_for::<Q4_1, 3>($w, $rows, $x, $out),
+                (DType::Q4_1, _) => $rows_for::<Q4_1, 4>($w, $rows, $x, $out),
+                (_, 1) => $rows_for::<Q4_0, 1>($w, $rows, $x, $out),
+                (_, 2) => $rows_for::<Q4_0, 2>($w, $rows, $x, $out),
+                (_, 3) => $rows_for::<Q4_0, 3>($w, $rows, $x, $out),
+                (_, _) => $rows_for::<Q4_0, 4>($w, $rows, $x, $out),
+            }
+        };
+    }
+
     /// Computes rows `rows` of `out` (row stride `w.rows`) for `m` (1 to 4) tokens of `x`.
     ///
     /// # Safety
@@ -561,16 +577,7 @@ mod q4_blocks {
         m: usize,
         out: *mut f32,
     ) {
-        match (w.dtype, m) {
-            (DType::Q4_1, 1) => rows_for::<Q4_1, 1>(w, rows, x, out),
-            (DType::Q4_1, 2) => rows_for::<Q4_1, 2>(w, rows, x, out),
-            (DType::Q4_1, 3) => rows_for::<Q4_1, 3>(w, rows, x, out),
-            (DType::Q4_1, _) => rows_for::<Q4_1, 4>(w, rows, x, out),
-            (_, 1) => rows_for::<Q4_0, 1>(w, rows, x, out),
-            (_, 2) => rows_for::<Q4_0, 2>(w, rows, x, out),
-            (_, 3) => rows_for::<Q4_0, 3>(w, rows, x, out),
-            (_, _) => rows_for::<Q4_0, 4>(w, rows, x, out),
-        }
+        by_type_and_tokens!(rows_for, w, rows, x, m, out)
     }
 
     /// [`rows_by_tokens`] with 512-bit vectors: each group's 32 weights are two vectors of 16
@@ -587,16 +594,7 @@ mod q4_blocks {
         m: usize,
         out: *mut f32,
     ) {
-        match (w.dtype, m) {
-            (DType::Q4_1, 1) => rows_for_avx512::<Q4_1, 1>(w, rows, x, out),
-            (DType::Q4_1, 2) => rows_for_avx512::<Q4_1, 2>(w, rows, x, out),
-            (DType::Q4_1, 3) => rows_for_avx512::<Q4_1, 3>(w, rows, x, out),
-            (DType::Q4_1, _) => rows_for_avx512::<Q4_1, 4>(w, rows, x, out),
-            (_, 1) => rows_for_avx512::<Q4_0, 1>(w, rows, x, out),
-            (_, 2) => rows_for_avx512::<Q4_0, 2>(w, rows, x, out),
-            (_, 3) => rows_for_avx512::<Q4_0, 3>(w, rows, x, out),
-            (_, _) => rows_for_avx512::<Q4_0, 4>(w, rows, x, out),
-        }
+        by_type_and_tokens!(rows_for_avx512, w, rows, x, m, out)
     }
 
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
