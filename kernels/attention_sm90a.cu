@@ -34,7 +34,7 @@
 #define WG_PANEL (128 * 128)             // bytes of one 64-dimension panel of a 128-row tile
 #define WG_TILE (2 * WG_PANEL)           // bytes of one 128 x 128 bf16 tile
 #define WG_STAGES 2  // stages of the K ring and of the V ring (3 measured slower: above)
-#define WG_SMEM (WG_TILE * (1 + 2 * WG_STAGES) + 8 * (1 + 4 * WG_STAGES))  // Q, the rings, the barriers
+#define WG_SMEM (WG_TILE * (1 + 2 * WG_STAGES) + 8 * WG_BARS)  // Q, the rings, the barriers (below)
 
 extern __shared__ __align__(1024) unsigned char wg_smem[];
 

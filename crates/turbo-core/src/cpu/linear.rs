@@ -604,35 +604,38 @@ mod q4_blocks {
         x: &[f32],
         out: *mut f32,
     ) {
-        let data = w.data.as_slice();
-        let row_bytes = w.row_bytes();
-        let groups = w.cols / 32;
-        assert!(
-            row_bytes >= groups * block_bytes(KIND)
-                && data.len() >= rows.end * row_bytes
-                && x.len() >= (M - 1) * w.cols + groups * 32
-        );
-        let end = rows.end;
-        for r in rows {
-            prefetch_ahead(data, r, end, row_bytes);
-            let row = data.as_ptr().add(r * row_bytes);
-            let xp = x.as_ptr();
-            let (mut even, mut odd) = ([_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M]);
-            let mut g = 0;
-            while g + 1 < groups {
-                group_avx512::<KIND, M>(row, xp, w.cols, g, &mut even);
-                group_avx512::<KIND, M>(row, xp, w.cols, g + 1, &mut odd);
-                g += 2;
-            }
-            if g < groups {
-                group_avx512::<KIND, M>(row, xp, w.cols, g, &mut even);
-            }
-            for t in 0..M {
-                let mut lanes = [0f32; 16];
-                _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_add_ps(even[t], odd[t]));
-                *out.add(t * w.rows + r) = lanes.iter().sum::<f32>();
-            }
+        each_row::<KIND, M>(w, rows, x, out, |row, groups| {
+            row_dots_avx512::<KIND, M>(row, x, w.cols, groups)
+        })
+    }
+
+    /// [`row_dots`] in 512-bit vectors: a token's 16 lanes of sums in one vector.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn row_dots_avx512<const KIND: u8, const M: usize>(
+        row: *const u8,
+        x: &[f32],
+        cols: usize,
+        groups: usize,
+    ) -> [f32; M] {
+        let xp = x.as_ptr();
+        let (mut even, mut odd) = ([_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M]);
+        let mut g = 0;
+        while g + 1 < groups {
+            group_avx512::<KIND, M>(row, xp, cols, g, &mut even);
+            group_avx512::<KIND, M>(row, xp, cols, g + 1, &mut odd);
+            g += 2;
         }
+        if g < groups {
+            group_avx512::<KIND, M>(row, xp, cols, g, &mut even);
+        }
+        let mut sums = [0f32; M];
+        for t in 0..M {
+            let mut lanes = [0f32; 16];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_add_ps(even[t], odd[t]));
+            sums[t] = lanes.iter().sum::<f32>();
+        }
+        sums
     }
 
     /// One group into each token's 16 lanes: lane l takes weight l times x[l], then weight
@@ -694,6 +697,21 @@ mod q4_blocks {
         x: &[f32],
         out: *mut f32,
     ) {
+        each_row::<KIND, M>(w, rows, x, out, |row, groups| {
+            row_dots::<KIND, M>(row, x, w.cols, groups)
+        })
+    }
+
+    /// The row loop both widths share: checks the sizes, then per row prefetches ahead and
+    /// stores each token's sum from `dots(row, groups)` (row stride `w.rows`).
+    #[inline(always)]
+    unsafe fn each_row<const KIND: u8, const M: usize>(
+        w: &WeightMatrix,
+        rows: Range<usize>,
+        x: &[f32],
+        out: *mut f32,
+        dots: impl Fn(*const u8, usize) -> [f32; M],
+    ) {
         let data = w.data.as_slice();
         let row_bytes = w.row_bytes();
         let groups = w.cols / 32;
@@ -705,7 +723,7 @@ mod q4_blocks {
         let end = rows.end;
         for r in rows {
             prefetch_ahead(data, r, end, row_bytes);
-            let sums = row_dots::<KIND, M>(data.as_ptr().add(r * row_bytes), x, w.cols, groups);
+            let sums = dots(data.as_ptr().add(r * row_bytes), groups);
             for (t, s) in sums.iter().enumerate() {
                 *out.add(t * w.rows + r) = *s;
             }
