@@ -169,6 +169,9 @@ fn kernels() -> (Q8Kernel, Q8Kernel) {
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
         {
+            if avx512::detected() {
+                return (avx512::rows, avx512::rows_k);
+            }
             return (avx2::rows, avx2::rows_k);
         }
         (rows_portable, rows_k_portable)
@@ -327,7 +330,7 @@ mod avx2 {
     /// llama.cpp does), and signed codes multiply as magnitudes with their signs moved onto the
     /// activations, so those types need no term beside the products.
     #[inline(always)]
-    unsafe fn products(dtype: DType, blk: *const u8, xs: __m256i) -> __m256i {
+    pub(super) unsafe fn products(dtype: DType, blk: *const u8, xs: __m256i) -> __m256i {
         let at = codes_at(dtype);
         let p16 = match dtype {
             DType::Q8_0 => signed_products(xs, _mm256_loadu_si256(blk.add(at) as *const __m256i)),
@@ -389,7 +392,7 @@ mod avx2 {
     }
 
     #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(super) unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -399,7 +402,7 @@ mod avx2 {
     /// A block's scale and its minimum (Q4_1, Q5_1; 0 for the others, whose codes are signed),
     /// converted by F16C (the block's first 4 bytes hold them).
     #[inline(always)]
-    unsafe fn scales(dtype: DType, blk: *const u8) -> (f32, f32) {
+    pub(super) unsafe fn scales(dtype: DType, blk: *const u8) -> (f32, f32) {
         let bits = (blk as *const u32).read_unaligned();
         let f = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
         let dw = _mm_cvtss_f32(f);
@@ -412,7 +415,7 @@ mod avx2 {
 
     /// Prefetches `rows` rows of `row_bytes` from `at`.
     #[inline(always)]
-    unsafe fn prefetch_rows(at: *const u8, rows: usize, row_bytes: usize) {
+    pub(super) unsafe fn prefetch_rows(at: *const u8, rows: usize, row_bytes: usize) {
         for line in (0..rows * row_bytes).step_by(64) {
             _mm_prefetch::<_MM_HINT_T0>(at.add(line) as *const i8);
         }
@@ -437,14 +440,14 @@ mod avx2 {
         }
     }
 
-    const Q4_0: u8 = 0;
-    const Q4_1: u8 = 1;
-    const Q5_0: u8 = 2;
-    const Q5_1: u8 = 3;
-    const Q8_0: u8 = 4;
+    pub(super) const Q4_0: u8 = 0;
+    pub(super) const Q4_1: u8 = 1;
+    pub(super) const Q5_0: u8 = 2;
+    pub(super) const Q5_1: u8 = 3;
+    pub(super) const Q8_0: u8 = 4;
 
     #[inline(always)]
-    const fn dtype_of(t: u8) -> DType {
+    pub(super) const fn dtype_of(t: u8) -> DType {
         match t {
             Q4_0 => DType::Q4_0,
             Q4_1 => DType::Q4_1,
@@ -535,12 +538,12 @@ mod avx2 {
     }
 
     /// Rows the one-token path takes at a time.
-    const ROWS: usize = 4;
+    pub(super) const ROWS: usize = 4;
     /// How many groups of [`ROWS`] rows ahead the one-token path prefetches. A decode step
     /// streams the whole model from memory; one group ahead (about 1.4 KB of Q4_1 rows) left
     /// a single core waiting on its loads, 4 groups ahead decoded 10-15% faster and 8 slower
     /// than 4 (docs/perf/cpu.md).
-    const AHEAD: usize = 4;
+    pub(super) const AHEAD: usize = 4;
 
     /// See [`super::round_codes`]; `xs.len()` is a multiple of 8 and equals `codes.len()`.
     #[target_feature(enable = "avx2")]
@@ -566,7 +569,7 @@ mod avx2 {
 
     /// How many rows ahead the super-block kernel prefetches (as [`AHEAD`]; it prefetched
     /// nothing before).
-    const K_AHEAD: usize = 4;
+    pub(super) const K_AHEAD: usize = 4;
 
     /// Q4_K and Q6_K rows over activations in blocks of 256: each super-block's codes unpacked
     /// to bytes once per row; per token, its sub-blocks' integer dot products times their
@@ -697,6 +700,395 @@ mod avx2 {
     }
 }
 
+/// Decode rows (one token) of the block-of-32 types in 512-bit vectors with AVX-512 VNNI: two
+/// blocks a vector, and one `vpdpbusd` where AVX2 takes a sign pair, `maddubs` and `madd`.
+///
+/// `vpdpbusd` multiplies unsigned bytes by signed ones, so the weights are the unsigned side:
+/// Q4 and Q5 codes as they are (0..15, 0..31), Q8_0 codes moved to 0..255 by flipping their sign
+/// bit (code + 128). A signed type's offset (8, 16 or 128) times the activation codes is taken off
+/// in the integers by starting each lane's sum at `-offset · (its four activation codes' sum)`,
+/// so each block's integer sum is exactly the AVX2 kernel's; the sums are then scaled and added
+/// in f32 lanes in another order than AVX2's, so results agree to f32 rounding.
+///
+/// Q4 and Q5 weights come as low nibbles (elements 0-15) and high nibbles (16-31) of 16 bytes; a
+/// vector holds [block 0 elements 0-15, block 1 0-15, block 0 16-31, block 1 16-31], and the
+/// activations are permuted once per call to that order. Q8_0 keeps the natural order.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{avx2, codes_at, Q8Activations};
+    use crate::cpu::linear::f16_at;
+    use crate::quant::scale_min_k4;
+    use crate::{DType, WeightMatrix};
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    /// Whether this CPU has what [`rows`] uses.
+    pub(super) fn detected() -> bool {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("bmi2")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    }
+
+    /// The block-of-32 kernel: one token here, more through the AVX2 kernel.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,bmi2,avx2,fma,f16c")]
+    pub(super) unsafe fn rows(
+        w: &WeightMatrix,
+        rows: Range<usize>,
+        a: &Q8Activations,
+        n: usize,
+        out: *mut f32,
+    ) {
+        if n != 1 {
+            return avx2::rows(w, rows, a, n, out);
+        }
+        match w.dtype {
+            DType::Q4_0 => rows_of::<{ avx2::Q4_0 }>(w, rows, a, out),
+            DType::Q4_1 => rows_of::<{ avx2::Q4_1 }>(w, rows, a, out),
+            DType::Q5_0 => rows_of::<{ avx2::Q5_0 }>(w, rows, a, out),
+            DType::Q5_1 => rows_of::<{ avx2::Q5_1 }>(w, rows, a, out),
+            _ => rows_of::<{ avx2::Q8_0 }>(w, rows, a, out),
+        }
+    }
+
+    /// What every row shares for a pair of blocks: the activation codes in the weights' order,
+    /// each lane's starting sum (the signed types' offset), and `d_x` per lane.
+    struct Pair {
+        xs: __m512i,
+        start: __m512i,
+        dx: __m512,
+        /// `[0, sum_0, 0, sum_1]`: the activation blocks' `d · Σ codes`, beside the weights'
+        /// `[d_0, min_0, d_1, min_1]` (Q4_1, Q5_1).
+        sums: __m128,
+    }
+
+    /// The activations of one token as [`Pair`]s of blocks, laid out for `dtype`'s weights.
+    #[inline(always)]
+    unsafe fn pairs(dtype: DType, a: &Q8Activations, blocks: usize) -> Vec<Pair> {
+        let nibbles = dtype != DType::Q8_0;
+        // Lane l of a vector covers block (l / 4) % 2 (nibble order) or l / 8 (natural order).
+        let lane_block = match nibbles {
+            true => _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1),
+            false => _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        };
+        let offset = match dtype {
+            DType::Q4_0 => 8,
+            DType::Q5_0 => 16,
+            DType::Q8_0 => 128,
+            _ => 0, // Q4_1, Q5_1: unsigned codes and a minimum beside
+        };
+        (0..blocks / 2)
+            .map(|p| {
+                let natural = _mm512_loadu_si512(a.codes.as_ptr().add(64 * p) as *const _);
+                let xs = match nibbles {
+                    true => {
+                        _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), natural)
+                    }
+                    false => natural,
+                };
+                let ones = _mm512_set1_epi8(1);
+                let lane_sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, xs);
+                let start = _mm512_mullo_epi32(lane_sums, _mm512_set1_epi32(-offset));
+                let d = _mm_setr_ps(a.d[2 * p], a.d[2 * p + 1], 0.0, 0.0);
+                let dx = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(d));
+                let sums = _mm_setr_ps(0.0, a.sum[2 * p], 0.0, a.sum[2 * p + 1]);
+                Pair {
+                    xs,
+                    start,
+                    dx,
+                    sums,
+                }
+            })
+            .collect()
+    }
+
+    /// Rows of type `T` (one of `avx2`'s type constants) times one token's activations: four
+    /// rows at a time sharing each pair's activations, and a block left over (an odd count of
+    /// blocks) through the AVX2 block product.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,bmi2,avx2,fma,f16c")]
+    unsafe fn rows_of<const T: u8>(
+        w: &WeightMatrix,
+        rows: Range<usize>,
+        a: &Q8Activations,
+        out: *mut f32,
+    ) {
+        let dtype = avx2::dtype_of(T);
+        debug_assert_eq!(dtype, w.dtype);
+        let has_min = matches!(dtype, DType::Q4_1 | DType::Q5_1);
+        let bytes = dtype.block_bytes();
+        let data = w.data.as_slice();
+        let row_bytes = w.row_bytes();
+        let blocks = w.cols / 32;
+        assert!(data.len() >= rows.end * row_bytes && a.codes.len() >= w.cols && a.block == 32);
+        let pairs = pairs(dtype, a, blocks);
+        let lane_block = match dtype {
+            DType::Q8_0 => _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+            _ => _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2),
+        };
+        // A block past the last pair: the AVX2 product, its scale and minimum.
+        let tail = |row: *const u8| -> f32 {
+            if blocks.is_multiple_of(2) {
+                return 0.0;
+            }
+            let g = blocks - 1;
+            let blk = row.add(g * bytes);
+            let xs = _mm256_loadu_si256(a.codes.as_ptr().add(32 * g) as *const __m256i);
+            let (dw, min) = avx2::scales(dtype, blk);
+            let dot = avx2::hsum(_mm256_cvtepi32_ps(avx2::products(dtype, blk, xs)));
+            dw * a.d[g] * dot + if has_min { min * a.sum[g] } else { 0.0 }
+        };
+        let end = rows.end;
+        let mut r = rows.start;
+        while r + ROWS <= end {
+            if r + (AHEAD + 1) * ROWS <= end {
+                avx2::prefetch_rows(
+                    data.as_ptr().add((r + AHEAD * ROWS) * row_bytes),
+                    ROWS,
+                    row_bytes,
+                );
+            }
+            let base = data.as_ptr().add(r * row_bytes);
+            let mut acc = [_mm512_setzero_ps(); ROWS];
+            let mut mins = [_mm_setzero_ps(); ROWS];
+            for (p, pair) in pairs.iter().enumerate() {
+                for k in 0..ROWS {
+                    let b0 = base.add(k * row_bytes + 2 * p * bytes);
+                    pair_product::<T>(b0, pair, lane_block, &mut acc[k], &mut mins[k]);
+                }
+            }
+            for k in 0..ROWS {
+                *out.add(r + k) = total(acc[k], mins[k]) + tail(base.add(k * row_bytes));
+            }
+            r += ROWS;
+        }
+        for r in r..end {
+            let row = data.as_ptr().add(r * row_bytes);
+            let (mut acc, mut mins) = (_mm512_setzero_ps(), _mm_setzero_ps());
+            for (p, pair) in pairs.iter().enumerate() {
+                pair_product::<T>(
+                    row.add(2 * p * bytes),
+                    pair,
+                    lane_block,
+                    &mut acc,
+                    &mut mins,
+                );
+            }
+            *out.add(r) = total(acc, mins) + tail(row);
+        }
+    }
+
+    /// The sum of a row's f32 lanes and its minimums' terms.
+    #[inline(always)]
+    unsafe fn total(acc: __m512, mins: __m128) -> f32 {
+        _mm512_reduce_add_ps(acc) + avx2::hsum(_mm256_castps128_ps256(mins))
+    }
+
+    /// Adds the products of a row's blocks at `b0` and the next with `pair` into `acc` (f32 lanes)
+    /// and, for Q4_1 and Q5_1, their minimums' terms into `mins`.
+    #[inline(always)]
+    unsafe fn pair_product<const T: u8>(
+        b0: *const u8,
+        pair: &Pair,
+        lane_block: __m512i,
+        acc: &mut __m512,
+        mins: &mut __m128,
+    ) {
+        let dtype = avx2::dtype_of(T);
+        let at = codes_at(dtype);
+        let b1 = b0.add(dtype.block_bytes());
+        let codes = match dtype {
+            DType::Q8_0 => {
+                let lo = _mm256_loadu_si256(b0.add(at) as *const __m256i);
+                let hi = _mm256_loadu_si256(b1.add(at) as *const __m256i);
+                let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                _mm512_xor_si512(both, _mm512_set1_epi8(-128))
+            }
+            _ => {
+                let qs =
+                    _mm256_loadu2_m128i(b1.add(at) as *const __m128i, b0.add(at) as *const __m128i);
+                let high = _mm256_srli_epi16::<4>(qs);
+                let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qs), high);
+                let q = _mm512_and_si512(both, _mm512_set1_epi8(0x0f));
+                match dtype {
+                    DType::Q5_0 | DType::Q5_1 => {
+                        // Bit j of a block's 32 fifth bits is element j's; the vector holds
+                        // elements 0-15 of both blocks, then 16-31 of both.
+                        let h0 = (b0.add(at - 4) as *const u32).read_unaligned() as u64;
+                        let h1 = (b1.add(at - 4) as *const u32).read_unaligned() as u64;
+                        let bits = _pdep_u64(h0, 0x0000_FFFF_0000_FFFF)
+                            | _pdep_u64(h1, 0xFFFF_0000_FFFF_0000);
+                        _mm512_mask_add_epi8(q, bits, q, _mm512_set1_epi8(16))
+                    }
+                    _ => q,
+                }
+            }
+        };
+        let dots = _mm512_dpbusd_epi32(pair.start, codes, pair.xs);
+        // The two blocks' f16 scale and minimum words, as [d_0, min_0, d_1, min_1] (the
+        // "minimum" of a type without one is code bytes, never used).
+        let h0 = (b0 as *const u32).read_unaligned() as i32;
+        let h1 = (b1 as *const u32).read_unaligned() as i32;
+        let dm = _mm_cvtph_ps(_mm_insert_epi32::<1>(_mm_cvtsi32_si128(h0), h1));
+        let dw = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(dm));
+        *acc = _mm512_fmadd_ps(_mm512_mul_ps(dw, pair.dx), _mm512_cvtepi32_ps(dots), *acc);
+        if matches!(dtype, DType::Q4_1 | DType::Q5_1) {
+            *mins = _mm_fmadd_ps(dm, pair.sums, *mins);
+        }
+    }
+
+    /// The super-block kernel: one token here, more through the AVX2 kernel. Two sub-blocks
+    /// of 32 a vector: `maddubs` (as AVX2) then `vpdpwssd` for the sub-blocks' integer scales,
+    /// where AVX2 takes `madd` and an add per sub-block. The integer sums are the AVX2 kernel's.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,bmi2,avx2,fma,f16c")]
+    pub(super) unsafe fn rows_k(
+        w: &WeightMatrix,
+        rows: Range<usize>,
+        a: &Q8Activations,
+        n: usize,
+        out: *mut f32,
+    ) {
+        if n != 1 {
+            return avx2::rows_k(w, rows, a, n, out);
+        }
+        let bytes = w.dtype.block_bytes();
+        let data = w.data.as_slice();
+        let row_bytes = w.row_bytes();
+        assert!(data.len() >= rows.end * row_bytes && a.codes.len() >= w.cols && a.block == 256);
+        let m4 = _mm512_set1_epi8(0x0f);
+        let m32 = _mm512_set1_epi8(32);
+        let end = rows.end;
+        for r in rows {
+            if r + avx2::K_AHEAD < end {
+                avx2::prefetch_rows(
+                    data.as_ptr().add((r + avx2::K_AHEAD) * row_bytes),
+                    1,
+                    row_bytes,
+                );
+            }
+            let row = &data[r * row_bytes..(r + 1) * row_bytes];
+            let mut acc = _mm512_setzero_ps();
+            let mut extra = 0f32;
+            for (sb, b) in row.chunks_exact(bytes).enumerate() {
+                let p = b.as_ptr();
+                let xs_at = a.codes.as_ptr().add(sb * 256);
+                // Pair j: sub-blocks 2j and 2j + 1 as unsigned codes, and their scales as i16
+                // lanes (one per 32 values for Q4_K and Q5_K, per 16 for Q6_K).
+                let mut sumi = _mm512_setzero_si512();
+                match w.dtype {
+                    DType::Q4_K | DType::Q5_K => {
+                        let mut sc = [0i16; 8];
+                        let mut summ = 0i32;
+                        let sums = &a.sum16[sb * 16..sb * 16 + 16];
+                        for (s, v) in sc.iter_mut().enumerate() {
+                            let (scale, min) = scale_min_k4(s, &b[4..16]);
+                            *v = scale as i16;
+                            summ += min as i32 * (sums[2 * s] + sums[2 * s + 1]);
+                        }
+                        let q5 = w.dtype == DType::Q5_K;
+                        let (qs_at, qh) = match q5 {
+                            true => (48, _mm256_loadu_si256(p.add(16) as *const __m256i)),
+                            false => (16, _mm256_setzero_si256()),
+                        };
+                        let qh = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qh), qh);
+                        for j in 0..4 {
+                            let qs = _mm256_loadu_si256(p.add(qs_at + 32 * j) as *const __m256i);
+                            let both = _mm512_inserti64x4::<1>(
+                                _mm512_castsi256_si512(qs),
+                                _mm256_srli_epi16::<4>(qs),
+                            );
+                            let mut q = _mm512_and_si512(both, m4);
+                            if q5 {
+                                // Bit s of byte l of `qh` is the fifth bit of element l of
+                                // sub-block s.
+                                let probe = _mm512_inserti64x4::<1>(
+                                    _mm512_set1_epi8(1 << (2 * j)),
+                                    _mm256_set1_epi8(1 << (2 * j + 1)),
+                                );
+                                let bits = _mm512_test_epi8_mask(qh, probe);
+                                q = _mm512_mask_add_epi8(q, bits, q, _mm512_set1_epi8(16));
+                            }
+                            let xs = _mm512_loadu_si512(xs_at.add(64 * j) as *const _);
+                            let scales = _mm512_inserti64x4::<1>(
+                                _mm512_set1_epi16(sc[2 * j]),
+                                _mm256_set1_epi16(sc[2 * j + 1]),
+                            );
+                            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q, xs), scales);
+                        }
+                        let d = f16_at(b, 0) * a.d[sb];
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
+                        extra -= f16_at(b, 2) * summ as f32 * a.d[sb];
+                    }
+                    _ => {
+                        // Q6_K: scales of 16 values as i16, pair j takes groups 4j..4j + 3.
+                        let sc16 =
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192) as *const __m128i));
+                        let sc16 = _mm512_castsi256_si512(sc16);
+                        for h in 0..2 {
+                            let ql = _mm512_loadu_si512(p.add(64 * h) as *const _);
+                            let qh = _mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i);
+                            let qh = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qh), qh);
+                            for k in 0..2 {
+                                // k = 0: low nibbles of both 32-byte halves of ql, high bits
+                                // 0-1 and 2-3 of qh; k = 1: high nibbles, bits 4-5 and 6-7.
+                                let lo = match k {
+                                    0 => _mm512_and_si512(ql, m4),
+                                    _ => _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
+                                };
+                                let shifts = match k {
+                                    0 => _mm512_inserti64x4::<1>(
+                                        _mm512_setzero_si512(),
+                                        _mm256_set1_epi16(2),
+                                    ),
+                                    _ => _mm512_inserti64x4::<1>(
+                                        _mm512_set1_epi16(4),
+                                        _mm256_set1_epi16(6),
+                                    ),
+                                };
+                                let hi = _mm512_and_si512(
+                                    _mm512_slli_epi16::<4>(_mm512_srlv_epi16(qh, shifts)),
+                                    _mm512_set1_epi8(0x30),
+                                );
+                                let q = _mm512_or_si512(lo, hi);
+                                let j = 2 * h + k; // sub-blocks 2j, 2j + 1 in the row's order
+                                let xs = _mm512_loadu_si512(xs_at.add(64 * j) as *const _);
+                                // Codes are offset by 32: take 32 x the activations off, exactly
+                                // (pairs of products stay within i16: 2 x 63 x 127).
+                                let p16 = _mm512_sub_epi16(
+                                    _mm512_maddubs_epi16(q, xs),
+                                    _mm512_maddubs_epi16(m32, xs),
+                                );
+                                let index = _mm512_add_epi16(
+                                    _mm512_set1_epi16(4 * j as i16),
+                                    _mm512_inserti64x4::<1>(
+                                        _mm512_castsi256_si512(_mm256_set_m128i(
+                                            _mm_set1_epi16(1),
+                                            _mm_setzero_si128(),
+                                        )),
+                                        _mm256_set_m128i(_mm_set1_epi16(3), _mm_set1_epi16(2)),
+                                    ),
+                                );
+                                let scales = _mm512_permutexvar_epi16(index, sc16);
+                                sumi = _mm512_dpwssd_epi32(sumi, p16, scales);
+                            }
+                        }
+                        let d = f16_at(b, 208) * a.d[sb];
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
+                    }
+                }
+            }
+            *out.add(r) = _mm512_reduce_add_ps(acc) + extra;
+        }
+    }
+
+    /// Rows a group takes, and groups ahead prefetched, as the AVX2 kernel's.
+    const ROWS: usize = avx2::ROWS;
+    const AHEAD: usize = avx2::AHEAD;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -720,6 +1112,10 @@ mod tests {
         {
             kernels.push(("avx2", avx2::rows, avx2::rows_k));
         }
+        #[cfg(target_arch = "x86_64")]
+        if avx512::detected() {
+            kernels.push(("avx512", avx512::rows, avx512::rows_k));
+        }
         let types = [
             DType::Q4_0,
             DType::Q4_1,
@@ -731,7 +1127,12 @@ mod tests {
             DType::Q6_K,
         ];
         for dtype in types {
-            for (rows, cols) in [(37usize, 256usize), (9, 2048)] {
+            // An odd count of blocks (352 = 11 x 32) for the types in blocks of 32.
+            let shapes: &[(usize, usize)] = match super_blocks(dtype) {
+                true => &[(37, 256), (9, 2048)],
+                false => &[(37, 256), (9, 2048), (13, 352)],
+            };
+            for &(rows, cols) in shapes {
                 // Types Turbo writes are quantized from random values; those it only reads are
                 // random blocks with finite scales.
                 let bytes: Vec<u8> = match DType::WRITABLE.contains(&dtype) {
