@@ -700,8 +700,9 @@ mod avx2 {
     }
 }
 
-/// Decode rows (one token) of the block-of-32 types in 512-bit vectors with AVX-512 VNNI: two
+/// Decode rows (one token) in 512-bit vectors with AVX-512 VNNI. Blocks of 32 ([`rows`]): two
 /// blocks a vector, and one `vpdpbusd` where AVX2 takes a sign pair, `maddubs` and `madd`.
+/// K-quants ([`rows_k`]): two sub-blocks a vector, their scales applied by `vpdpwssd`.
 ///
 /// `vpdpbusd` multiplies unsigned bytes by signed ones, so the weights are the unsigned side:
 /// Q4 and Q5 codes as they are (0..15, 0..31), Q8_0 codes moved to 0..255 by flipping their sign
@@ -722,7 +723,7 @@ mod avx512 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    /// Whether this CPU has what [`rows`] uses.
+    /// Whether this CPU has what [`rows`] and [`rows_k`] use.
     pub(super) fn detected() -> bool {
         is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
