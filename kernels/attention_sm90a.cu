@@ -28,6 +28,9 @@
 #include "common.cuh"
 
 #define WG_THREADS 384  // a producer warpgroup and two consumer warpgroups
+// How far (log2 units) a row's maximum may grow past the one its exponentials use before O is
+// rescaled: P then stays below 2^8, far inside bf16's range (the row sums are f32).
+#define WG_RESCALE_LOG2 8.f
 #define WG_ROWS 128     // query rows per CTA
 #define WG_KEYS 128  // keys per tile
 #define WG_HD 128
@@ -352,7 +355,7 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
     };
     // Masks S(j) and turns it into P(j) with the rows' new maxima; returns in corr the factors
     // that take O (and l) from the old maxima to the new.
-    auto softmax = [&](int j, float (&corr)[2]) {
+    auto softmax = [&](int j, float (&corr)[2]) -> bool {
         const uint32_t key0 = k0 + (uint32_t)j * WG_KEYS;
         // Keys past each row's position (tiles reaching past the warp's first row) or, SHARED,
         // at or past k1 (the last tile). s[4i + e]: n-tile i, row g + 8 (e >> 1), key
@@ -368,19 +371,36 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
                 }
             }
         }
+        // The rows' maxima move only when one of the warp's rows has grown by more than
+        // WG_RESCALE_LOG2 (log2 units) past the maximum its exponentials use: otherwise the
+        // old maxima stay, P stays below 2^WG_RESCALE_LOG2, and O and l need no rescaling (a
+        // warp-uniform skip of 64 multiplies a thread). Any maximum gives the same softmax and
+        // lse (exponentials and sums both use it).
+        float mx[2];
+        bool grow = false;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            float mx = m[h];
+            float v = m[h];
 #pragma unroll
-            for (int i = 0; i < 16; i++) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // -inf only while a row has seen no key (not reachable: every row sees the first
-            // key of the first tile); then everything below is 0 instead of NaN.
-            const float mu = mx == wg_neg_inf() ? 0.f : mx;
-            corr[h] = wg_exp2((m[h] - mu) * sl2);  // 0 while m is -inf
-            const float mus = mu * sl2;
-            m[h] = mx;
+            for (int i = 0; i < 16; i++) v = fmaxf(v, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
+            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+            mx[h] = v;
+            // True while m is -inf (the first tile); false while the row has seen no key.
+            grow |= (v - m[h]) * sl2 > WG_RESCALE_LOG2;
+        }
+        const bool rescale = __any_sync(0xffffffffu, grow);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            corr[h] = 1.f;
+            if (rescale) {
+                // -inf only while a row has seen no key (not reachable: every row sees the
+                // first key of the first tile); then everything below is 0 instead of NaN.
+                const float mu = mx[h] == wg_neg_inf() ? 0.f : mx[h];
+                corr[h] = wg_exp2((m[h] - mu) * sl2);  // 0 while m is -inf
+                m[h] = mx[h];
+            }
+            const float mus = (m[h] == wg_neg_inf() ? 0.f : m[h]) * sl2;
             float sum = 0.f;
 #pragma unroll
             for (int i = 0; i < 16; i++) {
@@ -390,16 +410,19 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
             }
             l[h] = l[h] * corr[h] + sum;
         }
+        return rescale;
     };
     // O to the new maxima, and P(j) as A fragments: k-step kk covers keys 16kk.. = n-tiles 2kk
     // (a0, a1) and 2kk + 1 (a2, a3).
-    auto rescale_and_pack = [&](const float (&corr)[2]) {
+    auto rescale_and_pack = [&](bool rescale, const float (&corr)[2]) {
+        if (rescale) {
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
-            o[4 * i] *= corr[0];
-            o[4 * i + 1] *= corr[0];
-            o[4 * i + 2] *= corr[1];
-            o[4 * i + 3] *= corr[1];
+            for (int i = 0; i < 16; i++) {
+                o[4 * i] *= corr[0];
+                o[4 * i + 1] *= corr[0];
+                o[4 * i + 2] *= corr[1];
+                o[4 * i + 3] *= corr[1];
+            }
         }
 #pragma unroll
         for (int kk = 0; kk < WG_KEYS / 16; kk++) {
@@ -423,8 +446,8 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
     wg_wait<0>();
     wg_fence_regs(s);
     release(WG_BAR_EMPTY_K, 0);
-    softmax(0, corr);
-    rescale_and_pack(corr);
+    bool rescale = softmax(0, corr);
+    rescale_and_pack(rescale, corr);
     for (int j = 1; j < n_tiles; j++) {
         wait_full(WG_BAR_FULL_K, j);
         wait_full(WG_BAR_FULL_V, j - 1);
@@ -436,11 +459,11 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
         wg_wait<1>();  // S(j); P(j - 1)·V(j - 1) may still run
         wg_fence_regs(s);
         release(WG_BAR_EMPTY_K, j);
-        softmax(j, corr);
+        rescale = softmax(j, corr);
         wg_wait<0>();
         wg_fence_regs(o);
         release(WG_BAR_EMPTY_V, j - 1);
-        rescale_and_pack(corr);
+        rescale_and_pack(rescale, corr);
     }
     wait_full(WG_BAR_FULL_V, n_tiles - 1);
     my_turn();
