@@ -548,24 +548,7 @@ fn head_attention(
     if keys.is_empty() {
         return f32::NEG_INFINITY;
     }
-    let d = kv.head_dim;
-    let slot_stride = kv.n_kv_heads * d;
     let (first, end) = (keys.start, keys.end);
-    // Visits this head's key (or value) rows in token order, block by block: f(index in the
-    // range, offset of the row).
-    let for_each_row = |f: &mut dyn FnMut(usize, usize)| {
-        let mut p = first;
-        while p < end {
-            let block = table[p / kv.block_size] as usize;
-            let slot0 = p % kv.block_size;
-            let stop = end.min(p - slot0 + kv.block_size);
-            let base = block * kv.block_size * slot_stride + kv_head * d;
-            for slot in slot0..slot0 + (stop - p) {
-                f(p - first + slot - slot0, base + slot * slot_stride);
-            }
-            p = stop;
-        }
-    };
     scores.resize(end - first, 0.0);
     let mut max = f32::NEG_INFINITY;
     // Room to decode a quantized row into; f32 rows are read in place and need none.
@@ -577,11 +560,18 @@ fn head_attention(
         }
         None => &mut [],
     };
-    for_each_row(&mut |i, at| {
-        let s = dot(q, kv.key_row(at, row)) * scale;
-        scores[i] = s;
-        max = max.max(s);
-    });
+    for_each_row(
+        kv,
+        table,
+        kv_head,
+        first..end,
+        #[inline(always)]
+        |i, at| {
+            let s = dot(q, kv.key_row(at, row)) * scale;
+            scores[i] = s;
+            max = max.max(s);
+        },
+    );
     if max == f32::NEG_INFINITY {
         return f32::NEG_INFINITY;
     }
@@ -590,15 +580,50 @@ fn head_attention(
         *s = (*s - max).exp();
         sum += *s;
     }
-    for_each_row(&mut |i, at| {
-        let w = scores[i];
-        for (x, v) in o.iter_mut().zip(kv.value_row(at, row)) {
-            *x += w * v;
-        }
-    });
+    for_each_row(
+        kv,
+        table,
+        kv_head,
+        first..end,
+        #[inline(always)]
+        |i, at| {
+            let w = scores[i];
+            for (x, v) in o.iter_mut().zip(kv.value_row(at, row)) {
+                *x += w * v;
+            }
+        },
+    );
     let inv = 1.0 / sum;
     o.iter_mut().for_each(|x| *x *= inv);
     max + sum.ln()
+}
+
+/// Visits `kv_head`'s key (or value) rows `keys` of a paged sequence in token order, block by
+/// block: `f(index in the range, element offset of the row)`. Generic and inlined, so that the
+/// per-row work is compiled into its caller with the caller's target features (a closure called
+/// through a pointer is compiled for the baseline CPU: SSE, no FMA).
+#[inline(always)]
+fn for_each_row(
+    kv: &PagedKv,
+    table: &[u32],
+    kv_head: usize,
+    keys: Range<usize>,
+    mut f: impl FnMut(usize, usize),
+) {
+    let d = kv.head_dim;
+    let slot_stride = kv.n_kv_heads * d;
+    let (first, end) = (keys.start, keys.end);
+    let mut p = first;
+    while p < end {
+        let block = table[p / kv.block_size] as usize;
+        let slot0 = p % kv.block_size;
+        let stop = end.min(p - slot0 + kv.block_size);
+        let base = block * kv.block_size * slot_stride + kv_head * d;
+        for slot in slot0..slot0 + (stop - p) {
+            f(p - first + slot - slot0, base + slot * slot_stride);
+        }
+        p = stop;
+    }
 }
 
 /// A dot product in eight lanes, which the compiler vectorises (the order of the sums is fixed,
