@@ -560,11 +560,13 @@ fn head_attention(
         }
         None => &mut [],
     };
+    let plain = |rows| kv.quant.is_none().then_some(rows);
     for_each_row(
         kv,
         table,
         kv_head,
         first..end,
+        plain(kv.keys),
         #[inline(always)]
         |i, at| {
             let s = dot(q, kv.key_row(at, row)) * scale;
@@ -585,6 +587,7 @@ fn head_attention(
         table,
         kv_head,
         first..end,
+        plain(kv.values),
         #[inline(always)]
         |i, at| {
             let w = scores[i];
@@ -602,17 +605,26 @@ fn head_attention(
 /// block: `f(index in the range, element offset of the row)`. Generic and inlined, so that the
 /// per-row work is compiled into its caller with the caller's target features (a closure called
 /// through a pointer is compiled for the baseline CPU: SSE, no FMA).
+///
+/// `rows`, the f32 storage the offsets index (None for a quantized cache), is prefetched
+/// [`ROWS_AHEAD`] rows ahead: a head's rows lie `n_kv_heads · head_dim` floats apart, block by
+/// block, and a long context's cache does not stay in the caches between decode steps.
 #[inline(always)]
 fn for_each_row(
     kv: &PagedKv,
     table: &[u32],
     kv_head: usize,
     keys: Range<usize>,
+    rows: Option<&[f32]>,
     mut f: impl FnMut(usize, usize),
 ) {
     let d = kv.head_dim;
     let slot_stride = kv.n_kv_heads * d;
     let (first, end) = (keys.start, keys.end);
+    let row_at = |p: usize| {
+        let block = table[p / kv.block_size] as usize;
+        block * kv.block_size * slot_stride + kv_head * d + (p % kv.block_size) * slot_stride
+    };
     let mut p = first;
     while p < end {
         let block = table[p / kv.block_size] as usize;
@@ -620,10 +632,36 @@ fn for_each_row(
         let stop = end.min(p - slot0 + kv.block_size);
         let base = block * kv.block_size * slot_stride + kv_head * d;
         for slot in slot0..slot0 + (stop - p) {
-            f(p - first + slot - slot0, base + slot * slot_stride);
+            let key = p + slot - slot0;
+            if let Some(rows) = rows {
+                if key + ROWS_AHEAD < end {
+                    prefetch_row(rows, row_at(key + ROWS_AHEAD), d);
+                }
+            }
+            f(key - first, base + slot * slot_stride);
         }
         p = stop;
     }
+}
+
+/// How many rows ahead [`for_each_row`] prefetches.
+const ROWS_AHEAD: usize = 8;
+
+/// Asks for the `d` floats of `rows` at `at` to be brought into the caches.
+#[inline(always)]
+fn prefetch_row(rows: &[f32], at: usize, d: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if at + d <= rows.len() {
+        for line in (0..d).step_by(16) {
+            // SAFETY: a prefetch of an address inside `rows`; it reads nothing.
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                _mm_prefetch::<_MM_HINT_T0>(rows.as_ptr().add(at + line) as *const i8);
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (rows, at, d);
 }
 
 /// A dot product in eight lanes, which the compiler vectorises (the order of the sums is fixed,
