@@ -602,11 +602,7 @@ fn any_head_attention(
     if max == f32::NEG_INFINITY {
         return f32::NEG_INFINITY;
     }
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
+    let sum = exponentials(scores, max);
     for_each_row(
         kv,
         table,
@@ -675,11 +671,7 @@ fn plain_head_attention<const D: usize>(
     if max == f32::NEG_INFINITY {
         return f32::NEG_INFINITY;
     }
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
+    let sum = exponentials(scores, max);
     let mut acc = [0f32; D];
     for_each_row(
         kv,
@@ -700,6 +692,17 @@ fn plain_head_attention<const D: usize>(
         *o = x * inv;
     }
     max + sum.ln()
+}
+
+/// Replaces each score by `exp(score - max)` and returns their sum, in order.
+#[inline(always)]
+fn exponentials(scores: &mut [f32], max: f32) -> f32 {
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    sum
 }
 
 /// The `D` values of `rows` at `at`.
