@@ -549,14 +549,39 @@ fn head_attention(
         return f32::NEG_INFINITY;
     }
     scores.resize(keys.len(), 0.0);
-    if kv.quant.is_none() {
-        match kv.head_dim {
-            64 => return plain_head_attention::<64>(q, kv, table, kv_head, keys, scale, scores, o),
-            128 => {
-                return plain_head_attention::<128>(q, kv, table, kv_head, keys, scale, scores, o)
-            }
-            _ => {}
+    let f32_rows = || (F32Rows(kv.keys), F32Rows(kv.values));
+    match (&kv.quant, kv.head_dim) {
+        (None, 64) => {
+            return plain_head_attention::<64, _>(
+                q,
+                kv,
+                table,
+                kv_head,
+                keys,
+                scale,
+                scores,
+                o,
+                f32_rows(),
+            )
         }
+        (None, 128) => {
+            return plain_head_attention::<128, _>(
+                q,
+                kv,
+                table,
+                kv_head,
+                keys,
+                scale,
+                scores,
+                o,
+                f32_rows(),
+            )
+        }
+        // SAFETY: the dispatcher only returns kernels whose CPU features were detected.
+        (Some(_), 64 | 128) => {
+            return unsafe { code_head_kernel()(q, kv, table, kv_head, keys, scale, scores, o) }
+        }
+        _ => {}
     }
     any_head_attention(q, kv, table, kv_head, keys, scale, scores, o)
 }
@@ -585,13 +610,16 @@ fn any_head_attention(
         }
         None => &mut [],
     };
-    let plain = |rows| kv.quant.is_none().then_some(rows);
+    let (key_storage, value_storage) = match &kv.quant {
+        Some(q) => (Storage::codes(q.keys), Storage::codes(q.values)),
+        None => (Storage::f32(kv.keys), Storage::f32(kv.values)),
+    };
     for_each_row(
         kv,
         table,
         kv_head,
         first..end,
-        plain(kv.keys),
+        Some(key_storage),
         #[inline(always)]
         |i, at| {
             let s = dot(q, kv.key_row(at, row)) * scale;
@@ -608,7 +636,7 @@ fn any_head_attention(
         table,
         kv_head,
         first..end,
-        plain(kv.values),
+        Some(value_storage),
         #[inline(always)]
         |i, at| {
             let w = scores[i];
@@ -622,13 +650,130 @@ fn any_head_attention(
     max + sum.ln()
 }
 
-/// [`head_attention`] over an f32 cache with rows of `D` values, the same operations in the same
-/// order (so the same bits), arranged for the CPU: four keys' dot products at a time (four
-/// independent chains of adds, the query's chunks loaded once for the four), and the output row
-/// kept in registers across the values instead of read and written back for each.
+/// [`plain_head_attention`] over an 8-bit cache (rows decoded four at a time into small
+/// buffers), dispatched like [`head_kernel`] beside `head_attention`'s f32 kernels.
+type CodeHeadKernel =
+    unsafe fn(&[f32], &PagedKv, &[u32], usize, Range<usize>, f32, &mut [f32], &mut [f32]) -> f32;
+
+/// The fastest [`CodeHeadKernel`] this CPU supports.
+fn code_head_kernel() -> CodeHeadKernel {
+    static KERNEL: std::sync::OnceLock<CodeHeadKernel> = std::sync::OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
+                return code_head_attention_avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return code_head_attention_avx2;
+            }
+        }
+        code_head_attention_portable
+    })
+}
+
+macro_rules! code_head_attention_for {
+    ($name:ident $(, $features:literal)?) => {
+        $(#[target_feature(enable = $features)])?
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $name(
+            q: &[f32],
+            kv: &PagedKv,
+            table: &[u32],
+            kv_head: usize,
+            keys: Range<usize>,
+            scale: f32,
+            scores: &mut [f32],
+            o: &mut [f32],
+        ) -> f32 {
+            let qk = kv.quant.as_ref().expect("an 8-bit cache");
+            let rows = (
+                CodeRows { dtype: qk.dtype, codes: qk.keys, scales: qk.key_scales },
+                CodeRows { dtype: qk.dtype, codes: qk.values, scales: qk.value_scales },
+            );
+            match kv.head_dim {
+                64 => plain_head_attention::<64, _>(q, kv, table, kv_head, keys, scale, scores, o, rows),
+                _ => plain_head_attention::<128, _>(q, kv, table, kv_head, keys, scale, scores, o, rows),
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+code_head_attention_for!(code_head_attention_avx512, "avx512f,avx2,fma");
+#[cfg(target_arch = "x86_64")]
+code_head_attention_for!(code_head_attention_avx2, "avx2,fma");
+code_head_attention_for!(code_head_attention_portable);
+
+/// Where [`plain_head_attention`] reads its rows of `D` values: an f32 cache in place, or an 8-bit
+/// one decoded as [`crate::kv_quant::dequantize_row`] decodes it (the same values).
+trait HeadRows<const D: usize> {
+    /// Room to decode a row into (nothing for rows read in place).
+    type Buf;
+    fn buf() -> Self::Buf;
+    /// The row at element offset `at`, decoded into `buf` where it must be.
+    fn row<'b>(&'b self, at: usize, buf: &'b mut Self::Buf) -> &'b [f32; D];
+    /// The storage, for prefetching.
+    fn storage(&self) -> Storage;
+}
+
+struct F32Rows<'a>(&'a [f32]);
+
+impl<const D: usize> HeadRows<D> for F32Rows<'_> {
+    type Buf = ();
+    fn buf() {}
+
+    #[inline(always)]
+    fn row<'b>(&'b self, at: usize, _: &'b mut ()) -> &'b [f32; D] {
+        self.0[at..at + D]
+            .try_into()
+            .expect("a row inside the cache")
+    }
+
+    fn storage(&self) -> Storage {
+        Storage::f32(self.0)
+    }
+}
+
+struct CodeRows<'a> {
+    dtype: KvDtype,
+    codes: &'a [u8],
+    scales: &'a [f32],
+}
+
+impl<const D: usize> HeadRows<D> for CodeRows<'_> {
+    type Buf = [f32; D];
+    fn buf() -> [f32; D] {
+        [0.0; D]
+    }
+
+    #[inline(always)]
+    fn row<'b>(&'b self, at: usize, buf: &'b mut [f32; D]) -> &'b [f32; D] {
+        let (codes, scale) = (&self.codes[at..at + D], self.scales[at / D]);
+        match self.dtype {
+            // dequantize_row's operations, inlined so that they vectorize here.
+            KvDtype::Int8 => {
+                for (o, &c) in buf.iter_mut().zip(codes) {
+                    *o = (c as i8) as f32 * scale;
+                }
+            }
+            _ => crate::kv_quant::dequantize_row(self.dtype, codes, scale, buf),
+        }
+        buf
+    }
+
+    fn storage(&self) -> Storage {
+        Storage::codes(self.codes)
+    }
+}
+
+/// [`head_attention`] over rows of `D` values, the same operations in the same order (so the
+/// same bits), arranged for the CPU: four keys' dot products at a time (four independent chains
+/// of adds, the query's chunks loaded once for the four), and the output row kept in registers
+/// across the values instead of read and written back for each.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn plain_head_attention<const D: usize>(
+fn plain_head_attention<const D: usize, R: HeadRows<D>>(
     q: &[f32],
     kv: &PagedKv,
     table: &[u32],
@@ -637,22 +782,30 @@ fn plain_head_attention<const D: usize>(
     scale: f32,
     scores: &mut [f32],
     o: &mut [f32],
+    (key_rows, value_rows): (R, R),
 ) -> f32 {
     let q: &[f32; D] = q.try_into().expect("a query row of head_dim values");
     let mut max = f32::NEG_INFINITY;
     let (mut pending, mut held) = ([(0usize, 0usize); 4], 0usize);
+    let mut bufs = [R::buf(), R::buf(), R::buf(), R::buf()];
     for_each_row(
         kv,
         table,
         kv_head,
         keys.clone(),
-        Some(kv.keys),
+        Some(key_rows.storage()),
         #[inline(always)]
         |i, at| {
             pending[held] = (i, at);
             held += 1;
             if held == 4 {
-                let ks = pending.map(|(_, at)| row_of::<D>(kv.keys, at));
+                let [b0, b1, b2, b3] = &mut bufs;
+                let ks = [
+                    key_rows.row(pending[0].1, b0),
+                    key_rows.row(pending[1].1, b1),
+                    key_rows.row(pending[2].1, b2),
+                    key_rows.row(pending[3].1, b3),
+                ];
                 let dots = dot4(q, ks);
                 for (j, &(i, _)) in pending.iter().enumerate() {
                     let s = dots[j] * scale;
@@ -664,7 +817,7 @@ fn plain_head_attention<const D: usize>(
         },
     );
     for &(i, at) in &pending[..held] {
-        let s = dot(q, row_of::<D>(kv.keys, at)) * scale;
+        let s = dot(q, key_rows.row(at, &mut bufs[0])) * scale;
         scores[i] = s;
         max = max.max(s);
     }
@@ -678,11 +831,11 @@ fn plain_head_attention<const D: usize>(
         table,
         kv_head,
         keys,
-        Some(kv.values),
+        Some(value_rows.storage()),
         #[inline(always)]
         |i, at| {
             let w = scores[i];
-            for (x, v) in acc.iter_mut().zip(row_of::<D>(kv.values, at)) {
+            for (x, v) in acc.iter_mut().zip(value_rows.row(at, &mut bufs[0])) {
                 *x += w * v;
             }
         },
@@ -703,12 +856,6 @@ fn exponentials(scores: &mut [f32], max: f32) -> f32 {
         sum += *s;
     }
     sum
-}
-
-/// The `D` values of `rows` at `at`.
-#[inline(always)]
-fn row_of<const D: usize>(rows: &[f32], at: usize) -> &[f32; D] {
-    rows[at..at + D].try_into().expect("a row inside the cache")
 }
 
 /// [`dot`] of `q` with four rows, each summed exactly as `dot` sums it.
@@ -732,7 +879,7 @@ fn dot4<const D: usize>(q: &[f32; D], k: [&[f32; D]; 4]) -> [f32; 4] {
 /// per-row work is compiled into its caller with the caller's target features (a closure called
 /// through a pointer is compiled for the baseline CPU: SSE, no FMA).
 ///
-/// `rows`, the f32 storage the offsets index (None for a quantized cache), is prefetched
+/// `rows`, the storage the offsets index (None: no prefetching), is prefetched
 /// [`ROWS_AHEAD`] rows ahead: a head's rows lie `n_kv_heads · head_dim` floats apart, block by
 /// block, and a long context's cache does not stay in the caches between decode steps.
 #[inline(always)]
@@ -741,7 +888,7 @@ fn for_each_row(
     table: &[u32],
     kv_head: usize,
     keys: Range<usize>,
-    rows: Option<&[f32]>,
+    rows: Option<Storage>,
     mut f: impl FnMut(usize, usize),
 ) {
     let d = kv.head_dim;
@@ -761,7 +908,7 @@ fn for_each_row(
             let key = p + slot - slot0;
             if let Some(rows) = rows {
                 if key + ROWS_AHEAD < end {
-                    prefetch_row(rows, row_at(key + ROWS_AHEAD), d);
+                    rows.prefetch(row_at(key + ROWS_AHEAD), d);
                 }
             }
             f(key - first, base + slot * slot_stride);
@@ -773,21 +920,48 @@ fn for_each_row(
 /// How many rows ahead [`for_each_row`] prefetches.
 const ROWS_AHEAD: usize = 8;
 
-/// Asks for the `d` floats of `rows` at `at` to be brought into the caches.
-#[inline(always)]
-fn prefetch_row(rows: &[f32], at: usize, d: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if at + d <= rows.len() {
-        for line in (0..d).step_by(16) {
-            // SAFETY: a prefetch of an address inside `rows`; it reads nothing.
-            unsafe {
-                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                _mm_prefetch::<_MM_HINT_T0>(rows.as_ptr().add(at + line) as *const i8);
-            }
+/// A cache's key or value storage as bytes, for prefetching its rows: f32 values, or 8-bit codes.
+#[derive(Clone, Copy)]
+struct Storage {
+    bytes: *const u8,
+    len: usize,
+    element: usize,
+}
+
+impl Storage {
+    fn f32(rows: &[f32]) -> Self {
+        Storage {
+            bytes: rows.as_ptr() as *const u8,
+            len: std::mem::size_of_val(rows),
+            element: 4,
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (rows, at, d);
+
+    fn codes(rows: &[u8]) -> Self {
+        Storage {
+            bytes: rows.as_ptr(),
+            len: rows.len(),
+            element: 1,
+        }
+    }
+
+    /// Asks for the `d` elements at element offset `at` to be brought into the caches.
+    #[inline(always)]
+    fn prefetch(self, at: usize, d: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if (at + d) * self.element <= self.len {
+            let row = self.bytes.wrapping_add(at * self.element);
+            for line in 0..(d * self.element).div_ceil(64) {
+                // SAFETY: a prefetch of an address inside the storage; it reads nothing.
+                unsafe {
+                    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                    _mm_prefetch::<_MM_HINT_T0>(row.add(64 * line) as *const i8);
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (at, d, self.len);
+    }
 }
 
 /// A dot product in eight lanes, which the compiler vectorises (the order of the sums is fixed,
@@ -854,67 +1028,55 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    /// The f32 kernels for 64- and 128-value heads (four keys' dots at a time, the output in
-    /// registers) give what the row-at-a-time kernel gives, bit for bit: on shuffled blocks, key
-    /// ranges that start and end inside blocks, fewer keys than four, and scores of -inf.
+    /// The kernels for 64- and 128-value heads (four keys' dots at a time, the output in
+    /// registers) give what the row-at-a-time kernel gives, bit for bit, over f32, INT8 and FP8
+    /// caches: on shuffled blocks, key ranges that start and end inside blocks, fewer keys than
+    /// four, and infinite scores.
     #[test]
     fn plain_head_kernels_equal_the_row_kernel_bit_for_bit() {
-        let mut rng = ChaCha8Rng::seed_from_u64(23);
         for d in [64usize, 128] {
-            let (block_size, n_kv_heads, n_blocks) = (16usize, 3usize, 9usize);
-            let len = n_blocks * block_size * n_kv_heads * d;
-            let keys: Vec<f32> = (0..len).map(|_| rng.random_range(-2.0..2.0)).collect();
-            let values: Vec<f32> = (0..len).map(|_| rng.random_range(-2.0..2.0)).collect();
-            let mut table: Vec<u32> = (0..n_blocks as u32).collect();
-            table.shuffle(&mut rng);
-            let kv = PagedKv::f32(&keys, &values, block_size, n_kv_heads, d);
-            let q: Vec<f32> = (0..d).map(|_| rng.random_range(-1.0..1.0)).collect();
-            for (range, scale) in [
-                (0..137, 0.125),
-                (5..8, 0.3),
-                (17..18, 1.0),
-                (3..144, f32::INFINITY),
-            ] {
-                for kv_head in 0..n_kv_heads {
-                    let (mut s1, mut s2) = (vec![0f32; range.len()], vec![0f32; range.len()]);
-                    let (mut o1, mut o2) = (vec![f32::NAN; d], vec![f32::NAN; d]);
-                    o1.fill(0.0);
-                    o2.fill(0.0);
-                    let l1 = match d {
-                        64 => plain_head_attention::<64>(
-                            &q,
+            for dtype in [KvDtype::Full, KvDtype::Int8, KvDtype::Fp8] {
+                let mut case = Case::new(23 + d as u64, 16, 3, d, &[(143, 1)]);
+                if dtype != KvDtype::Full {
+                    case = case.quantized(dtype);
+                }
+                let kv = case.kv();
+                let table = &case.tables[0];
+                let q = &case.q[..d];
+                for (range, scale) in [
+                    (0..137, 0.125),
+                    (5..8, 0.3),
+                    (17..18, 1.0),
+                    (3..144, f32::INFINITY),
+                ] {
+                    for kv_head in 0..case.n_kv_heads {
+                        let (mut s1, mut s2) = (Vec::new(), vec![0f32; range.len()]);
+                        let (mut o1, mut o2) = (vec![f32::NAN; d], vec![0f32; d]);
+                        let l1 = head_attention(
+                            q,
                             &kv,
-                            &table,
+                            table,
                             kv_head,
                             range.clone(),
                             scale,
                             &mut s1,
                             &mut o1,
-                        ),
-                        _ => plain_head_attention::<128>(
-                            &q,
+                        );
+                        let l2 = any_head_attention(
+                            q,
                             &kv,
-                            &table,
+                            table,
                             kv_head,
                             range.clone(),
                             scale,
-                            &mut s1,
-                            &mut o1,
-                        ),
-                    };
-                    let l2 = any_head_attention(
-                        &q,
-                        &kv,
-                        &table,
-                        kv_head,
-                        range.clone(),
-                        scale,
-                        &mut s2,
-                        &mut o2,
-                    );
-                    assert_eq!(l1.to_bits(), l2.to_bits(), "d {d} {range:?} lse");
-                    let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&o1), bits(&o2), "d {d} {range:?} out");
+                            &mut s2,
+                            &mut o2,
+                        );
+                        let what = format!("d {d} {dtype:?} {range:?} head {kv_head}");
+                        assert_eq!(l1.to_bits(), l2.to_bits(), "{what}: lse");
+                        let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&o1), bits(&o2), "{what}: out");
+                    }
                 }
             }
         }
