@@ -549,38 +549,49 @@ fn head_attention(
         return f32::NEG_INFINITY;
     }
     scores.resize(keys.len(), 0.0);
-    let f32_rows = || (F32Rows(kv.keys), F32Rows(kv.values));
-    match (&kv.quant, kv.head_dim) {
-        (None, 64) => {
-            return plain_head_attention::<64, _>(
-                q,
-                kv,
-                table,
-                kv_head,
-                keys,
-                scale,
-                scores,
-                o,
-                f32_rows(),
-            )
-        }
-        (None, 128) => {
-            return plain_head_attention::<128, _>(
-                q,
-                kv,
-                table,
-                kv_head,
-                keys,
-                scale,
-                scores,
-                o,
-                f32_rows(),
-            )
-        }
-        // SAFETY: the dispatcher only returns kernels whose CPU features were detected.
-        (Some(_), 64 | 128) => {
-            return unsafe { code_head_kernel()(q, kv, table, kv_head, keys, scale, scores, o) }
-        }
+    // Heads of 64 and 128 values: four keys at a time, over f32 rows or decoded 8-bit ones.
+    macro_rules! four_keys {
+        ($d:literal) => {
+            match &kv.quant {
+                None => plain_head_attention::<$d, _>(
+                    q,
+                    kv,
+                    table,
+                    kv_head,
+                    keys,
+                    scale,
+                    scores,
+                    o,
+                    (F32Rows(kv.keys), F32Rows(kv.values)),
+                ),
+                Some(c) => plain_head_attention::<$d, _>(
+                    q,
+                    kv,
+                    table,
+                    kv_head,
+                    keys,
+                    scale,
+                    scores,
+                    o,
+                    (
+                        CodeRows {
+                            dtype: c.dtype,
+                            codes: c.keys,
+                            scales: c.key_scales,
+                        },
+                        CodeRows {
+                            dtype: c.dtype,
+                            codes: c.values,
+                            scales: c.value_scales,
+                        },
+                    ),
+                ),
+            }
+        };
+    }
+    match kv.head_dim {
+        64 => return four_keys!(64),
+        128 => return four_keys!(128),
         _ => {}
     }
     any_head_attention(q, kv, table, kv_head, keys, scale, scores, o)
@@ -649,61 +660,6 @@ fn any_head_attention(
     o.iter_mut().for_each(|x| *x *= inv);
     max + sum.ln()
 }
-
-/// [`plain_head_attention`] over an 8-bit cache (rows decoded four at a time into small
-/// buffers), dispatched like [`head_kernel`] beside `head_attention`'s f32 kernels.
-type CodeHeadKernel =
-    unsafe fn(&[f32], &PagedKv, &[u32], usize, Range<usize>, f32, &mut [f32], &mut [f32]) -> f32;
-
-/// The fastest [`CodeHeadKernel`] this CPU supports.
-fn code_head_kernel() -> CodeHeadKernel {
-    static KERNEL: std::sync::OnceLock<CodeHeadKernel> = std::sync::OnceLock::new();
-    *KERNEL.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
-                return code_head_attention_avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return code_head_attention_avx2;
-            }
-        }
-        code_head_attention_portable
-    })
-}
-
-macro_rules! code_head_attention_for {
-    ($name:ident $(, $features:literal)?) => {
-        $(#[target_feature(enable = $features)])?
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn $name(
-            q: &[f32],
-            kv: &PagedKv,
-            table: &[u32],
-            kv_head: usize,
-            keys: Range<usize>,
-            scale: f32,
-            scores: &mut [f32],
-            o: &mut [f32],
-        ) -> f32 {
-            let qk = kv.quant.as_ref().expect("an 8-bit cache");
-            let rows = (
-                CodeRows { dtype: qk.dtype, codes: qk.keys, scales: qk.key_scales },
-                CodeRows { dtype: qk.dtype, codes: qk.values, scales: qk.value_scales },
-            );
-            match kv.head_dim {
-                64 => plain_head_attention::<64, _>(q, kv, table, kv_head, keys, scale, scores, o, rows),
-                _ => plain_head_attention::<128, _>(q, kv, table, kv_head, keys, scale, scores, o, rows),
-            }
-        }
-    };
-}
-
-#[cfg(target_arch = "x86_64")]
-code_head_attention_for!(code_head_attention_avx512, "avx512f,avx2,fma");
-#[cfg(target_arch = "x86_64")]
-code_head_attention_for!(code_head_attention_avx2, "avx2,fma");
-code_head_attention_for!(code_head_attention_portable);
 
 /// Where [`plain_head_attention`] reads its rows of `D` values: an f32 cache in place, or an 8-bit
 /// one decoded as [`crate::kv_quant::dequantize_row`] decodes it (the same values).
