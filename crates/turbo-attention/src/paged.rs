@@ -630,7 +630,7 @@ fn any_head_attention(
         table,
         kv_head,
         first..end,
-        Some(key_storage),
+        key_storage,
         #[inline(always)]
         |i, at| {
             let s = dot(q, kv.key_row(at, row)) * scale;
@@ -647,7 +647,7 @@ fn any_head_attention(
         table,
         kv_head,
         first..end,
-        Some(value_storage),
+        value_storage,
         #[inline(always)]
         |i, at| {
             let w = scores[i];
@@ -749,7 +749,7 @@ fn plain_head_attention<const D: usize, R: HeadRows<D>>(
         table,
         kv_head,
         keys.clone(),
-        Some(key_rows.storage()),
+        key_rows.storage(),
         #[inline(always)]
         |i, at| {
             pending[held] = (i, at);
@@ -787,7 +787,7 @@ fn plain_head_attention<const D: usize, R: HeadRows<D>>(
         table,
         kv_head,
         keys,
-        Some(value_rows.storage()),
+        value_rows.storage(),
         #[inline(always)]
         |i, at| {
             let w = scores[i];
@@ -835,36 +835,39 @@ fn dot4<const D: usize>(q: &[f32; D], k: [&[f32; D]; 4]) -> [f32; 4] {
 /// per-row work is compiled into its caller with the caller's target features (a closure called
 /// through a pointer is compiled for the baseline CPU: SSE, no FMA).
 ///
-/// `rows`, the storage the offsets index (None: no prefetching), is prefetched
-/// [`ROWS_AHEAD`] rows ahead: a head's rows lie `n_kv_heads · head_dim` floats apart, block by
-/// block, and a long context's cache does not stay in the caches between decode steps.
+/// `rows`, the storage the offsets index, is prefetched [`ROWS_AHEAD`] rows ahead: a head's rows
+/// lie `n_kv_heads · head_dim` elements apart, block by block, and a long context's cache does
+/// not stay in the caches between decode steps. The row ahead is found from the current block and
+/// the next one, looked up once per block (no division per row).
 #[inline(always)]
 fn for_each_row(
     kv: &PagedKv,
     table: &[u32],
     kv_head: usize,
     keys: Range<usize>,
-    rows: Option<Storage>,
+    rows: Storage,
     mut f: impl FnMut(usize, usize),
 ) {
-    let d = kv.head_dim;
+    let (d, bs) = (kv.head_dim, kv.block_size);
     let slot_stride = kv.n_kv_heads * d;
+    let block_base = |b: usize| table[b] as usize * bs * slot_stride + kv_head * d;
     let (first, end) = (keys.start, keys.end);
-    let row_at = |p: usize| {
-        let block = table[p / kv.block_size] as usize;
-        block * kv.block_size * slot_stride + kv_head * d + (p % kv.block_size) * slot_stride
-    };
     let mut p = first;
     while p < end {
-        let block = table[p / kv.block_size] as usize;
-        let slot0 = p % kv.block_size;
-        let stop = end.min(p - slot0 + kv.block_size);
-        let base = block * kv.block_size * slot_stride + kv_head * d;
+        let b = p / bs;
+        let slot0 = p % bs;
+        let stop = end.min(p - slot0 + bs);
+        let base = block_base(b);
+        // Where the rows after this block start (the next block, if the range reaches it).
+        let next = (stop < end).then(|| block_base(b + 1));
         for slot in slot0..slot0 + (stop - p) {
             let key = p + slot - slot0;
-            if let Some(rows) = rows {
-                if key + ROWS_AHEAD < end {
-                    rows.prefetch(row_at(key + ROWS_AHEAD), d);
+            let ahead = slot + ROWS_AHEAD;
+            if key + ROWS_AHEAD < end {
+                if ahead < bs {
+                    rows.prefetch(base + ahead * slot_stride, d);
+                } else if let Some(next) = next.filter(|_| ahead - bs < bs) {
+                    rows.prefetch(next + (ahead - bs) * slot_stride, d);
                 }
             }
             f(key - first, base + slot * slot_stride);
