@@ -116,7 +116,9 @@ def main():
     sources = {}
     for name, r, c in mats:
         t = type_of(name)
-        src = sources.setdefault(t, random_source(t))
+        if t not in sources:  # made once per type: setdefault would draw it for every matrix
+            sources[t] = random_source(t)
+        src = sources[t]
         n = r * row_bytes(name, c)
         data = np.tile(src, -(-n // src.size))[:n]
         w.write_tensor_data(data.view(np.float16).reshape(r, c) if t == "f16" else data.reshape(r, row_bytes(name, c)))
