@@ -755,6 +755,12 @@ fn bench_gemv(c: &mut Criterion) {
         ("gate_up_norm_swiglu", 28672, 4096),
         ("down_residual", 4096, 14336),
         ("lm_head_f32", 49152, 4096),
+        // A rank's share of the same products split over two GPUs (`--tp 2`).
+        ("qkv_norm", 3072, 4096),
+        ("o_residual", 4096, 2048),
+        ("gate_up_norm_swiglu", 14336, 4096),
+        ("down_residual", 4096, 7168),
+        ("lm_head_f32", 24576, 4096),
     ];
     for (name, rows, k) in shapes {
         let copies = (200usize << 20).div_ceil(rows * k * 2).max(1);
