@@ -11,8 +11,21 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::OnceLock;
 
-/// Above this many tokens the decode-into-GEMM path wins.
+/// Tokens a row-dot kernel call takes at most.
 const GEMV_MAX_TOKENS: usize = 4;
+
+/// Tokens up to which a product streams the weights ([`gemv`]: each task's rows, while in cache,
+/// for every group of [`GEMV_MAX_TOKENS`] tokens) rather than decoding them into panels for the
+/// GEMM, which costs a pass over the whole matrix whatever the tokens. Measured on SmolLM2 with
+/// two threads (docs/perf/cpu.md): Q4_0 / Q4_1, whose rows have their own vector kernels, stream
+/// faster up to about 128 tokens; a Q4_K_M mix (Q4_K, Q6_K, Q5_0, Q8_0) and F32 weights up to
+/// about 24.
+fn stream_max_tokens(dtype: DType) -> usize {
+    match dtype {
+        DType::Q4_0 | DType::Q4_1 => 64,
+        _ => 24,
+    }
+}
 /// Fewest output rows per parallel task of the GEMV.
 const GEMV_MIN_ROWS_PER_TASK: usize = 16;
 /// How far ahead of the current row the GEMV prefetches.
@@ -58,7 +71,7 @@ pub fn linear(x: &[f32], n_tokens: usize, w: &WeightMatrix, out: &mut [f32]) {
     if n_tokens == 0 {
         return;
     }
-    if n_tokens <= GEMV_MAX_TOKENS {
+    if n_tokens <= stream_max_tokens(w.dtype) {
         gemv(x, n_tokens, w, out);
     } else {
         gemm_panels(x, n_tokens, w, out);
@@ -917,7 +930,9 @@ mod tests {
                     }
                 };
                 let w = WeightMatrix::new(dtype, rows, cols, crate::Bytes::owned(bytes)).unwrap();
-                for n in [1usize, 3, 4, 5, 17] {
+                // One group of tokens, several with a partial last one (streamed), and more
+                // tokens than any type streams (the GEMM).
+                for n in [1usize, 3, 4, 5, 17, 70] {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
                     let mut out = vec![f32::NAN; n * rows];
                     linear(&x, n, &w, &mut out);
