@@ -132,6 +132,7 @@ fn gemv_kernel() -> GemvKernel {
         {
             if is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("fma")
             {
                 return row_dots_avx512;
@@ -155,7 +156,9 @@ macro_rules! row_dots_for {
                 // (same sums, bit for bit): the generic code below kept its accumulators in
                 // memory for them.
                 #[cfg(target_arch = "x86_64")]
-                DType::Q4_1 | DType::Q4_0 if <$isa as Isa>::AVX2 => $q4(w, rows, x, m, out),
+                DType::Q4_1 | DType::Q4_0 | DType::Q8_0 | DType::Q5_0 if <$isa as Isa>::AVX2 => {
+                    $q4(w, rows, x, m, out)
+                }
                 DType::Q4_1 => rows_by_tokens::<Q4_1, $isa>(w, rows, x, m, out),
                 DType::Q4_0 => rows_by_tokens::<Q4_0, $isa>(w, rows, x, m, out),
                 DType::Q8_0 => rows_by_tokens::<Q8_0, $isa>(w, rows, x, m, out),
@@ -556,12 +559,13 @@ fn row_dots<G: Group32, I: Isa, const M: usize>(row: &[u8], x: &[f32], cols: usi
 /// memory and made every group's FMAs wait on a store and a reload.
 #[cfg(target_arch = "x86_64")]
 mod q4_blocks {
-    use super::{prefetch_ahead, Group32};
+    use super::{prefetch_ahead, Group32, X86Fma};
     use crate::{DType, WeightMatrix};
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    /// Calls `$rows_for::<KIND, M>` for `$w`'s type (Q4_1, else Q4_0) and `$m` tokens (1-4).
+    /// Calls `$rows_for::<KIND, M>` for `$w`'s type (Q4_1, Q8_0, Q5_0, else Q4_0) and `$m` tokens
+    /// (1-4).
     macro_rules! by_type_and_tokens {
         ($rows_for:ident, $w:expr, $rows:expr, $x:expr, $m:expr, $out:expr) => {
             match ($w.dtype, $m) {
@@ -569,6 +573,14 @@ mod q4_blocks {
                 (DType::Q4_1, 2) => $rows_for::<Q4_1, 2>($w, $rows, $x, $out),
                 (DType::Q4_1, 3) => $rows_for::<Q4_1, 3>($w, $rows, $x, $out),
                 (DType::Q4_1, _) => $rows_for::<Q4_1, 4>($w, $rows, $x, $out),
+                (DType::Q8_0, 1) => $rows_for::<Q8_0, 1>($w, $rows, $x, $out),
+                (DType::Q8_0, 2) => $rows_for::<Q8_0, 2>($w, $rows, $x, $out),
+                (DType::Q8_0, 3) => $rows_for::<Q8_0, 3>($w, $rows, $x, $out),
+                (DType::Q8_0, _) => $rows_for::<Q8_0, 4>($w, $rows, $x, $out),
+                (DType::Q5_0, 1) => $rows_for::<Q5_0, 1>($w, $rows, $x, $out),
+                (DType::Q5_0, 2) => $rows_for::<Q5_0, 2>($w, $rows, $x, $out),
+                (DType::Q5_0, 3) => $rows_for::<Q5_0, 3>($w, $rows, $x, $out),
+                (DType::Q5_0, _) => $rows_for::<Q5_0, 4>($w, $rows, $x, $out),
                 (_, 1) => $rows_for::<Q4_0, 1>($w, $rows, $x, $out),
                 (_, 2) => $rows_for::<Q4_0, 2>($w, $rows, $x, $out),
                 (_, 3) => $rows_for::<Q4_0, 3>($w, $rows, $x, $out),
@@ -590,7 +602,12 @@ mod q4_blocks {
         m: usize,
         out: *mut f32,
     ) {
-        by_type_and_tokens!(rows_for, w, rows, x, m, out)
+        // Q8_0 and Q5_0 have 512-bit kernels only; with AVX2 they keep the generic one.
+        match w.dtype {
+            DType::Q8_0 => super::rows_by_tokens::<super::Q8_0, X86Fma>(w, rows, x, m, out),
+            DType::Q5_0 => super::rows_by_tokens::<super::Q5_0, X86Fma>(w, rows, x, m, out),
+            _ => by_type_and_tokens!(rows_for, w, rows, x, m, out),
+        }
     }
 
     /// [`rows_by_tokens`] with 512-bit vectors: each group's 32 weights are two vectors of 16
@@ -598,8 +615,9 @@ mod q4_blocks {
     /// instead of two of 8, lane for lane the same operations, so the same bits.
     ///
     /// # Safety
-    /// As [`rows_by_tokens`], and the CPU must have AVX-512 F.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    /// As [`rows_by_tokens`] (`w` may also be Q8_0 or Q5_0), and the CPU must have AVX-512 F, BW
+    /// and VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn rows_by_tokens_avx512(
         w: &WeightMatrix,
         rows: Range<usize>,
@@ -610,7 +628,7 @@ mod q4_blocks {
         by_type_and_tokens!(rows_for_avx512, w, rows, x, m, out)
     }
 
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn rows_for_avx512<const KIND: u8, const M: usize>(
         w: &WeightMatrix,
         rows: Range<usize>,
@@ -623,7 +641,7 @@ mod q4_blocks {
     }
 
     /// [`row_dots`] in 512-bit vectors: a token's 16 lanes of sums in one vector.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     #[inline]
     unsafe fn row_dots_avx512<const KIND: u8, const M: usize>(
         row: *const u8,
@@ -653,7 +671,7 @@ mod q4_blocks {
 
     /// One group into each token's 16 lanes: lane l takes weight l times x[l], then weight
     /// 16 + l times x[16 + l], as the AVX2 kernel's two 8-lane halves do.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     #[inline]
     unsafe fn group_avx512<const KIND: u8, const M: usize>(
         row: *const u8,
@@ -666,21 +684,42 @@ mod q4_blocks {
         let scales = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned()));
         let d = _mm512_set1_ps(_mm_cvtss_f32(scales));
         let widen = |bytes: __m128i| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
-        let at = if KIND == Q4_1 { 4 } else { 2 };
-        let qs = _mm_loadu_si128(b.add(at) as *const __m128i);
         let mask = _mm_set1_epi8(0x0f);
-        let codes = [
-            widen(_mm_and_si128(qs, mask)),
-            widen(_mm_and_si128(_mm_srli_epi16::<4>(qs), mask)),
-        ];
-        let [lo, hi] = if KIND == Q4_1 {
+        let nibbles = |at: usize| {
+            let qs = _mm_loadu_si128(b.add(at) as *const __m128i);
+            [
+                _mm_and_si128(qs, mask),
+                _mm_and_si128(_mm_srli_epi16::<4>(qs), mask),
+            ]
+        };
+        let [lo, hi] = if KIND == Q8_0 {
+            // code * d, the signed codes widened exactly.
+            let signed = |at: usize| {
+                let bytes = _mm_loadu_si128(b.add(at) as *const __m128i);
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))
+            };
+            [signed(2), signed(18)].map(|c| _mm512_mul_ps(c, d))
+        } else if KIND == Q5_0 {
+            // (code - 16) * d, each code's fifth bit from the block's 32-bit mask: bit j for
+            // element j, bit 16 + j for element 16 + j.
+            let qh = (b.add(2) as *const u32).read_unaligned();
+            let fifth = |bits: u32| _mm_and_si128(_mm_movm_epi8(bits as u16), _mm_set1_epi8(0x10));
+            let [lo, hi] = nibbles(6);
+            let sixteen = _mm512_set1_ps(16.0);
+            [
+                _mm_or_si128(lo, fifth(qh)),
+                _mm_or_si128(hi, fifth(qh >> 16)),
+            ]
+            .map(|c| _mm512_mul_ps(_mm512_sub_ps(widen(c), sixteen), d))
+        } else if KIND == Q4_1 {
+            let codes = nibbles(4).map(widen);
             // code * d + m, rounded twice as the generic code does.
             let m = _mm512_set1_ps(_mm_cvtss_f32(_mm_movehdup_ps(scales)));
             codes.map(|c| _mm512_add_ps(_mm512_mul_ps(c, d), m))
         } else {
             // (code - 8) * d: the difference is exact in f32.
             let eight = _mm512_set1_ps(8.0);
-            codes.map(|c| _mm512_mul_ps(_mm512_sub_ps(c, eight), d))
+            nibbles(2).map(|c| _mm512_mul_ps(_mm512_sub_ps(widen(c), eight), d))
         };
         for (t, acc) in acc.iter_mut().enumerate() {
             let xs = x.add(t * cols + g * 32);
@@ -694,11 +733,16 @@ mod q4_blocks {
 
     const Q4_1: u8 = 0;
     const Q4_0: u8 = 1;
+    /// Only in the 512-bit kernels.
+    const Q8_0: u8 = 2;
+    const Q5_0: u8 = 3;
 
     /// The generic kernel's block size for the type.
     const fn block_bytes(kind: u8) -> usize {
         match kind {
             Q4_1 => <super::Q4_1 as Group32>::BYTES,
+            Q8_0 => <super::Q8_0 as Group32>::BYTES,
+            Q5_0 => <super::Q5_0 as Group32>::BYTES,
             _ => <super::Q4_0 as Group32>::BYTES,
         }
     }
@@ -958,6 +1002,8 @@ mod tests {
         match w.dtype {
             DType::Q4_1 => rows_by_tokens::<Q4_1, X86Fma>(w, rows, x, m, out),
             DType::Q4_0 => rows_by_tokens::<Q4_0, X86Fma>(w, rows, x, m, out),
+            DType::Q8_0 => rows_by_tokens::<Q8_0, X86Fma>(w, rows, x, m, out),
+            DType::Q5_0 => rows_by_tokens::<Q5_0, X86Fma>(w, rows, x, m, out),
             _ => rows_by_tokens::<Q4_0, X86Fma>(w, rows, x, m, out),
         }
     }
@@ -973,24 +1019,21 @@ mod tests {
             return;
         }
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
-        for dtype in [DType::Q4_1, DType::Q4_0] {
+        for dtype in [DType::Q4_1, DType::Q4_0, DType::Q8_0, DType::Q5_0] {
             // An odd and an even number of groups, and a long row.
             for (rows, cols) in [(9usize, 96usize), (6, 128), (3, 8192)] {
                 let values: Vec<f32> = (0..rows * cols)
                     .map(|_| rng.random_range(-2.0..2.0))
                     .collect();
-                let w = WeightMatrix::new(
-                    dtype,
-                    rows,
-                    cols,
-                    crate::Bytes::owned(
-                        values
-                            .chunks(cols)
-                            .flat_map(|r| quantize_row(dtype, r))
-                            .collect(),
-                    ),
-                )
-                .unwrap();
+                let bytes: Vec<u8> = match DType::WRITABLE.contains(&dtype) {
+                    true => values
+                        .chunks(cols)
+                        .flat_map(|r| quantize_row(dtype, r))
+                        .collect(),
+                    // Q5_0 is only read from files: random blocks with finite scales.
+                    false => crate::quant::random_blocks(dtype, rows * cols / 32, || rng.random()),
+                };
+                let w = WeightMatrix::new(dtype, rows, cols, crate::Bytes::owned(bytes)).unwrap();
                 for m in 1..=4 {
                     let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-3.0..3.0)).collect();
                     let (mut want, mut got) = (vec![0f32; m * rows], vec![1f32; m * rows]);
@@ -1001,9 +1044,12 @@ mod tests {
                     }
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&got), bits(&want), "{dtype} {rows}x{cols} m={m}");
-                    if is_x86_feature_detected!("avx512f") {
+                    if is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512bw")
+                        && is_x86_feature_detected!("avx512vl")
+                    {
                         got.fill(1.0);
-                        // SAFETY: AVX-512 F was detected, with the features above.
+                        // SAFETY: AVX-512 F, BW and VL were detected, with the features above.
                         unsafe {
                             q4_blocks::rows_by_tokens_avx512(&w, 0..rows, &x, m, got.as_mut_ptr())
                         };
