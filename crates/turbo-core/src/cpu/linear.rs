@@ -18,11 +18,12 @@ const GEMV_MAX_TOKENS: usize = 4;
 /// for every group of [`GEMV_MAX_TOKENS`] tokens) rather than decoding them into panels for the
 /// GEMM, which costs a pass over the whole matrix whatever the tokens. Measured on SmolLM2 with
 /// two threads (docs/perf/cpu.md): Q4_0 / Q4_1, whose rows have their own vector kernels, stream
-/// faster up to about 128 tokens; a Q4_K_M mix (Q4_K, Q6_K, Q5_0, Q8_0) and F32 weights up to
-/// about 24.
+/// faster up to about 128 tokens; Q8_0 / Q5_0 (most of a Q4_K_M file of SmolLM2's widths), with
+/// such kernels too, up to 32-48; the other types and F32 weights up to about 24.
 fn stream_max_tokens(dtype: DType) -> usize {
     match dtype {
         DType::Q4_0 | DType::Q4_1 => 64,
+        DType::Q8_0 | DType::Q5_0 => 32,
         _ => 24,
     }
 }
