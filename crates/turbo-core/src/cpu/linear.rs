@@ -27,6 +27,7 @@ fn stream_max_tokens(dtype: DType) -> usize {
         _ => 24,
     }
 }
+
 /// Fewest output rows per parallel task of the GEMV.
 const GEMV_MIN_ROWS_PER_TASK: usize = 16;
 /// How far ahead of the current row the GEMV prefetches.
@@ -153,9 +154,9 @@ macro_rules! row_dots_for {
         $(#[target_feature(enable = $features)])?
         unsafe fn $name(w: &WeightMatrix, rows: Range<usize>, x: &[f32], m: usize, out: *mut f32) {
             match w.dtype {
-                // Q4_1 (the default model's) and Q4_0 have hand-written AVX2 and AVX-512 kernels
-                // (same sums, bit for bit): the generic code below kept its accumulators in
-                // memory for them.
+                // Q4_1 (the default model's) and Q4_0 have hand-written AVX2 and AVX-512 kernels,
+                // Q8_0 and Q5_0 AVX-512 ones (same sums, bit for bit): the generic code below
+                // kept its accumulators in memory for them.
                 #[cfg(target_arch = "x86_64")]
                 DType::Q4_1 | DType::Q4_0 | DType::Q8_0 | DType::Q5_0 if <$isa as Isa>::AVX2 => {
                     $q4(w, rows, x, m, out)
@@ -552,8 +553,8 @@ fn row_dots<G: Group32, I: Isa, const M: usize>(row: &[u8], x: &[f32], cols: usi
     sums
 }
 
-/// Decode products of Q4_1 and Q4_0 rows in AVX2 intrinsics: the generic
-/// [`row_dots`]'s arithmetic, operation for operation (each group's 32 weights decoded as `code * d (+ m)`, two
+/// Decode products of Q4_1 and Q4_0 rows in AVX2 and AVX-512 intrinsics (Q8_0 and Q5_0 in
+/// AVX-512 only): the generic [`row_dots`]'s arithmetic, operation for operation (each group's 32 weights decoded as `code * d (+ m)`, two
 /// FMAs per lane into the even or odd groups' accumulators, the two sets added lane by lane, the
 /// 16 lanes summed in order), so the sums are the same bits; but the accumulators stay in
 /// registers, where the generic code, indexing its two sets by the group's parity, kept them in
