@@ -28,6 +28,11 @@ fn stream_max_tokens(dtype: DType) -> usize {
     }
 }
 
+/// Tokens up to which 8-bit activations (`--cpu-activations q8`) take a step's products: the
+/// integer kernels, four tokens a call, over each task's rows while they are in cache. Longer
+/// prompts keep the f32 GEMM, as llama.cpp's do not.
+const Q8_MAX_TOKENS: usize = 64;
+
 /// Fewest output rows per parallel task of the GEMV.
 const GEMV_MIN_ROWS_PER_TASK: usize = 16;
 /// How far ahead of the current row the GEMV prefetches.
@@ -45,7 +50,7 @@ pub fn linear_with(
     activations: super::CpuActivations,
 ) {
     if activations == super::CpuActivations::Q8
-        && (1..=GEMV_MAX_TOKENS).contains(&n_tokens)
+        && (1..=Q8_MAX_TOKENS).contains(&n_tokens)
         && super::q8dot::serves(w.dtype)
         && x.len() == n_tokens * w.cols
         && out.len() == n_tokens * w.rows

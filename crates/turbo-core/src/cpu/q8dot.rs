@@ -140,20 +140,43 @@ fn round_codes(xs: &[f32], inv: f32, codes: &mut [i8]) {
     }
 }
 
-/// `out[t, r] = Σ_c x[t, c] · w[r, c]` with `x` rounded to 8 bits, for `n` <= 4 tokens and a
-/// weight type [`serves`] accepts.
+/// Tokens a kernel call takes at most; more are taken in groups of this many.
+const KERNEL_TOKENS: usize = 4;
+
+/// `out[t, r] = Σ_c x[t, c] · w[r, c]` with `x` rounded to 8 bits, for a weight type [`serves`]
+/// accepts. The tokens go to the kernels four at a time, each task running every group over its
+/// rows while they are in cache.
 pub(crate) fn gemv_q8(x: &[f32], n: usize, w: &WeightMatrix, out: &mut [f32]) {
-    debug_assert!(serves(w.dtype) && n <= 4);
+    debug_assert!(serves(w.dtype));
     let (blocks32, blocks256) = kernels();
-    let (acts, kernel) = match super_blocks(w.dtype) {
-        true => (Q8Activations::super_blocks(x, n, w.cols), blocks256),
-        false => (Q8Activations::new(x, n, w.cols), blocks32),
+    let cols = w.cols;
+    let kernel = if super_blocks(w.dtype) {
+        blocks256
+    } else {
+        blocks32
     };
+    // (first token, tokens, their activations): each token's codes are its own, so groups
+    // quantized apart hold the codes the whole step would.
+    let groups: Vec<(usize, usize, Q8Activations)> = (0..n)
+        .step_by(KERNEL_TOKENS)
+        .map(|first| {
+            let m = (n - first).min(KERNEL_TOKENS);
+            let xs = &x[first * cols..(first + m) * cols];
+            let acts = match super_blocks(w.dtype) {
+                true => Q8Activations::super_blocks(xs, m, cols),
+                false => Q8Activations::new(xs, m, cols),
+            };
+            (first, m, acts)
+        })
+        .collect();
     let out_ptr = super::linear::SyncPtr(out.as_mut_ptr());
     super::linear::for_row_tasks(w.rows, |rows| {
-        // SAFETY: the dispatcher returns only kernels whose CPU features were detected; each task
-        // writes only its own rows of `out` (row stride `w.rows`), all below n * w.rows.
-        unsafe { kernel(w, rows, &acts, n, out_ptr.get()) };
+        for (first, m, acts) in &groups {
+            // SAFETY: the dispatcher returns only kernels whose CPU features were detected; each
+            // task writes only its own rows of `out` (row stride `w.rows`) for tokens
+            // first..first + m, all below n * w.rows.
+            unsafe { kernel(w, rows.clone(), acts, *m, out_ptr.get().add(first * w.rows)) };
+        }
     });
 }
 
@@ -735,7 +758,7 @@ mod avx512 {
             && is_x86_feature_detected!("f16c")
     }
 
-    /// The block-of-32 kernel: one token here, more through the AVX2 kernel.
+    /// The block-of-32 kernel: one to four tokens.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,bmi2,avx2,fma,f16c")]
     pub(super) unsafe fn rows(
         w: &WeightMatrix,
@@ -744,8 +767,26 @@ mod avx512 {
         n: usize,
         out: *mut f32,
     ) {
-        if n != 1 {
+        macro_rules! by_tokens {
+            ($t:expr) => {
+                match n {
+                    2 => rows_of_tokens::<{ $t }, 2>(w, rows, a, out),
+                    3 => rows_of_tokens::<{ $t }, 3>(w, rows, a, out),
+                    _ => rows_of_tokens::<{ $t }, 4>(w, rows, a, out),
+                }
+            };
+        }
+        if n > 4 {
             return avx2::rows(w, rows, a, n, out);
+        }
+        if n > 1 {
+            return match w.dtype {
+                DType::Q4_0 => by_tokens!(avx2::Q4_0),
+                DType::Q4_1 => by_tokens!(avx2::Q4_1),
+                DType::Q5_0 => by_tokens!(avx2::Q5_0),
+                DType::Q5_1 => by_tokens!(avx2::Q5_1),
+                _ => by_tokens!(avx2::Q8_0),
+            };
         }
         match w.dtype {
             DType::Q4_0 => rows_of::<{ avx2::Q4_0 }>(w, rows, a, out),
@@ -767,9 +808,10 @@ mod avx512 {
         sums: __m128,
     }
 
-    /// The activations of one token as [`Pair`]s of blocks, laid out for `dtype`'s weights.
+    /// The activations of token `token` as [`Pair`]s of blocks, laid out for `dtype`'s weights.
     #[inline(always)]
-    unsafe fn pairs(dtype: DType, a: &Q8Activations, blocks: usize) -> Vec<Pair> {
+    unsafe fn pairs(dtype: DType, a: &Q8Activations, blocks: usize, token: usize) -> Vec<Pair> {
+        let (codes, scales) = (&a.codes[token * blocks * 32..], token * blocks);
         let nibbles = dtype != DType::Q8_0;
         // Lane l of a vector covers block (l / 4) % 2 (nibble order) or l / 8 (natural order).
         let lane_block = match nibbles {
@@ -784,7 +826,7 @@ mod avx512 {
         };
         (0..blocks / 2)
             .map(|p| {
-                let natural = _mm512_loadu_si512(a.codes.as_ptr().add(64 * p) as *const _);
+                let natural = _mm512_loadu_si512(codes.as_ptr().add(64 * p) as *const _);
                 let xs = match nibbles {
                     true => {
                         _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), natural)
@@ -794,9 +836,9 @@ mod avx512 {
                 let ones = _mm512_set1_epi8(1);
                 let lane_sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, xs);
                 let start = _mm512_mullo_epi32(lane_sums, _mm512_set1_epi32(-offset));
-                let d = _mm_setr_ps(a.d[2 * p], a.d[2 * p + 1], 0.0, 0.0);
+                let d = _mm_setr_ps(a.d[scales + 2 * p], a.d[scales + 2 * p + 1], 0.0, 0.0);
                 let dx = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(d));
-                let sums = _mm_setr_ps(0.0, a.sum[2 * p], 0.0, a.sum[2 * p + 1]);
+                let sums = _mm_setr_ps(0.0, a.sum[scales + 2 * p], 0.0, a.sum[scales + 2 * p + 1]);
                 Pair {
                     xs,
                     start,
@@ -825,7 +867,7 @@ mod avx512 {
         let row_bytes = w.row_bytes();
         let blocks = w.cols / 32;
         assert!(data.len() >= rows.end * row_bytes && a.codes.len() >= w.cols && a.block == 32);
-        let pairs = pairs(dtype, a, blocks);
+        let pairs = pairs(dtype, a, blocks, 0);
         let lane_block = match dtype {
             DType::Q8_0 => _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
             _ => _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2),
@@ -898,6 +940,20 @@ mod avx512 {
         acc: &mut __m512,
         mins: &mut __m128,
     ) {
+        let weights = pair_weights::<T>(b0, lane_block);
+        pair_accumulate::<T>(&weights, pair, acc, mins);
+    }
+
+    /// A pair of blocks' weights as the products take them: the unsigned codes, the blocks'
+    /// `[d_0, min_0, d_1, min_1]`, and each lane's `d`.
+    struct PairWeights {
+        codes: __m512i,
+        dm: __m128,
+        dw: __m512,
+    }
+
+    #[inline(always)]
+    unsafe fn pair_weights<const T: u8>(b0: *const u8, lane_block: __m512i) -> PairWeights {
         let dtype = avx2::dtype_of(T);
         let at = codes_at(dtype);
         let b1 = b0.add(dtype.block_bytes());
@@ -928,16 +984,93 @@ mod avx512 {
                 }
             }
         };
-        let dots = _mm512_dpbusd_epi32(pair.start, codes, pair.xs);
         // The two blocks' f16 scale and minimum words, as [d_0, min_0, d_1, min_1] (the
         // "minimum" of a type without one is code bytes, never used).
         let h0 = (b0 as *const u32).read_unaligned() as i32;
         let h1 = (b1 as *const u32).read_unaligned() as i32;
         let dm = _mm_cvtph_ps(_mm_insert_epi32::<1>(_mm_cvtsi32_si128(h0), h1));
         let dw = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(dm));
-        *acc = _mm512_fmadd_ps(_mm512_mul_ps(dw, pair.dx), _mm512_cvtepi32_ps(dots), *acc);
-        if matches!(dtype, DType::Q4_1 | DType::Q5_1) {
-            *mins = _mm_fmadd_ps(dm, pair.sums, *mins);
+        PairWeights { codes, dm, dw }
+    }
+
+    /// Adds a pair of blocks' products with one token's `pair` into `acc` and `mins`.
+    #[inline(always)]
+    unsafe fn pair_accumulate<const T: u8>(
+        weights: &PairWeights,
+        pair: &Pair,
+        acc: &mut __m512,
+        mins: &mut __m128,
+    ) {
+        let dots = _mm512_dpbusd_epi32(pair.start, weights.codes, pair.xs);
+        *acc = _mm512_fmadd_ps(
+            _mm512_mul_ps(weights.dw, pair.dx),
+            _mm512_cvtepi32_ps(dots),
+            *acc,
+        );
+        if matches!(avx2::dtype_of(T), DType::Q4_1 | DType::Q5_1) {
+            *mins = _mm_fmadd_ps(weights.dm, pair.sums, *mins);
+        }
+    }
+
+    /// Rows of type `T` times `M` (2 to 4) tokens: each row's pair of blocks decoded once and
+    /// multiplied with every token's activations, a row at a time; a block left over (an odd
+    /// count) through the AVX2 block product, as the one-token kernel does.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,bmi2,avx2,fma,f16c")]
+    unsafe fn rows_of_tokens<const T: u8, const M: usize>(
+        w: &WeightMatrix,
+        rows: Range<usize>,
+        a: &Q8Activations,
+        out: *mut f32,
+    ) {
+        let dtype = avx2::dtype_of(T);
+        debug_assert_eq!(dtype, w.dtype);
+        let has_min = matches!(dtype, DType::Q4_1 | DType::Q5_1);
+        let bytes = dtype.block_bytes();
+        let data = w.data.as_slice();
+        let row_bytes = w.row_bytes();
+        let blocks = w.cols / 32;
+        assert!(data.len() >= rows.end * row_bytes && a.codes.len() >= M * w.cols && a.block == 32);
+        let pairs: [Vec<Pair>; M] = std::array::from_fn(|t| pairs(dtype, a, blocks, t));
+        let lane_block = match dtype {
+            DType::Q8_0 => _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+            _ => _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2),
+        };
+        let tail = |row: *const u8, t: usize| -> f32 {
+            if blocks.is_multiple_of(2) {
+                return 0.0;
+            }
+            let g = blocks - 1;
+            let (at, b) = (t * w.cols + 32 * g, t * blocks + g);
+            let blk = row.add(g * bytes);
+            let xs = _mm256_loadu_si256(a.codes.as_ptr().add(at) as *const __m256i);
+            let (dw, min) = avx2::scales(dtype, blk);
+            let dot = avx2::hsum(_mm256_cvtepi32_ps(avx2::products(dtype, blk, xs)));
+            dw * a.d[b] * dot + if has_min { min * a.sum[b] } else { 0.0 }
+        };
+        let end = rows.end;
+        for r in rows {
+            if r + AHEAD * ROWS < end {
+                avx2::prefetch_rows(
+                    data.as_ptr().add((r + AHEAD * ROWS) * row_bytes),
+                    1,
+                    row_bytes,
+                );
+            }
+            let row = data.as_ptr().add(r * row_bytes);
+            let mut acc = [_mm512_setzero_ps(); M];
+            let mut mins = [_mm_setzero_ps(); M];
+            // (An index loop: `p` also places the pair in the row, and a closure would not
+            // inherit this function's target features.)
+            #[allow(clippy::needless_range_loop)]
+            for p in 0..blocks / 2 {
+                let weights = pair_weights::<T>(row.add(2 * p * bytes), lane_block);
+                for t in 0..M {
+                    pair_accumulate::<T>(&weights, &pairs[t][p], &mut acc[t], &mut mins[t]);
+                }
+            }
+            for t in 0..M {
+                *out.add(t * w.rows + r) = total(acc[t], mins[t]) + tail(row, t);
+            }
         }
     }
 
