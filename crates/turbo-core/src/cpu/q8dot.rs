@@ -861,29 +861,14 @@ mod avx512 {
     ) {
         let dtype = avx2::dtype_of(T);
         debug_assert_eq!(dtype, w.dtype);
-        let has_min = matches!(dtype, DType::Q4_1 | DType::Q5_1);
         let bytes = dtype.block_bytes();
         let data = w.data.as_slice();
         let row_bytes = w.row_bytes();
         let blocks = w.cols / 32;
         assert!(data.len() >= rows.end * row_bytes && a.codes.len() >= w.cols && a.block == 32);
         let pairs = pairs(dtype, a, blocks, 0);
-        let lane_block = match dtype {
-            DType::Q8_0 => _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
-            _ => _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2),
-        };
-        // A block past the last pair: the AVX2 product, its scale and minimum.
-        let tail = |row: *const u8| -> f32 {
-            if blocks.is_multiple_of(2) {
-                return 0.0;
-            }
-            let g = blocks - 1;
-            let blk = row.add(g * bytes);
-            let xs = _mm256_loadu_si256(a.codes.as_ptr().add(32 * g) as *const __m256i);
-            let (dw, min) = avx2::scales(dtype, blk);
-            let dot = avx2::hsum(_mm256_cvtepi32_ps(avx2::products(dtype, blk, xs)));
-            dw * a.d[g] * dot + if has_min { min * a.sum[g] } else { 0.0 }
-        };
+        let lane_block = weight_lanes(dtype);
+        let tail = |row: *const u8| odd_block(dtype, a, row, w.cols, 0);
         let end = rows.end;
         let mut r = rows.start;
         while r + ROWS <= end {
@@ -922,6 +907,40 @@ mod avx512 {
             }
             *out.add(r) = total(acc, mins) + tail(row);
         }
+    }
+
+    /// Which of a pair's `[d_0, min_0, d_1, min_1]` each lane of its products takes: the block
+    /// the lane's codes come from (nibble order, or natural order for Q8_0).
+    #[inline(always)]
+    unsafe fn weight_lanes(dtype: DType) -> __m512i {
+        match dtype {
+            DType::Q8_0 => _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+            _ => _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2),
+        }
+    }
+
+    /// Token `t`'s product with the block past a row's last pair (rows of an odd count of
+    /// blocks): the AVX2 block product, its scale and minimum; 0 when the count is even.
+    #[inline(always)]
+    unsafe fn odd_block(
+        dtype: DType,
+        a: &Q8Activations,
+        row: *const u8,
+        cols: usize,
+        t: usize,
+    ) -> f32 {
+        let blocks = cols / 32;
+        if blocks.is_multiple_of(2) {
+            return 0.0;
+        }
+        let g = blocks - 1;
+        let (at, b) = (t * cols + 32 * g, t * blocks + g);
+        let blk = row.add(g * dtype.block_bytes());
+        let xs = _mm256_loadu_si256(a.codes.as_ptr().add(at) as *const __m256i);
+        let (dw, min) = avx2::scales(dtype, blk);
+        let dot = avx2::hsum(_mm256_cvtepi32_ps(avx2::products(dtype, blk, xs)));
+        let has_min = matches!(dtype, DType::Q4_1 | DType::Q5_1);
+        dw * a.d[b] * dot + if has_min { min * a.sum[b] } else { 0.0 }
     }
 
     /// The sum of a row's f32 lanes and its minimums' terms.
@@ -1024,29 +1043,14 @@ mod avx512 {
     ) {
         let dtype = avx2::dtype_of(T);
         debug_assert_eq!(dtype, w.dtype);
-        let has_min = matches!(dtype, DType::Q4_1 | DType::Q5_1);
         let bytes = dtype.block_bytes();
         let data = w.data.as_slice();
         let row_bytes = w.row_bytes();
         let blocks = w.cols / 32;
         assert!(data.len() >= rows.end * row_bytes && a.codes.len() >= M * w.cols && a.block == 32);
         let pairs: [Vec<Pair>; M] = std::array::from_fn(|t| pairs(dtype, a, blocks, t));
-        let lane_block = match dtype {
-            DType::Q8_0 => _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
-            _ => _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2),
-        };
-        let tail = |row: *const u8, t: usize| -> f32 {
-            if blocks.is_multiple_of(2) {
-                return 0.0;
-            }
-            let g = blocks - 1;
-            let (at, b) = (t * w.cols + 32 * g, t * blocks + g);
-            let blk = row.add(g * bytes);
-            let xs = _mm256_loadu_si256(a.codes.as_ptr().add(at) as *const __m256i);
-            let (dw, min) = avx2::scales(dtype, blk);
-            let dot = avx2::hsum(_mm256_cvtepi32_ps(avx2::products(dtype, blk, xs)));
-            dw * a.d[b] * dot + if has_min { min * a.sum[b] } else { 0.0 }
-        };
+        let lane_block = weight_lanes(dtype);
+        let tail = |row: *const u8, t: usize| odd_block(dtype, a, row, w.cols, t);
         let end = rows.end;
         for r in rows {
             if r + AHEAD * ROWS < end {
