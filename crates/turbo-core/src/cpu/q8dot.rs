@@ -1089,8 +1089,12 @@ mod avx512 {
         n: usize,
         out: *mut f32,
     ) {
-        if n != 1 {
-            return avx2::rows_k(w, rows, a, n, out);
+        match n {
+            1 => {}
+            2 => return rows_k_tokens::<2>(w, rows, a, out),
+            3 => return rows_k_tokens::<3>(w, rows, a, out),
+            4 => return rows_k_tokens::<4>(w, rows, a, out),
+            _ => return avx2::rows_k(w, rows, a, n, out),
         }
         let bytes = w.dtype.block_bytes();
         let data = w.data.as_slice();
@@ -1219,6 +1223,158 @@ mod avx512 {
                 }
             }
             *out.add(r) = _mm512_reduce_add_ps(acc) + extra;
+        }
+    }
+
+    /// [`rows_k`] for `M` (2 to 4) tokens: each super-block's codes and scales are taken apart
+    /// once and multiplied with every token's codes (the one-token kernel's operations a token).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,bmi2,avx2,fma,f16c")]
+    unsafe fn rows_k_tokens<const M: usize>(
+        w: &WeightMatrix,
+        rows: Range<usize>,
+        a: &Q8Activations,
+        out: *mut f32,
+    ) {
+        let bytes = w.dtype.block_bytes();
+        let data = w.data.as_slice();
+        let row_bytes = w.row_bytes();
+        let supers = w.cols / 256;
+        assert!(
+            data.len() >= rows.end * row_bytes && a.codes.len() >= M * w.cols && a.block == 256
+        );
+        let m4 = _mm512_set1_epi8(0x0f);
+        let m32 = _mm512_set1_epi8(32);
+        let end = rows.end;
+        for r in rows {
+            if r + avx2::K_AHEAD < end {
+                avx2::prefetch_rows(
+                    data.as_ptr().add((r + avx2::K_AHEAD) * row_bytes),
+                    1,
+                    row_bytes,
+                );
+            }
+            let row = &data[r * row_bytes..(r + 1) * row_bytes];
+            let mut acc = [_mm512_setzero_ps(); M];
+            let mut extra = [0f32; M];
+            for (sb, b) in row.chunks_exact(bytes).enumerate() {
+                let p = b.as_ptr();
+                // The super-block's four pairs of sub-blocks: unsigned codes and i16 scales.
+                let mut codes = [_mm512_setzero_si512(); 4];
+                let mut scales = [_mm512_setzero_si512(); 4];
+                let q6 = w.dtype == DType::Q6_K;
+                let mut mins = [0i32; 8];
+                let d = match w.dtype {
+                    DType::Q4_K | DType::Q5_K => {
+                        let mut sc = [0i16; 8];
+                        for (s, v) in sc.iter_mut().enumerate() {
+                            let (scale, min) = scale_min_k4(s, &b[4..16]);
+                            *v = scale as i16;
+                            mins[s] = min as i32;
+                        }
+                        let q5 = w.dtype == DType::Q5_K;
+                        let (qs_at, qh) = match q5 {
+                            true => (48, _mm256_loadu_si256(p.add(16) as *const __m256i)),
+                            false => (16, _mm256_setzero_si256()),
+                        };
+                        let qh = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qh), qh);
+                        for j in 0..4 {
+                            let qs = _mm256_loadu_si256(p.add(qs_at + 32 * j) as *const __m256i);
+                            let both = _mm512_inserti64x4::<1>(
+                                _mm512_castsi256_si512(qs),
+                                _mm256_srli_epi16::<4>(qs),
+                            );
+                            let mut q = _mm512_and_si512(both, m4);
+                            if q5 {
+                                let probe = _mm512_inserti64x4::<1>(
+                                    _mm512_set1_epi8(1 << (2 * j)),
+                                    _mm256_set1_epi8(1 << (2 * j + 1)),
+                                );
+                                let bits = _mm512_test_epi8_mask(qh, probe);
+                                q = _mm512_mask_add_epi8(q, bits, q, _mm512_set1_epi8(16));
+                            }
+                            codes[j] = q;
+                            scales[j] = _mm512_inserti64x4::<1>(
+                                _mm512_set1_epi16(sc[2 * j]),
+                                _mm256_set1_epi16(sc[2 * j + 1]),
+                            );
+                        }
+                        f16_at(b, 0)
+                    }
+                    _ => {
+                        let sc16 =
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192) as *const __m128i));
+                        let sc16 = _mm512_castsi256_si512(sc16);
+                        for h in 0..2 {
+                            let ql = _mm512_loadu_si512(p.add(64 * h) as *const _);
+                            let qh = _mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i);
+                            let qh = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qh), qh);
+                            for k in 0..2 {
+                                let lo = match k {
+                                    0 => _mm512_and_si512(ql, m4),
+                                    _ => _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
+                                };
+                                let shifts = match k {
+                                    0 => _mm512_inserti64x4::<1>(
+                                        _mm512_setzero_si512(),
+                                        _mm256_set1_epi16(2),
+                                    ),
+                                    _ => _mm512_inserti64x4::<1>(
+                                        _mm512_set1_epi16(4),
+                                        _mm256_set1_epi16(6),
+                                    ),
+                                };
+                                let hi = _mm512_and_si512(
+                                    _mm512_slli_epi16::<4>(_mm512_srlv_epi16(qh, shifts)),
+                                    _mm512_set1_epi8(0x30),
+                                );
+                                let j = 2 * h + k;
+                                codes[j] = _mm512_or_si512(lo, hi);
+                                let index = _mm512_add_epi16(
+                                    _mm512_set1_epi16(4 * j as i16),
+                                    _mm512_inserti64x4::<1>(
+                                        _mm512_castsi256_si512(_mm256_set_m128i(
+                                            _mm_set1_epi16(1),
+                                            _mm_setzero_si128(),
+                                        )),
+                                        _mm256_set_m128i(_mm_set1_epi16(3), _mm_set1_epi16(2)),
+                                    ),
+                                );
+                                scales[j] = _mm512_permutexvar_epi16(index, sc16);
+                            }
+                        }
+                        f16_at(b, 208)
+                    }
+                };
+                for t in 0..M {
+                    let xs_at = a.codes.as_ptr().add(t * w.cols + sb * 256);
+                    let ad = a.d[t * supers + sb];
+                    let mut sumi = _mm512_setzero_si512();
+                    for j in 0..4 {
+                        let xs = _mm512_loadu_si512(xs_at.add(64 * j) as *const _);
+                        let p16 = match q6 {
+                            // Codes offset by 32: 32 x the activations taken off, exactly.
+                            true => _mm512_sub_epi16(
+                                _mm512_maddubs_epi16(codes[j], xs),
+                                _mm512_maddubs_epi16(m32, xs),
+                            ),
+                            false => _mm512_maddubs_epi16(codes[j], xs),
+                        };
+                        sumi = _mm512_dpwssd_epi32(sumi, p16, scales[j]);
+                    }
+                    acc[t] =
+                        _mm512_fmadd_ps(_mm512_set1_ps(d * ad), _mm512_cvtepi32_ps(sumi), acc[t]);
+                    if !q6 {
+                        let sums = &a.sum16[(t * w.cols + sb * 256) / 16..][..16];
+                        let summ: i32 = (0..8)
+                            .map(|s| mins[s] * (sums[2 * s] + sums[2 * s + 1]))
+                            .sum();
+                        extra[t] -= f16_at(b, 2) * summ as f32 * ad;
+                    }
+                }
+            }
+            for t in 0..M {
+                *out.add(t * w.rows + r) = _mm512_reduce_add_ps(acc[t]) + extra[t];
+            }
         }
     }
 
