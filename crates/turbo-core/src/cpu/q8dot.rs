@@ -1078,9 +1078,10 @@ mod avx512 {
         }
     }
 
-    /// The super-block kernel: one token here, more through the AVX2 kernel. Two sub-blocks
-    /// of 32 a vector: `maddubs` (as AVX2) then `vpdpwssd` for the sub-blocks' integer scales,
-    /// where AVX2 takes `madd` and an add per sub-block. The integer sums are the AVX2 kernel's.
+    /// The super-block kernel: one to four tokens here, more through the AVX2 kernel. Two
+    /// sub-blocks of 32 a vector: `maddubs` (as AVX2) then `vpdpwssd` for the sub-blocks' integer
+    /// scales, where AVX2 takes `madd` and an add per sub-block. The integer sums are the AVX2
+    /// kernel's.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,bmi2,avx2,fma,f16c")]
     pub(super) unsafe fn rows_k(
         w: &WeightMatrix,
@@ -1090,144 +1091,16 @@ mod avx512 {
         out: *mut f32,
     ) {
         match n {
-            1 => {}
-            2 => return rows_k_tokens::<2>(w, rows, a, out),
-            3 => return rows_k_tokens::<3>(w, rows, a, out),
-            4 => return rows_k_tokens::<4>(w, rows, a, out),
-            _ => return avx2::rows_k(w, rows, a, n, out),
-        }
-        let bytes = w.dtype.block_bytes();
-        let data = w.data.as_slice();
-        let row_bytes = w.row_bytes();
-        assert!(data.len() >= rows.end * row_bytes && a.codes.len() >= w.cols && a.block == 256);
-        let m4 = _mm512_set1_epi8(0x0f);
-        let m32 = _mm512_set1_epi8(32);
-        let end = rows.end;
-        for r in rows {
-            if r + avx2::K_AHEAD < end {
-                avx2::prefetch_rows(
-                    data.as_ptr().add((r + avx2::K_AHEAD) * row_bytes),
-                    1,
-                    row_bytes,
-                );
-            }
-            let row = &data[r * row_bytes..(r + 1) * row_bytes];
-            let mut acc = _mm512_setzero_ps();
-            let mut extra = 0f32;
-            for (sb, b) in row.chunks_exact(bytes).enumerate() {
-                let p = b.as_ptr();
-                let xs_at = a.codes.as_ptr().add(sb * 256);
-                // Pair j: sub-blocks 2j and 2j + 1 as unsigned codes, and their scales as i16
-                // lanes (one per 32 values for Q4_K and Q5_K, per 16 for Q6_K).
-                let mut sumi = _mm512_setzero_si512();
-                match w.dtype {
-                    DType::Q4_K | DType::Q5_K => {
-                        let mut sc = [0i16; 8];
-                        let mut summ = 0i32;
-                        let sums = &a.sum16[sb * 16..sb * 16 + 16];
-                        for (s, v) in sc.iter_mut().enumerate() {
-                            let (scale, min) = scale_min_k4(s, &b[4..16]);
-                            *v = scale as i16;
-                            summ += min as i32 * (sums[2 * s] + sums[2 * s + 1]);
-                        }
-                        let q5 = w.dtype == DType::Q5_K;
-                        let (qs_at, qh) = match q5 {
-                            true => (48, _mm256_loadu_si256(p.add(16) as *const __m256i)),
-                            false => (16, _mm256_setzero_si256()),
-                        };
-                        let qh = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qh), qh);
-                        for j in 0..4 {
-                            let qs = _mm256_loadu_si256(p.add(qs_at + 32 * j) as *const __m256i);
-                            let both = _mm512_inserti64x4::<1>(
-                                _mm512_castsi256_si512(qs),
-                                _mm256_srli_epi16::<4>(qs),
-                            );
-                            let mut q = _mm512_and_si512(both, m4);
-                            if q5 {
-                                // Bit s of byte l of `qh` is the fifth bit of element l of
-                                // sub-block s.
-                                let probe = _mm512_inserti64x4::<1>(
-                                    _mm512_set1_epi8(1 << (2 * j)),
-                                    _mm256_set1_epi8(1 << (2 * j + 1)),
-                                );
-                                let bits = _mm512_test_epi8_mask(qh, probe);
-                                q = _mm512_mask_add_epi8(q, bits, q, _mm512_set1_epi8(16));
-                            }
-                            let xs = _mm512_loadu_si512(xs_at.add(64 * j) as *const _);
-                            let scales = _mm512_inserti64x4::<1>(
-                                _mm512_set1_epi16(sc[2 * j]),
-                                _mm256_set1_epi16(sc[2 * j + 1]),
-                            );
-                            sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q, xs), scales);
-                        }
-                        let d = f16_at(b, 0) * a.d[sb];
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
-                        extra -= f16_at(b, 2) * summ as f32 * a.d[sb];
-                    }
-                    _ => {
-                        // Q6_K: scales of 16 values as i16, pair j takes groups 4j..4j + 3.
-                        let sc16 =
-                            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192) as *const __m128i));
-                        let sc16 = _mm512_castsi256_si512(sc16);
-                        for h in 0..2 {
-                            let ql = _mm512_loadu_si512(p.add(64 * h) as *const _);
-                            let qh = _mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i);
-                            let qh = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qh), qh);
-                            for k in 0..2 {
-                                // k = 0: low nibbles of both 32-byte halves of ql, high bits
-                                // 0-1 and 2-3 of qh; k = 1: high nibbles, bits 4-5 and 6-7.
-                                let lo = match k {
-                                    0 => _mm512_and_si512(ql, m4),
-                                    _ => _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
-                                };
-                                let shifts = match k {
-                                    0 => _mm512_inserti64x4::<1>(
-                                        _mm512_setzero_si512(),
-                                        _mm256_set1_epi16(2),
-                                    ),
-                                    _ => _mm512_inserti64x4::<1>(
-                                        _mm512_set1_epi16(4),
-                                        _mm256_set1_epi16(6),
-                                    ),
-                                };
-                                let hi = _mm512_and_si512(
-                                    _mm512_slli_epi16::<4>(_mm512_srlv_epi16(qh, shifts)),
-                                    _mm512_set1_epi8(0x30),
-                                );
-                                let q = _mm512_or_si512(lo, hi);
-                                let j = 2 * h + k; // sub-blocks 2j, 2j + 1 in the row's order
-                                let xs = _mm512_loadu_si512(xs_at.add(64 * j) as *const _);
-                                // Codes are offset by 32: take 32 x the activations off, exactly
-                                // (pairs of products stay within i16: 2 x 63 x 127).
-                                let p16 = _mm512_sub_epi16(
-                                    _mm512_maddubs_epi16(q, xs),
-                                    _mm512_maddubs_epi16(m32, xs),
-                                );
-                                let index = _mm512_add_epi16(
-                                    _mm512_set1_epi16(4 * j as i16),
-                                    _mm512_inserti64x4::<1>(
-                                        _mm512_castsi256_si512(_mm256_set_m128i(
-                                            _mm_set1_epi16(1),
-                                            _mm_setzero_si128(),
-                                        )),
-                                        _mm256_set_m128i(_mm_set1_epi16(3), _mm_set1_epi16(2)),
-                                    ),
-                                );
-                                let scales = _mm512_permutexvar_epi16(index, sc16);
-                                sumi = _mm512_dpwssd_epi32(sumi, p16, scales);
-                            }
-                        }
-                        let d = f16_at(b, 208) * a.d[sb];
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), acc);
-                    }
-                }
-            }
-            *out.add(r) = _mm512_reduce_add_ps(acc) + extra;
+            1 => rows_k_tokens::<1>(w, rows, a, out),
+            2 => rows_k_tokens::<2>(w, rows, a, out),
+            3 => rows_k_tokens::<3>(w, rows, a, out),
+            4 => rows_k_tokens::<4>(w, rows, a, out),
+            _ => avx2::rows_k(w, rows, a, n, out),
         }
     }
 
-    /// [`rows_k`] for `M` (2 to 4) tokens: each super-block's codes and scales are taken apart
-    /// once and multiplied with every token's codes (the one-token kernel's operations a token).
+    /// [`rows_k`] for `M` (1 to 4) tokens: each super-block's codes and scales taken apart once,
+    /// then multiplied with every token's codes.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,bmi2,avx2,fma,f16c")]
     unsafe fn rows_k_tokens<const M: usize>(
         w: &WeightMatrix,
