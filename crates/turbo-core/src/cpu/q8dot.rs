@@ -1136,7 +1136,8 @@ mod avx512 {
                 let mut scales = [_mm512_setzero_si512(); 4];
                 let q6 = w.dtype == DType::Q6_K;
                 let mut mins = [0i32; 8];
-                let d = match w.dtype {
+                // The super-block's scale and (Q4_K, Q5_K) the scale of its minimums.
+                let (d, dmin) = match w.dtype {
                     DType::Q4_K | DType::Q5_K => {
                         let mut sc = [0i16; 8];
                         for (s, v) in sc.iter_mut().enumerate() {
@@ -1171,7 +1172,7 @@ mod avx512 {
                                 _mm256_set1_epi16(sc[2 * j + 1]),
                             );
                         }
-                        f16_at(b, 0)
+                        (f16_at(b, 0), f16_at(b, 2))
                     }
                     _ => {
                         let sc16 =
@@ -1215,7 +1216,7 @@ mod avx512 {
                                 scales[j] = _mm512_permutexvar_epi16(index, sc16);
                             }
                         }
-                        f16_at(b, 208)
+                        (f16_at(b, 208), 0.0)
                     }
                 };
                 for t in 0..M {
@@ -1241,7 +1242,7 @@ mod avx512 {
                         let summ: i32 = (0..8)
                             .map(|s| mins[s] * (sums[2 * s] + sums[2 * s + 1]))
                             .sum();
-                        extra[t] -= f16_at(b, 2) * summ as f32 * ad;
+                        extra[t] -= dmin * summ as f32 * ad;
                     }
                 }
             }
