@@ -17,6 +17,7 @@ import gguf
 SHAPES = {  # hidden, layers, heads, kv heads, ffn, rope theta
     "llama3-8b": (4096, 32, 32, 8, 14336, 500000.0),
     "llama3-70b": (8192, 80, 64, 8, 28672, 500000.0),
+    "smollm2-135m": (576, 30, 9, 3, 1536, 100000.0),
     "tiny": (256, 2, 4, 2, 512, 10000.0),
 }
 Q = gguf.GGMLQuantizationType

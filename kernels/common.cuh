@@ -384,3 +384,73 @@ template <int N>
 __device__ __forceinline__ void pf_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+
+// ------------------------------------------------------------------------------------------------
+// Decode products (gemv.cu, and gemv_sm90a.cu's ring-fed form): the epilogues, shared so that
+// both kernels give the same bits.
+enum : int { GEMV_STORE_BF16 = 0, GEMV_STORE_F32 = 1, GEMV_ADD_RESIDUAL = 2 };
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// Stores unit `unit`'s products of M tokens (`out` is [M, units]): with R == 2 silu(gate) · up,
+// each rounded to bf16 first as the unfused path stores them; else as `mode` says.
+template <int M, int R>
+__device__ __forceinline__ void gemv_store(const float (&dot)[M][R], void* out, int units, int unit, int mode) {
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        const size_t at = (size_t)m * units + unit;
+        if (R == 2) {
+            const float gate = round_bf16(dot[m][0]);
+            const float up = round_bf16(dot[m][R - 1]);
+            static_cast<__nv_bfloat16*>(out)[at] = __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up);
+        } else {
+            const float v = dot[m][0];
+            if (mode == GEMV_STORE_F32) {
+                static_cast<float*>(out)[at] = v;
+            } else {
+                __nv_bfloat16* o = static_cast<__nv_bfloat16*>(out);
+                o[at] = __float2bfloat16_rn(mode == GEMV_ADD_RESIDUAL ? __bfloat162float(o[at]) + v : v);
+            }
+        }
+    }
+}
+
+// The fused QKV product's outputs for RoPE pair `unit` (rows 2 unit and 2 unit + 1 of [W_q; W_k;
+// W_v]): each product rounded to bf16 as a stored QKV row would be, q and k pairs rotated at the
+// token's position as qkv_rope_kv rotates them; q to q ([M, q_cols]), k and v to slot slots[m] of
+// the paged caches (kv_cols per slot; a slot >= cache_slots is skipped).
+struct GemvQkvRope {
+    __nv_bfloat16* q;
+    __nv_bfloat16* k_cache;
+    __nv_bfloat16* v_cache;
+    const unsigned* positions;
+    const unsigned* slots;
+    const float* inv_freq;
+    int q_cols, kv_cols, head_dim;
+    long long cache_slots;
+};
+
+template <int M>
+__device__ __forceinline__ void gemv_qkv_rope_store(const float (&dot)[M][2], const GemvQkvRope& o, int unit) {
+    const int qp = o.q_cols / 2, kp = o.kv_cols / 2;
+    const int half = o.head_dim / 2;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float2 pair = make_float2(round_bf16(dot[m][0]), round_bf16(dot[m][1]));
+        if (unit < qp) {
+            pair = rope_rotate(pair, (float)o.positions[m], o.inv_freq[unit % half]);
+            reinterpret_cast<__nv_bfloat162*>(o.q + (size_t)m * o.q_cols)[unit] = __floats2bfloat162_rn(pair.x, pair.y);
+            continue;
+        }
+        const unsigned slot = o.slots[m];
+        if ((long long)slot >= o.cache_slots) continue;
+        if (unit < qp + kp) {
+            pair = rope_rotate(pair, (float)o.positions[m], o.inv_freq[(unit - qp) % half]);
+            reinterpret_cast<__nv_bfloat162*>(o.k_cache + (size_t)slot * o.kv_cols)[unit - qp] =
+                __floats2bfloat162_rn(pair.x, pair.y);
+        } else {
+            reinterpret_cast<__nv_bfloat162*>(o.v_cache + (size_t)slot * o.kv_cols)[unit - qp - kp] =
+                __floats2bfloat162_rn(pair.x, pair.y);
+        }
+    }
+}

@@ -26,8 +26,6 @@
 // Elements a warp covers with one 16-byte load per lane.
 #define GEMV_SPAN (TURBO_WARP * 8)
 
-enum : int { GEMV_STORE_BF16 = 0, GEMV_STORE_F32 = 1, GEMV_ADD_RESIDUAL = 2 };
-
 // A 16-byte load that is not kept in L1 (each weight is read once per step).
 __device__ __forceinline__ uint4 load_streaming(const __nv_bfloat16* p) {
     uint4 v;
@@ -37,7 +35,43 @@ __device__ __forceinline__ uint4 load_streaming(const __nv_bfloat16* p) {
     return v;
 }
 
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+// One lane's step over elements i..i+7 of R weight rows (wv) and M tokens of x ([M, k]): the
+// dot products, and with NORM the sums of x² and x scaled by the norm's weight g first.
+template <int M, int R, bool NORM>
+__device__ __forceinline__ void gemv_accumulate(const uint4 (&wv)[R], const __nv_bfloat16* __restrict__ x,
+                                                const __nv_bfloat16* __restrict__ g, int k, int i,
+                                                float (&ss)[M], float (&dot)[M][R]) {
+    float wf[R][8];
+#pragma unroll
+    for (int r = 0; r < R; r++) bf16x8_unpack(wv[r], wf[r]);
+    float gf[8];
+    if (NORM) bf16x8_unpack(__ldg(reinterpret_cast<const uint4*>(g + i)), gf);
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float xf[8];
+        bf16x8_unpack(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * k + i)), xf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            if (NORM) {
+                ss[m] = fmaf(xf[e], xf[e], ss[m]);
+                xf[e] *= gf[e];
+            }
+#pragma unroll
+            for (int r = 0; r < R; r++) dot[m][r] = fmaf(wf[r][e], xf[e], dot[m][r]);
+        }
+    }
+}
+
+// The warp's sums of its lanes' steps, times token m's 1/rms with NORM: every lane gets them.
+template <int M, int R, bool NORM>
+__device__ __forceinline__ void gemv_reduce(float (&ss)[M], float (&dot)[M][R], int k, float eps) {
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        const float scale = NORM ? rsqrtf(warp_sum(ss[m]) / (float)k + eps) : 1.f;
+#pragma unroll
+        for (int r = 0; r < R; r++) dot[m][r] = warp_sum(dot[m][r]) * scale;
+    }
+}
 
 // The warp's R weight rows times each of M tokens, summed over the warp: every lane gets
 // dot[m][r] (times token m's 1/rms with NORM).
@@ -66,34 +100,11 @@ __device__ __forceinline__ void warp_dots(const __nv_bfloat16* const (&row)[R], 
         for (int u = 0; u < GEMV_UNROLL; u++) {
             const int i = base + u * GEMV_SPAN;
             if (i >= k) break;
-            float wf[R][8];
-#pragma unroll
-            for (int r = 0; r < R; r++) bf16x8_unpack(wv[u][r], wf[r]);
-            float gf[8];
-            if (NORM) bf16x8_unpack(__ldg(reinterpret_cast<const uint4*>(g + i)), gf);
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                float xf[8];
-                bf16x8_unpack(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * k + i)), xf);
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    if (NORM) {
-                        ss[m] = fmaf(xf[e], xf[e], ss[m]);
-                        xf[e] *= gf[e];
-                    }
-#pragma unroll
-                    for (int r = 0; r < R; r++) dot[m][r] = fmaf(wf[r][e], xf[e], dot[m][r]);
-                }
-            }
+            gemv_accumulate<M, R, NORM>(wv[u], x, g, k, i, ss, dot);
         }
     }
 
-#pragma unroll
-    for (int m = 0; m < M; m++) {
-        const float scale = NORM ? rsqrtf(warp_sum(ss[m]) / (float)k + eps) : 1.f;
-#pragma unroll
-        for (int r = 0; r < R; r++) dot[m][r] = warp_sum(dot[m][r]) * scale;
-    }
+    gemv_reduce<M, R, NORM>(ss, dot, k, eps);
 }
 
 // R weight rows per warp (1, or 2 for SwiGLU's gate and up), M tokens.
@@ -109,24 +120,7 @@ __device__ __forceinline__ void gemv(const __nv_bfloat16* __restrict__ w, const 
     for (int r = 0; r < R; r++) row[r] = w + (size_t)(unit + r * units) * (size_t)k;
     float dot[M][R];
     warp_dots<M, R, NORM>(row, x, g, eps, k, dot);
-    if (threadIdx.x % TURBO_WARP != 0) return;
-#pragma unroll
-    for (int m = 0; m < M; m++) {
-        const size_t at = (size_t)m * units + unit;
-        if (R == 2) {
-            const float gate = round_bf16(dot[m][0]);
-            const float up = round_bf16(dot[m][R - 1]);
-            static_cast<__nv_bfloat16*>(out)[at] = __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up);
-        } else {
-            const float v = dot[m][0];
-            if (mode == GEMV_STORE_F32) {
-                static_cast<float*>(out)[at] = v;
-            } else {
-                __nv_bfloat16* o = static_cast<__nv_bfloat16*>(out);
-                o[at] = __float2bfloat16_rn(mode == GEMV_ADD_RESIDUAL ? __bfloat162float(o[at]) + v : v);
-            }
-        }
-    }
+    if (threadIdx.x % TURBO_WARP == 0) gemv_store<M, R>(dot, out, units, unit, mode);
 }
 
 // The attention block's first product fused with the step after it (elementwise.cu's
@@ -149,26 +143,8 @@ __device__ __forceinline__ void gemv_qkv_rope(const __nv_bfloat16* __restrict__ 
     float dot[M][2];
     warp_dots<M, 2, true>(row, x, g, eps, k, dot);
     if (threadIdx.x % TURBO_WARP != 0) return;
-    const int half = head_dim / 2;
-#pragma unroll
-    for (int m = 0; m < M; m++) {
-        float2 pair = make_float2(round_bf16(dot[m][0]), round_bf16(dot[m][1]));
-        if (unit < qp) {
-            pair = rope_rotate(pair, (float)positions[m], inv_freq[unit % half]);
-            reinterpret_cast<__nv_bfloat162*>(q + (size_t)m * q_cols)[unit] = __floats2bfloat162_rn(pair.x, pair.y);
-            continue;
-        }
-        const unsigned slot = slots[m];
-        if ((long long)slot >= cache_slots) continue;
-        if (unit < qp + kp) {
-            pair = rope_rotate(pair, (float)positions[m], inv_freq[(unit - qp) % half]);
-            reinterpret_cast<__nv_bfloat162*>(k_cache + (size_t)slot * kv_cols)[unit - qp] =
-                __floats2bfloat162_rn(pair.x, pair.y);
-        } else {
-            reinterpret_cast<__nv_bfloat162*>(v_cache + (size_t)slot * kv_cols)[unit - qp - kp] =
-                __floats2bfloat162_rn(pair.x, pair.y);
-        }
-    }
+    const GemvQkvRope o = {q, k_cache, v_cache, positions, slots, inv_freq, q_cols, kv_cols, head_dim, cache_slots};
+    gemv_qkv_rope_store<M>(dot, o, unit);
 }
 
 // A row-parallel product of a tensor-parallel decode step fused with its all-reduce: rank 0's

@@ -229,6 +229,57 @@ impl CudaDevice {
         Ok(f)
     }
 
+    /// Launches `f` as a programmatic dependent of the kernel ahead of it in the stream
+    /// (Hopper's dependent launch, `cuLaunchKernelEx` with programmatic stream serialization):
+    /// its blocks may start as soon as that kernel lets them (`griddepcontrol.launch_dependents`)
+    /// or ends, instead of after everything it wrote is visible. Recorded into CUDA graphs as a
+    /// programmatic edge.
+    ///
+    /// # Safety
+    /// `params` points at the kernel's arguments, in order and of its types, alive for the
+    /// call. The kernel runs `griddepcontrol.wait` before it reads or writes anything that a
+    /// kernel ahead of it may still touch.
+    pub(crate) unsafe fn launch_dependent(
+        &self,
+        f: &CudaFunction,
+        cfg: cudarc::driver::LaunchConfig,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread()?;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: the caller's contract for the arguments; the configuration and attribute
+        // outlive the call, which copies them.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()?
+        };
+        Ok(())
+    }
+
     /// Loads every kernel module this device supports now instead of at its first use.
     pub fn load_modules(&self) -> Result<()> {
         for m in MODULES

@@ -81,6 +81,7 @@ pub const MODULES: &[KernelModule] = &[
     module!("scores"),
     module!("comm"),
     module!("attention_sm90a", Some((9, 0))),
+    module!("gemv_sm90a", Some((9, 0))),
     variant!("quant_q4_0", "quant", "QUANT_TYPE", "Q4_0"),
     variant!("quant_q4_1", "quant", "QUANT_TYPE", "Q4_1"),
     variant!("quant_q5_0", "quant", "QUANT_TYPE", "Q5_0"),

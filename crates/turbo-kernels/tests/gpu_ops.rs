@@ -644,6 +644,233 @@ fn gemv_matches_reference() {
     }
 }
 
+/// The ring forms the tests compare against gemv.cu's kernels: the default, a ring of two
+/// short stages (8 KiB: the stage count is raised to two), and one large block an SM with long
+/// chunks.
+fn rings() -> [ops::gemv::GemvRing; 3] {
+    use ops::gemv::GemvRing;
+    [
+        GemvRing {
+            ring_bytes: 96 << 10,
+            blocks_per_sm: 2,
+            chunk: 1024,
+        },
+        GemvRing {
+            ring_bytes: 8 << 10,
+            blocks_per_sm: 1,
+            chunk: 256,
+        },
+        GemvRing {
+            ring_bytes: 200 << 10,
+            blocks_per_sm: 1,
+            chunk: 4096,
+        },
+    ]
+}
+
+/// Whether this device runs the ring kernels (`kernels/gemv_sm90a.cu`, Hopper only).
+fn ring_device() -> Option<CudaDevice> {
+    let dev = device()?;
+    if !dev.supports_module("gemv_sm90a") {
+        println!("skipping: the ring-fed products run on sm_90 only");
+        return None;
+    }
+    Some(dev)
+}
+
+fn bits(dev: &CudaDevice, s: &CudaSlice<bf16>) -> Vec<u16> {
+    download(dev, s).iter().map(|x| x.to_bits()).collect()
+}
+
+/// One-token products streamed through the shared-memory ring give gemv.cu's bits: every
+/// epilogue, widths of one chunk, several, and a partial last one, unit counts that leave groups
+/// and blocks part-empty, rings of two to eight stages and one or two blocks an SM.
+#[test]
+fn gemv_ring_equals_stream_kernels_bit_for_bit() {
+    use ops::gemv::{gemv_with_ring, GemvNorm, GemvOut};
+    let Some(dev) = ring_device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(26);
+    for (rows, k) in [
+        (37usize, 8usize),
+        (200, 264),
+        (13, 4096),
+        (70, 14336),
+        (998, 4104),
+        (4100, 576),
+        (6144, 4096),
+    ] {
+        let w = upload(&dev, &random_bf16(&mut rng, rows * k, 1.0));
+        let x = upload(&dev, &random_bf16(&mut rng, k, 2.0));
+        let g = upload(&dev, &random_bf16(&mut rng, k, 1.5));
+        let residual = random_bf16(&mut rng, rows, 2.0);
+        let norm = || {
+            Some(GemvNorm {
+                weight: &g,
+                eps: 1e-5,
+            })
+        };
+        // (bf16, f32, residual, norm, swiglu) outputs of one form.
+        let run = |ring| {
+            let go = |norm, out| gemv_with_ring(&dev, ring, &x, 1, &w, rows, k, norm, out).unwrap();
+            let mut plain = poisoned(&dev, rows);
+            go(None, GemvOut::Bf16(&mut plain));
+            let mut logits = upload(&dev, &vec![f32::NAN; rows]);
+            go(None, GemvOut::F32(&mut logits));
+            let mut res = upload(&dev, &residual);
+            go(None, GemvOut::AddTo(&mut res));
+            let mut normed = poisoned(&dev, rows);
+            go(norm(), GemvOut::Bf16(&mut normed));
+            let mut swiglu = poisoned(&dev, rows / 2);
+            if rows % 2 == 0 {
+                go(norm(), GemvOut::SwiGlu(&mut swiglu));
+            }
+            let logits: Vec<u32> = download(&dev, &logits)
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            (
+                bits(&dev, &plain),
+                logits,
+                bits(&dev, &res),
+                bits(&dev, &normed),
+                bits(&dev, &swiglu),
+            )
+        };
+        let want = run(None);
+        assert!(
+            want.0.iter().all(|&b| b != NAN_BITS),
+            "rows={rows} k={k}: unwritten"
+        );
+        for ring in rings() {
+            let got = run(Some(ring));
+            let what = format!("rows={rows} k={k} {ring:?}");
+            assert_eq!(got.0, want.0, "{what}: bf16");
+            assert_eq!(got.1, want.1, "{what}: f32");
+            assert_eq!(got.2, want.2, "{what}: residual");
+            assert_eq!(got.3, want.3, "{what}: norm");
+            assert_eq!(got.4, want.4, "{what}: swiglu");
+        }
+    }
+}
+
+/// A chain of ring products, each launched as a dependent of the one before and reading what
+/// it wrote (a feed-forward block's SwiGLU product and the down product into the residual
+/// stream, six times), gives the bits of the same chain of gemv.cu's launches: no product reads
+/// its input before the one ahead has written it.
+#[test]
+fn dependent_ring_launches_read_what_the_kernel_ahead_wrote() {
+    use ops::gemv::{gemv_with_ring, GemvNorm, GemvOut};
+    let Some(dev) = ring_device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(27);
+    let (k, ffn, layers) = (2048usize, 5632usize, 6);
+    let up: Vec<CudaSlice<bf16>> = (0..layers)
+        .map(|_| upload(&dev, &random_bf16(&mut rng, 2 * ffn * k, 0.08)))
+        .collect();
+    let down: Vec<CudaSlice<bf16>> = (0..layers)
+        .map(|_| upload(&dev, &random_bf16(&mut rng, k * ffn, 0.08)))
+        .collect();
+    let g = upload(&dev, &random_bf16(&mut rng, k, 1.5));
+    let h0 = random_bf16(&mut rng, k, 2.0);
+    let run = |ring| {
+        let mut h = upload(&dev, &h0);
+        let mut act = poisoned(&dev, ffn);
+        for (u, d) in up.iter().zip(&down) {
+            let norm = Some(GemvNorm {
+                weight: &g,
+                eps: 1e-5,
+            });
+            gemv_with_ring(
+                &dev,
+                ring,
+                &h,
+                1,
+                u,
+                2 * ffn,
+                k,
+                norm,
+                GemvOut::SwiGlu(&mut act),
+            )
+            .unwrap();
+            gemv_with_ring(&dev, ring, &act, 1, d, k, ffn, None, GemvOut::AddTo(&mut h)).unwrap();
+        }
+        bits(&dev, &h)
+    };
+    let want = run(None);
+    assert!(
+        want.iter().all(|&b| bf16::from_bits(b).is_finite()),
+        "the chain overflowed"
+    );
+    for ring in rings() {
+        assert_eq!(run(Some(ring)), want, "{ring:?}");
+    }
+}
+
+/// The fused QKV product streamed through the ring gives gemv.cu's bits (queries and both caches).
+#[test]
+fn gemv_qkv_rope_ring_equals_stream_kernel_bit_for_bit() {
+    use ops::gemv::{gemv_qkv_rope_with_ring, GemvNorm, QkvRopeOut};
+    let Some(dev) = ring_device() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(28);
+    for (heads, kv_heads, head_dim, k) in [
+        (32, 8, 128, 4096),
+        (9, 3, 64, 576),
+        (4, 4, 32, 264),
+        (6, 2, 64, 14336),
+    ] {
+        let (q_cols, kv_cols) = (heads * head_dim, kv_heads * head_dim);
+        let rows = q_cols + 2 * kv_cols;
+        let (inv_freq, positions, slots, cache_slots) = rope_step(&mut rng, 1, head_dim, 500_000.0);
+        let w = upload(&dev, &random_bf16(&mut rng, rows * k, 0.1));
+        let x = upload(&dev, &random_bf16(&mut rng, k, 2.0));
+        let g = upload(&dev, &random_bf16(&mut rng, k, 1.5));
+        let (pos_d, slots_d, freq_d) = (
+            upload(&dev, &positions),
+            upload(&dev, &slots),
+            upload(&dev, &inv_freq),
+        );
+        let run = |ring| {
+            let mut q = poisoned(&dev, q_cols);
+            let mut k_cache = poisoned(&dev, cache_slots * kv_cols);
+            let mut v_cache = poisoned(&dev, cache_slots * kv_cols);
+            gemv_qkv_rope_with_ring(
+                &dev,
+                ring,
+                &x,
+                1,
+                &w,
+                k,
+                GemvNorm {
+                    weight: &g,
+                    eps: 1e-5,
+                },
+                QkvRopeOut {
+                    q: &mut q,
+                    k_cache: &mut k_cache,
+                    v_cache: &mut v_cache,
+                    positions: &pos_d.slice(..),
+                    slots: &slots_d.slice(..),
+                    inv_freq: &freq_d,
+                    widths: (q_cols, kv_cols, head_dim),
+                },
+            )
+            .unwrap();
+            [q, k_cache, v_cache]
+        };
+        let want = run(None);
+        for ring in rings() {
+            let got = run(Some(ring));
+            assert_same_qkv(
+                &dev,
+                &format!("heads={heads}/{kv_heads} d={head_dim} k={k} {ring:?}"),
+                [&got[0], &got[1], &got[2]],
+                [&want[0], &want[1], &want[2]],
+                kv_cols,
+                &slots,
+            );
+        }
+    }
+}
+
 /// The cuBLASLt products (`ops::linear`) against f64: bf16 out, added to a residual, and f32 out;
 /// token counts from one to a prefill's, widths and row counts that are no multiple of 8, each
 /// shape twice (the second run reuses the shape's cached plan).

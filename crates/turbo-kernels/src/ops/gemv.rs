@@ -6,13 +6,178 @@
 use super::check;
 use crate::device::CudaDevice;
 use crate::error::Result;
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
+use std::ffi::c_void;
+use std::sync::OnceLock;
 
 /// The most tokens (rows of `x`) the kernels take.
 pub const GEMV_MAX_TOKENS: usize = 4;
 /// Warps per block; each computes one output unit.
 const WARPS: usize = 8;
+
+/// Consumer warps of a ring block (`RING_WARPS` in `kernels/gemv_sm90a.cu`), plus one producer.
+const RING_WARPS: usize = 8;
+/// Stages a ring block may have (`RING_MAX_STAGES`).
+const RING_MAX_STAGES: usize = 8;
+
+/// How the one-token products stream their weights on Hopper (`kernels/gemv_sm90a.cu`): through
+/// a shared-memory ring of `ring_bytes` per block, `blocks_per_sm` blocks an SM, each launched as
+/// a dependent of the kernel ahead so that its ring fills while that kernel finishes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemvRing {
+    pub ring_bytes: usize,
+    pub blocks_per_sm: usize,
+    /// Elements of a row a stage holds per weight row of a unit (a multiple of 256).
+    pub chunk: usize,
+}
+
+/// Environment variable that sets or turns off [`GemvRing`] (read once a process): `off`, or
+/// `KIB:BLOCKS[:CHUNK]` (ring KiB per block, blocks per SM, elements of a row per stage), for
+/// measuring the forms side by side.
+pub const GEMV_RING_ENV: &str = "TURBO_GEMV_RING";
+
+/// Two blocks an SM with rings of up to 96 KiB each, stages of 1024 elements of each row: the
+/// fastest of the forms measured on an H200 (docs/perf/h100.md).
+const GEMV_RING_DEFAULT: GemvRing = GemvRing {
+    ring_bytes: 96 << 10,
+    blocks_per_sm: 2,
+    chunk: 1024,
+};
+
+/// The ring form in use: [`GEMV_RING_ENV`]'s, else the default; `None` when turned off.
+pub fn gemv_ring_config() -> Option<GemvRing> {
+    static CONFIG: OnceLock<Option<GemvRing>> = OnceLock::new();
+    *CONFIG.get_or_init(|| match std::env::var(GEMV_RING_ENV) {
+        Err(_) => Some(GEMV_RING_DEFAULT),
+        Ok(v) => parse_gemv_ring(&v).unwrap_or_else(|| {
+            tracing::warn!(
+                "{GEMV_RING_ENV}={v:?} is not `off` or `KIB:BLOCKS[:CHUNK]`; using the default"
+            );
+            Some(GEMV_RING_DEFAULT)
+        }),
+    })
+}
+
+/// `off` → `Some(None)`; `KIB:BLOCKS[:CHUNK]` with a ring of 8-220 KiB, 1-4 blocks and chunks
+/// of 256-8192 elements (a multiple of 256) → that form.
+fn parse_gemv_ring(v: &str) -> Option<Option<GemvRing>> {
+    if v.trim() == "off" {
+        return Some(None);
+    }
+    let parts: Vec<usize> = v
+        .trim()
+        .split(':')
+        .map(|p| p.parse().ok())
+        .collect::<Option<_>>()?;
+    let (kib, blocks, chunk) = match parts[..] {
+        [kib, blocks] => (kib, blocks, GEMV_RING_DEFAULT.chunk),
+        [kib, blocks, chunk] => (kib, blocks, chunk),
+        _ => return None,
+    };
+    ((8..=220).contains(&kib)
+        && (1..=4).contains(&blocks)
+        && (256..=8192).contains(&chunk)
+        && chunk.is_multiple_of(256))
+    .then_some(Some(GemvRing {
+        ring_bytes: kib << 10,
+        blocks_per_sm: blocks,
+        chunk,
+    }))
+}
+
+/// A ring launch's shape for `units` units of `r` rows of `k` elements.
+struct RingShape {
+    chunk: usize,
+    stages: usize,
+    blocks: usize,
+    smem: usize,
+}
+
+/// Shared memory one block of an SM's `blocks` may have: an H100's or H200's 228 KiB an SM,
+/// less the 1 KiB the driver keeps per block and the kernel's own barriers.
+fn block_smem_budget(blocks: usize) -> usize {
+    (228 << 10) / blocks - (1 << 10) - 256
+}
+
+/// The ring form of a one-token product, if this device runs it: chunks of `ring.chunk / r`
+/// elements of each row (at least 256; whole rows when shorter), a stage of them for each of the block's units, as
+/// many stages (2 to 8) as the ring and the block's room beside x (`norm`: x · g in f32, else x
+/// in bf16) hold.
+fn ring_shape(
+    dev: &CudaDevice,
+    ring: Option<GemvRing>,
+    tokens: usize,
+    units: usize,
+    (r, norm): (usize, bool),
+    k: usize,
+) -> Option<RingShape> {
+    let ring = ring?;
+    if tokens != 1 || !dev.supports_module("gemv_sm90a") {
+        return None;
+    }
+    let chunk = k.min((ring.chunk / r).max(256));
+    let stage = RING_WARPS * r * chunk * 2;
+    let x_bytes = k * if norm { 4 } else { 2 };
+    let room = block_smem_budget(ring.blocks_per_sm).checked_sub(x_bytes)?;
+    let stages = (ring.ring_bytes.min(room) / stage).clamp(2, RING_MAX_STAGES);
+    let smem = stages * stage + x_bytes;
+    if smem > block_smem_budget(1) {
+        return None;
+    }
+    Some(RingShape {
+        chunk,
+        stages,
+        blocks: balanced_blocks(
+            units.div_ceil(RING_WARPS),
+            dev.sm_count() * ring.blocks_per_sm,
+        ),
+        smem,
+    })
+}
+
+/// Blocks for `groups` groups of units on at most `most` blocks at once: the fewest that give
+/// each block the most groups any block must take, so that none waits on a block with one more.
+fn balanced_blocks(groups: usize, most: usize) -> usize {
+    groups.div_ceil(groups.div_ceil(most.max(1)))
+}
+
+/// Launches a `gemv_sm90a` kernel of `shape` with `params` (the kernel's arguments before
+/// `chunk` and `stages`, which are appended).
+///
+/// # Safety
+/// `params` are the kernel's leading arguments, in order and of its types, over buffers of the
+/// sizes it reads and writes.
+unsafe fn launch_ring(
+    dev: &CudaDevice,
+    name: &'static str,
+    shape: &RingShape,
+    params: &mut Vec<*mut c_void>,
+) -> Result<()> {
+    let f = dev.function_with_smem("gemv_sm90a", name, shape.smem)?;
+    let (mut chunk, mut stages) = (shape.chunk as i32, shape.stages as i32);
+    params.push(&mut chunk as *mut i32 as *mut c_void);
+    params.push(&mut stages as *mut i32 as *mut c_void);
+    let cfg = LaunchConfig {
+        grid_dim: (shape.blocks as u32, 1, 1),
+        block_dim: (((RING_WARPS + 1) * 32) as u32, 1, 1),
+        shared_mem_bytes: shape.smem as u32,
+    };
+    // SAFETY: the caller's contract; `chunk` and `stages` are the kernel's last two arguments,
+    // and the kernel waits for the kernel ahead before it touches anything but the weights,
+    // which nothing in the stream writes.
+    unsafe { dev.launch_dependent(&f, cfg, params) }
+}
+
+/// A buffer's device address, as a kernel argument.
+fn address<T>(s: &impl DevicePtr<T>, dev: &CudaDevice) -> u64 {
+    s.device_ptr(&dev.stream).0
+}
+
+/// A kernel argument's address, for [`launch_ring`].
+fn param<T>(v: &mut T) -> *mut c_void {
+    v as *mut T as *mut c_void
+}
 
 /// What happens to each `(token, unit)` product.
 pub enum GemvOut<'a> {
@@ -72,6 +237,24 @@ pub fn gemv(
     norm: Option<GemvNorm>,
     out: GemvOut,
 ) -> Result<()> {
+    gemv_with_ring(dev, gemv_ring_config(), x, tokens, w, rows, k, norm, out)
+}
+
+/// [`gemv`] with the weights streamed through `ring` where the device and the product allow it
+/// (one token on Hopper), else as [`gemv`] without a ring: for tests and benches that compare
+/// the two forms, which give the same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_with_ring(
+    dev: &CudaDevice,
+    ring: Option<GemvRing>,
+    x: &CudaSlice<bf16>,
+    tokens: usize,
+    w: &CudaSlice<bf16>,
+    rows: usize,
+    k: usize,
+    norm: Option<GemvNorm>,
+    out: GemvOut,
+) -> Result<()> {
     let swiglu = matches!(out, GemvOut::SwiGlu(_));
     let units = if swiglu { rows / 2 } else { rows };
     let out_len = match &out {
@@ -101,6 +284,49 @@ pub fn gemv(
         (Some(_), false) => 1,
         (Some(_), true) => 2,
     };
+    if let Some(shape) = ring_shape(
+        dev,
+        ring,
+        tokens,
+        units,
+        (if swiglu { 2 } else { 1 }, norm.is_some()),
+        k,
+    ) {
+        let name = [
+            "gemv_ring_m1",
+            "gemv_ring_norm_m1",
+            "gemv_ring_norm_swiglu_m1",
+        ][kind];
+        let mut w_p = address(w, dev);
+        let mut x_p = address(x, dev);
+        let (mut g_p, mut eps) = match &norm {
+            Some(n) => (address(n.weight, dev), n.eps),
+            None => (w_p, 0.0f32),
+        };
+        let mut mode: i32 = match out {
+            GemvOut::F32(_) => 1,
+            GemvOut::AddTo(_) => 2,
+            GemvOut::Bf16(_) | GemvOut::SwiGlu(_) => 0,
+        };
+        let mut out_p = match out {
+            GemvOut::Bf16(o) | GemvOut::AddTo(o) | GemvOut::SwiGlu(o) => address(o, dev),
+            GemvOut::F32(o) => address(o, dev),
+        };
+        let (mut units_i, mut k_i) = (units as i32, k as i32);
+        let mut params = vec![
+            param(&mut w_p),
+            param(&mut x_p),
+            param(&mut g_p),
+            param(&mut eps),
+            param(&mut out_p),
+            param(&mut units_i),
+            param(&mut k_i),
+            param(&mut mode),
+        ];
+        // SAFETY: the arguments of `gemv_ring_*_m1` in order; the sizes were checked above as
+        // for the kernels of gemv.cu, whose bounds these kernels share.
+        return unsafe { launch_ring(dev, name, &shape, &mut params) };
+    }
     let f = dev.function("gemv", NAMES[kind][tokens - 1])?;
     let (g, eps) = match &norm {
         Some(n) => (n.weight, n.eps),
@@ -272,6 +498,21 @@ pub fn gemv_qkv_rope(
     norm: GemvNorm,
     out: QkvRopeOut,
 ) -> Result<()> {
+    gemv_qkv_rope_with_ring(dev, gemv_ring_config(), x, tokens, w, k, norm, out)
+}
+
+/// [`gemv_qkv_rope`] with an explicit [`GemvRing`] (see [`gemv_with_ring`]).
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_qkv_rope_with_ring(
+    dev: &CudaDevice,
+    ring: Option<GemvRing>,
+    x: &CudaSlice<bf16>,
+    tokens: usize,
+    w: &CudaSlice<bf16>,
+    k: usize,
+    norm: GemvNorm,
+    out: QkvRopeOut,
+) -> Result<()> {
     let (q_cols, kv_cols, head_dim) = out.widths;
     let rows = q_cols + 2 * kv_cols;
     check(
@@ -292,6 +533,40 @@ pub fn gemv_qkv_rope(
     )?;
     let cache_slots = (out.k_cache.len().min(out.v_cache.len()) / kv_cols.max(1)) as i64;
     let (q_i, kv_i, hd_i, k_i) = (q_cols as i32, kv_cols as i32, head_dim as i32, k as i32);
+    if let Some(shape) = ring_shape(dev, ring, tokens, rows / 2, (2, true), k) {
+        let mut w_p = address(w, dev);
+        let mut x_p = address(x, dev);
+        let mut g_p = address(norm.weight, dev);
+        let mut eps = norm.eps;
+        let mut q_p = address(out.q, dev);
+        let mut kc_p = address(out.k_cache, dev);
+        let mut vc_p = address(out.v_cache, dev);
+        let mut pos_p = address(out.positions, dev);
+        let mut slots_p = address(out.slots, dev);
+        let mut freq_p = address(out.inv_freq, dev);
+        let (mut q_i, mut kv_i, mut hd_i, mut k_i) = (q_i, kv_i, hd_i, k_i);
+        let mut cache_slots = cache_slots;
+        let mut params = vec![
+            param(&mut w_p),
+            param(&mut x_p),
+            param(&mut g_p),
+            param(&mut eps),
+            param(&mut q_p),
+            param(&mut kc_p),
+            param(&mut vc_p),
+            param(&mut pos_p),
+            param(&mut slots_p),
+            param(&mut freq_p),
+            param(&mut q_i),
+            param(&mut kv_i),
+            param(&mut hd_i),
+            param(&mut cache_slots),
+            param(&mut k_i),
+        ];
+        // SAFETY: the arguments of `gemv_ring_norm_qkv_rope_m1` in order; the sizes were
+        // checked above as for gemv.cu's kernel (slots past the caches are skipped).
+        return unsafe { launch_ring(dev, "gemv_ring_norm_qkv_rope_m1", &shape, &mut params) };
+    }
     let f = dev.function("gemv", QKV_ROPE_NAMES[tokens - 1])?;
     let mut b = dev.stream.launch_builder(&f);
     b.arg(w);
@@ -326,3 +601,36 @@ const QKV_ROPE_NAMES: [&str; GEMV_MAX_TOKENS] = [
     "gemv_norm_qkv_rope_m3",
     "gemv_norm_qkv_rope_m4",
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_setting_parses_off_and_sizes() {
+        assert_eq!(parse_gemv_ring("off"), Some(None));
+        assert_eq!(
+            parse_gemv_ring(" 64:3 "),
+            Some(Some(GemvRing {
+                ring_bytes: 64 << 10,
+                blocks_per_sm: 3,
+                chunk: 1024,
+            }))
+        );
+        assert_eq!(parse_gemv_ring("96:2:2048").unwrap().unwrap().chunk, 2048);
+        for bad in [
+            "", "on", "64", "64:0", "4:2", "300:1", "64:5", "a:b", "96:2:100", "96:2:1:1",
+        ] {
+            assert_eq!(parse_gemv_ring(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn blocks_take_equal_shares_of_groups() {
+        // 384 groups on at most 264 blocks: two each on 192 blocks, not one or two on 264.
+        assert_eq!(balanced_blocks(384, 264), 192);
+        assert_eq!(balanced_blocks(1792, 264), 256);
+        assert_eq!(balanced_blocks(100, 264), 100);
+        assert_eq!(balanced_blocks(6144, 264), 256);
+    }
+}
