@@ -807,6 +807,75 @@ fn bench_gemv(c: &mut Criterion) {
     g.finish();
 }
 
+/// A decode step's one-token products back to back, as a step runs them: eight layers of
+/// Llama-3-8B's four products with their fused ops, each reading what the one before wrote
+/// (QKV after the norm, the output product into the residual stream from the QKV rows, gate/up
+/// with SwiGLU, down into the residual stream), through `gemv.cu`'s kernels and through the
+/// ring-fed ones (`ops::gemv::GemvRing`, Hopper only), which start while the product ahead
+/// finishes. Throughput counts the weights once.
+fn bench_gemv_chain(c: &mut Criterion) {
+    use turbo_kernels::ops::gemv::{gemv_ring_config, gemv_with_ring, GemvNorm, GemvOut};
+    if !turbo_kernels::cuda_available() {
+        eprintln!("skipping GEMV chain benches: no CUDA device");
+        return;
+    }
+    let dev = CudaDevice::new(0).expect("CUDA device");
+    let s = dev.stream.clone();
+    let mut g = c.benchmark_group("cuda_gemv_chain");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(300));
+    let (hidden, qkv, ffn, layers) = (4096usize, 6144usize, 14336usize, 8usize);
+    let weights: Vec<[CudaSlice<bf16>; 4]> = (0..layers)
+        .map(|l| {
+            let seed = 60 + 4 * l as u64;
+            [
+                random_bf16(&s, qkv * hidden, seed),
+                random_bf16(&s, hidden * hidden, seed + 1),
+                random_bf16(&s, 2 * ffn * hidden, seed + 2),
+                random_bf16(&s, hidden * ffn, seed + 3),
+            ]
+        })
+        .collect();
+    let norm_w = random_bf16(&s, hidden, 59);
+    let mut h = random_bf16(&s, hidden, 58);
+    let mut qkv_out = random_bf16(&s, qkv, 57);
+    let mut act = random_bf16(&s, ffn, 56);
+    let bytes = layers * 2 * hidden * (qkv + hidden + 3 * ffn);
+    g.throughput(Throughput::Bytes(bytes as u64));
+    let ring = gemv_ring_config();
+    let forms = [("stream", None), ("ring", ring)];
+    for (name, form) in forms {
+        if name == "ring" && !dev.supports_module("gemv_sm90a") {
+            continue;
+        }
+        g.bench_function(format!("{name}_8B_layers{layers}_t1"), |b| {
+            b.iter_custom(|iters| {
+                time_gpu(&dev, iters, || {
+                    for [wqkv, wo, wgu, wd] in &weights {
+                        let norm = || {
+                            Some(GemvNorm {
+                                weight: &norm_w,
+                                eps: 1e-5,
+                            })
+                        };
+                        let (d, f) = (&dev, form);
+                        let out = GemvOut::Bf16(&mut qkv_out);
+                        gemv_with_ring(d, f, &h, 1, wqkv, qkv, hidden, norm(), out).unwrap();
+                        let out = GemvOut::AddTo(&mut h);
+                        gemv_with_ring(d, f, &qkv_out, 1, wo, hidden, hidden, None, out).unwrap();
+                        let out = GemvOut::SwiGlu(&mut act);
+                        gemv_with_ring(d, f, &h, 1, wgu, 2 * ffn, hidden, norm(), out).unwrap();
+                        let out = GemvOut::AddTo(&mut h);
+                        gemv_with_ring(d, f, &act, 1, wd, hidden, ffn, None, out).unwrap();
+                    }
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
 /// The all-reduce of a split model's residual stream (hidden 4096, bf16) over two GPUs, through
 /// peer-mapped memory (each of its kernels, and the automatic choice) and through NCCL: decode
 /// steps of 1 to 256 rows (83, the mean of the 1000-request run) and a mixed step of 640 rows.
@@ -961,6 +1030,7 @@ criterion_group!(
     bench_cascade,
     bench_sampling,
     bench_gemv,
+    bench_gemv_chain,
     bench_lt_candidates
 );
 criterion_main!(benches);
