@@ -71,6 +71,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_body_bytes: args.max_body_bytes,
         shutdown_timeout,
         max_queue_wait: (!max_queue_wait.is_zero()).then_some(max_queue_wait),
+        ..ServerConfig::default()
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -233,6 +233,20 @@ impl Engine {
             .map(|m| m.content.len() as u64)
             .fold(0u64, u64::saturating_add);
         self.check_prompt_bytes(bytes)?;
+        // A message longer than a rendered value may be is far past any context this engine
+        // serves: say so, rather than that the template refused it.
+        let longest = messages.iter().map(|m| m.content.len()).max().unwrap_or(0);
+        if longest > turbo_tokenizer::MAX_RENDERED_ITEMS
+            && messages
+                .iter()
+                .any(|m| m.content.chars().count() > turbo_tokenizer::MAX_RENDERED_ITEMS)
+        {
+            return Err(EngineError::PromptTextTooLong {
+                bytes,
+                limit: turbo_tokenizer::MAX_RENDERED_ITEMS as u64,
+                context: self.info.context_length,
+            });
+        }
         Ok(self.template()?.encode(&self.tokenizer, messages, true)?)
     }
 

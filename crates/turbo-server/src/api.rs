@@ -26,9 +26,15 @@ pub enum Prompt {
     TokenLists(Vec<Vec<u32>>),
 }
 
+/// A boolean that may be given as `null` (OpenAI's API documents `stream` and its neighbours as
+/// "boolean or null"): null is false.
+fn false_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+}
+
 #[derive(Debug, Default, Deserialize)]
 pub struct StreamOptions {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "false_if_null")]
     pub include_usage: bool,
 }
 
@@ -47,10 +53,10 @@ pub struct Common {
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
     pub n: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "false_if_null")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "false_if_null")]
     pub ignore_eos: bool,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     /// Turbo's extension: a conversation whose KV stays resident between its requests.

@@ -40,16 +40,20 @@ struct Meta {
 pub async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Response {
     let arrived = Instant::now();
     let result = async {
-        let bytes = read_body(body, state.config.max_body_bytes).await?;
+        let bytes = read_body(
+            body,
+            state.config.max_body_bytes,
+            state.config.body_read_timeout,
+        )
+        .await?;
         let request: CompletionRequest = parse(&bytes)?;
         check_model(&state, request.common.model.as_deref())?;
         let generation = request.generation()?;
         let prompts = match request.prompt {
-            Prompt::Text(t) => vec![encode(&state, &t)?],
-            Prompt::Texts(ts) => ts
-                .iter()
-                .map(|t| encode(&state, t))
-                .collect::<Result<_, _>>()?,
+            Prompt::Text(t) => off_runtime(&state, move |s| Ok(vec![encode(s, &t)?])).await?,
+            Prompt::Texts(ts) => {
+                off_runtime(&state, move |s| ts.iter().map(|t| encode(s, t)).collect()).await?
+            }
             Prompt::Tokens(ids) => vec![ids],
             Prompt::TokenLists(lists) => lists,
         };
@@ -65,15 +69,22 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Resp
 pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Body) -> Response {
     let arrived = Instant::now();
     let result = async {
-        let bytes = read_body(body, state.config.max_body_bytes).await?;
+        let bytes = read_body(
+            body,
+            state.config.max_body_bytes,
+            state.config.body_read_timeout,
+        )
+        .await?;
         let request: ChatRequest = parse(&bytes)?;
         check_model(&state, request.common.model.as_deref())?;
         let generation = request.generation()?;
         let messages = request.messages()?;
-        let prompt = state
-            .engine
-            .chat_prompt(&messages)
-            .map_err(|e| ApiError::invalid(e.to_string()).param("messages"))?;
+        let prompt = off_runtime(&state, move |s| {
+            s.engine
+                .chat_prompt(&messages)
+                .map_err(|e| prompt_error(e, "messages"))
+        })
+        .await?;
         run(&state, Kind::Chat, vec![prompt], generation, arrived).await
     }
     .await;
@@ -109,7 +120,30 @@ fn encode(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
     state
         .engine
         .text_prompt(text)
-        .map_err(|e| ApiError::invalid(e.to_string()).param("prompt"))
+        .map_err(|e| prompt_error(e, "prompt"))
+}
+
+/// Why a prompt could not be made into tokens: text too long for the context says so in its
+/// code, as a prompt of too many tokens does; anything else names the parameter.
+fn prompt_error(e: turbo_engine::EngineError, param: &'static str) -> ApiError {
+    match e {
+        turbo_engine::EngineError::PromptTextTooLong { .. } => {
+            ApiError::invalid(e.to_string()).code("context_length_exceeded")
+        }
+        e => ApiError::invalid(e.to_string()).param(param),
+    }
+}
+
+/// Runs `work` (rendering a chat template, tokenizing: CPU work that grows with the request)
+/// on the blocking pool, so that the threads serving every connection stay free for others.
+async fn off_runtime<T: Send + 'static>(
+    state: &Arc<AppState>,
+    work: impl FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let state = state.clone();
+    tokio::task::spawn_blocking(move || work(&state))
+        .await
+        .map_err(|e| ApiError::internal(format!("preparing the prompt failed: {e}")))?
 }
 
 /// Submits one engine request per choice and answers with their merged events.
@@ -193,6 +227,23 @@ struct ChoiceState {
     /// Every token's log-probabilities, when asked for; the first `streamed` were sent.
     logprobs: Vec<TokenLogprobs>,
     streamed: usize,
+    /// Tokens generated so far, and whether the engine has ended the choice (finished or
+    /// failed): a choice dropped before that was cancelled (its client went away).
+    tokens: usize,
+    ended: bool,
+}
+
+/// Choices still running when their response is dropped (the client went away, or another
+/// choice failed) are cancelled by dropping their streams: they are counted as aborted, with
+/// the tokens they had generated.
+impl Drop for Collector {
+    fn drop(&mut self) {
+        let metrics = &self.state.metrics;
+        for choice in self.choices.iter().filter(|c| !c.ended) {
+            metrics.generation_tokens.inc_by(choice.tokens as u64);
+            metrics.outcome("abort");
+        }
+    }
 }
 
 /// Merges the events of a request's choices and turns them into a response.
@@ -245,6 +296,7 @@ impl Collector {
                 None
             }
             Event::Token(_) => {
+                choice.tokens += 1;
                 match choice.last_token {
                     None => metrics.ttft.observe(secs(self.meta.arrived, now)),
                     Some(last) => metrics.itl.observe(secs(last, now)),
@@ -266,6 +318,7 @@ impl Collector {
                     .cached_prompt_tokens
                     .inc_by(c.cached_prompt_tokens as u64);
                 metrics.outcome(finish_reason(c.finish_reason));
+                choice.ended = true;
                 tracing::info!(
                     id = %self.meta.id,
                     choice = i,
@@ -283,6 +336,7 @@ impl Collector {
             Event::Failed(e) => {
                 let overloaded = matches!(e, turbo_engine::RequestError::QueueTimeout { .. });
                 metrics.outcome(if overloaded { "overloaded" } else { "error" });
+                choice.ended = true;
                 tracing::warn!(id = %self.meta.id, choice = i, "request failed: {e}");
                 self.failed = Some(e.into());
                 None

@@ -26,7 +26,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::net::TcpListener;
@@ -48,6 +47,12 @@ pub struct ServerConfig {
     /// overload every client gets an answer in bounded time. A streamed response then starts
     /// (its headers are sent) when its first token or refusal is known. `None`: no limit.
     pub max_queue_wait: Option<Duration>,
+    /// How long a connection may take to send a request's headers: a client that opens a
+    /// connection and sends nothing, or a byte now and then, is dropped then instead of holding
+    /// a socket (and the graceful shutdown) forever.
+    pub header_read_timeout: Duration,
+    /// How long a request's body may take to arrive once its headers have (408 after).
+    pub body_read_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -58,6 +63,8 @@ impl Default for ServerConfig {
             max_body_bytes: 8 << 20,
             shutdown_timeout: Duration::from_secs(30),
             max_queue_wait: None,
+            header_read_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -100,26 +107,55 @@ pub fn router(engine: Arc<Engine>, config: ServerConfig) -> Router {
 
 /// Serves on `listener` until `shutdown` resolves; then stops accepting, lets running requests
 /// finish for [`ServerConfig::shutdown_timeout`] (cancelling the rest), and stops the engine.
+/// HTTP/1.1, each connection on a task of its own, with [`ServerConfig::header_read_timeout`].
 pub async fn serve(
     listener: TcpListener,
     engine: Arc<Engine>,
     config: ServerConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let grace = config.shutdown_timeout;
-    let app = router(engine.clone(), config);
-    let draining = engine.clone();
-    let signal = async move {
-        shutdown.await;
-        tracing::info!("shutting down: finishing running requests");
-        draining.drain(grace);
-    };
-    let server = axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(signal);
-    server.await?;
+    let (grace, header_timeout) = (config.shutdown_timeout, config.header_read_timeout);
+    let service = hyper_util::service::TowerToHyperService::new(router(engine.clone(), config));
+    let connections = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, most likely: wait for connections to close.
+                    tracing::warn!("accept error: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        // Streamed tokens go out as they come, not when a segment fills.
+        let _ = stream.set_nodelay(true);
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(header_timeout)
+            .serve_connection(hyper_util::rt::TokioIo::new(stream), service.clone());
+        let connection = connections.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!("connection ended: {e}");
+            }
+        });
+    }
+    // New connections are refused from here on.
+    drop(listener);
+    tracing::info!("shutting down: finishing running requests");
+    engine.drain(grace);
+    // Requests end within the grace (the engine cancels the rest); a connection still sending
+    // its request a second after that is not waited for.
+    tokio::select! {
+        () = connections.shutdown() => {}
+        () = tokio::time::sleep(grace + Duration::from_secs(1)) => {
+            tracing::warn!("connections still open after the shutdown timeout: closed");
+        }
+    }
     tokio::task::spawn_blocking(move || engine.join())
         .await
         .map_err(std::io::Error::other)?;
@@ -231,8 +267,12 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
         .code("method_not_allowed")
 }
 
-/// The body of a request, at most `limit` bytes.
-async fn read_body(body: Body, limit: usize) -> Result<axum::body::Bytes, ApiError> {
+/// The body of a request, at most `limit` bytes, arriving within `timeout`.
+async fn read_body(
+    body: Body,
+    limit: usize,
+    timeout: Duration,
+) -> Result<axum::body::Bytes, ApiError> {
     use axum::body::HttpBody;
     let too_large = || {
         ApiError::invalid(format!("the request body is larger than {limit} bytes"))
@@ -246,7 +286,16 @@ async fn read_body(body: Body, limit: usize) -> Result<axum::body::Bytes, ApiErr
     if body.size_hint().lower() > 2 * limit as u64 {
         return Err(too_large());
     }
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
+    let read = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit));
+    let Ok(read) = read.await else {
+        return Err(ApiError::invalid(format!(
+            "the request body did not arrive within {:.1} s",
+            timeout.as_secs_f64()
+        ))
+        .status(StatusCode::REQUEST_TIMEOUT)
+        .code("timeout"));
+    };
+    read.map_err(|e| {
         let over = std::error::Error::source(&e)
             .is_some_and(|s| s.to_string().contains("length limit"))
             || e.to_string().contains("length limit");

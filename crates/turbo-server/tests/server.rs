@@ -658,6 +658,152 @@ fn a_client_that_leaves_mid_stream_frees_its_kv() {
 }
 
 #[test]
+fn a_client_that_leaves_is_counted_as_aborted() {
+    let server = Server::start(engine(4, 16), ServerConfig::default());
+    rt().block_on(async {
+        let aborted = |text: &str| {
+            text.lines()
+                .find_map(|l| {
+                    l.strip_prefix("turbo_requests_total{outcome=\"abort\"} ")?
+                        .trim()
+                        .parse::<f64>()
+                        .ok()
+                })
+                .unwrap_or(0.0)
+        };
+        let before = aborted(&get_text(&server.url, "/metrics").await);
+        let tokens_before = metric(
+            &get_text(&server.url, "/metrics").await,
+            "turbo_generation_tokens_total",
+        );
+        let r = client()
+            .post(format!("{}/v1/completions", server.url))
+            .json(&json!({"prompt": "Tell me a long story.", "max_tokens": 4000, "ignore_eos": true, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        let mut body = r.bytes_stream();
+        let mut seen = 0;
+        while seen < 5 {
+            let chunk = body.next().await.unwrap().unwrap();
+            seen += chunk.split(|&b| b == b'\n').filter(|l| l.starts_with(b"data:")).count();
+        }
+        drop(body);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = get_text(&server.url, "/metrics").await;
+            if aborted(&text) == before + 1.0 {
+                assert!(
+                    metric(&text, "turbo_generation_tokens_total") >= tokens_before + 4.0,
+                    "the aborted request's tokens are counted:\n{text}"
+                );
+                break;
+            }
+            assert!(Instant::now() < deadline, "no abort counted:\n{text}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}
+
+/// A chat of tens of thousands of short messages, far past the context, is refused as too long
+/// and does not hold up a request running beside it (tokenizing it once took seconds on the
+/// threads that serve every connection).
+#[test]
+fn a_chat_of_many_messages_is_refused_without_holding_others() {
+    let server = shared();
+    rt().block_on(async {
+        let messages: Vec<Value> = (0..40_000)
+            .map(
+                |i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": "hi"}),
+            )
+            .collect();
+        let (status, body) = post(
+            &server.url,
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 4}),
+        )
+        .await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(error_of(&body)["code"], "context_length_exceeded", "{body}");
+    });
+}
+
+/// `stream`, `ignore_eos` and `stream_options.include_usage` may be null (OpenAI documents them
+/// as "boolean or null"): null is false.
+#[test]
+fn null_booleans_are_false() {
+    let server = shared();
+    rt().block_on(async {
+        let (status, body) = post(
+            &server.url,
+            "/v1/completions",
+            json!({"prompt": "Hello", "max_tokens": 3, "stream": null, "ignore_eos": null,
+                   "stream_options": {"include_usage": null}}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["object"], "text_completion", "not streamed: {body}");
+    });
+}
+
+/// A client that sends part of a request and then nothing does not keep the server from
+/// stopping: it stops a second after its shutdown timeout.
+#[test]
+fn a_half_sent_request_does_not_hold_shutdown() {
+    use std::io::Write;
+    let config = ServerConfig {
+        shutdown_timeout: Duration::from_secs(1),
+        ..ServerConfig::default()
+    };
+    let mut server = Server::start(engine(2, 8), config);
+    let addr = server.url.trim_start_matches("http://").to_string();
+    let mut partial = std::net::TcpStream::connect(&addr).unwrap();
+    partial
+        .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    server
+        .shutdown(Duration::from_secs(30))
+        .expect("serve returns Ok");
+    drop(partial);
+}
+
+/// A connection that stops partway through its headers is closed after the header timeout; a
+/// request whose body stops arriving gets 408 after the body timeout.
+#[test]
+fn slow_headers_and_bodies_are_timed_out() {
+    use std::io::{Read, Write};
+    let config = ServerConfig {
+        header_read_timeout: Duration::from_secs(1),
+        body_read_timeout: Duration::from_secs(1),
+        ..ServerConfig::default()
+    };
+    let server = Server::start(engine(2, 8), config);
+    let addr = server.url.trim_start_matches("http://").to_string();
+    let read_all = |s: &mut std::net::TcpStream| {
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        String::from_utf8_lossy(&got).into_owned()
+    };
+    let mut headers = std::net::TcpStream::connect(&addr).unwrap();
+    headers
+        .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    let answer = read_all(&mut headers);
+    assert!(!answer.contains("200 OK"), "{answer}");
+    let mut body = std::net::TcpStream::connect(&addr).unwrap();
+    body.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+          Content-Length: 100\r\nConnection: close\r\n\r\n{\"pro",
+    )
+    .unwrap();
+    let answer = read_all(&mut body);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"code\":\"timeout\""), "{answer}");
+}
+
+#[test]
 fn a_full_queue_refuses_with_429_and_recovers() {
     let server = Server::start(engine(1, 2), ServerConfig::default());
     rt().block_on(async {

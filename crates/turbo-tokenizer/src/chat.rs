@@ -384,7 +384,9 @@ fn bounded_list(state: &minijinja::State, value: Value) -> Result<Value, Error> 
 }
 
 /// Most items of one sequence or map a template may write out at once.
-const MAX_RENDERED_ITEMS: usize = 1 << 20;
+/// Most items (characters of a string, elements of a list) one value may put into a rendered
+/// prompt: a template is refused past it (see [`ChatTemplate::new`]).
+pub const MAX_RENDERED_ITEMS: usize = 1 << 20;
 
 /// Widest field `format` pads to.
 const MAX_FORMAT_WIDTH: u64 = 1024;

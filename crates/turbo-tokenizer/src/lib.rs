@@ -7,5 +7,5 @@ pub mod chat;
 mod contain;
 pub mod tokenizer;
 
-pub use chat::{ChatError, ChatMessage, ChatTemplate};
+pub use chat::{ChatError, ChatMessage, ChatTemplate, MAX_RENDERED_ITEMS};
 pub use tokenizer::{GgufVocab, TextStream, TextTokenizer, TokenizerError};
