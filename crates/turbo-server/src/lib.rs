@@ -95,6 +95,7 @@ pub fn router(engine: Arc<Engine>, config: ServerConfig) -> Router {
         .route("/v1/completions", post(generate::completions))
         .route("/v1/chat/completions", post(generate::chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
         .merge(v1)
@@ -215,19 +216,35 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The served model as OpenAI's API describes a model.
+fn model_object(state: &AppState) -> serde_json::Value {
+    serde_json::json!({
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "turbo",
+        "max_model_len": state.engine.info().context_length,
+    })
+}
+
 async fn models(State(state): State<Arc<AppState>>) -> Response {
-    let info = state.engine.info();
-    Json(serde_json::json!({
-        "object": "list",
-        "data": [{
-            "id": state.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "turbo",
-            "max_model_len": info.context_length,
-        }],
-    }))
-    .into_response()
+    Json(serde_json::json!({"object": "list", "data": [model_object(&state)]})).into_response()
+}
+
+/// `GET /v1/models/{id}` (the clients' `models.retrieve`): the served model, or 404.
+async fn model(
+    State(state): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if id != state.model_name {
+        return ApiError::not_found(format!(
+            "the model '{id}' does not exist; this server serves '{}'",
+            state.model_name
+        ))
+        .code("model_not_found")
+        .into_response();
+    }
+    Json(model_object(&state)).into_response()
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {

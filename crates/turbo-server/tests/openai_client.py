@@ -33,6 +33,13 @@ def check(cond, what):
 def models():
     listed = client.models.list().data
     check(len(listed) == 1, f"one model listed: {listed}")
+    one = client.models.retrieve(listed[0].id)
+    check(one.id == listed[0].id and one.object == "model", f"retrieved: {one}")
+    try:
+        client.models.retrieve("no-such-model")
+        check(False, "an unknown model was retrieved")
+    except openai.NotFoundError:
+        pass
     return listed[0].id
 
 

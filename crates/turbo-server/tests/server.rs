@@ -592,7 +592,25 @@ fn models_and_metrics() {
             .await
             .unwrap();
         assert_eq!(r["object"], "list");
-        assert_eq!(r["data"][0]["id"], server.engine.info().model_id.as_str());
+        let id = &server.engine.info().model_id;
+        assert_eq!(r["data"][0]["id"], id.as_str());
+        // One model by id (the clients' `models.retrieve`), and an unknown one.
+        let one = client()
+            .get(format!("{}/v1/models/{id}", server.url))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(one.status(), 200);
+        let one: Value = one.json().await.unwrap();
+        assert_eq!(one, r["data"][0]);
+        let missing = client()
+            .get(format!("{}/v1/models/no-such-model", server.url))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(missing.status(), 404);
+        let missing: Value = missing.json().await.unwrap();
+        assert_eq!(error_of(&missing)["code"], "model_not_found", "{missing}");
         let (s, _) = post(
             &server.url,
             "/v1/completions",
