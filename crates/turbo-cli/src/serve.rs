@@ -95,7 +95,18 @@ pub fn run(args: ServeArgs) -> Result<()> {
             info.block_size,
             info.max_batch,
         );
-        turbo_server::serve(listener, engine, config, turbo_server::shutdown_signal())
+        // The first SIGINT or SIGTERM starts the graceful shutdown; a second one ends the
+        // process at once (requests still running are cut off), as a second Ctrl-C does
+        // elsewhere.
+        let shutdown = async {
+            turbo_server::shutdown_signal().await;
+            tokio::spawn(async {
+                turbo_server::shutdown_signal().await;
+                eprintln!("Second signal: stopping now.");
+                std::process::exit(130);
+            });
+        };
+        turbo_server::serve(listener, engine, config, shutdown)
             .await
             .context("server error")
     })?;
