@@ -235,11 +235,11 @@ impl Engine {
         self.check_prompt_bytes(bytes)?;
         // A message longer than a rendered value may be is far past any context this engine
         // serves: say so, rather than that the template refused it.
-        let longest = messages.iter().map(|m| m.content.len()).max().unwrap_or(0);
-        if longest > turbo_tokenizer::MAX_RENDERED_ITEMS
-            && messages
-                .iter()
-                .any(|m| m.content.chars().count() > turbo_tokenizer::MAX_RENDERED_ITEMS)
+        let max = turbo_tokenizer::MAX_RENDERED_ITEMS;
+        // (Characters are counted only where the bytes alone exceed the bound.)
+        if messages
+            .iter()
+            .any(|m| m.content.len() > max && m.content.chars().count() > max)
         {
             return Err(EngineError::PromptTextTooLong {
                 bytes,

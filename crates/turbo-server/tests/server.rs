@@ -106,6 +106,13 @@ async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
     (status, r.json().await.unwrap())
 }
 
+/// The status and JSON body of `GET {url}{path}`.
+async fn get(url: &str, path: &str) -> (u16, Value) {
+    let r = client().get(format!("{url}{path}")).send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap())
+}
+
 /// The body of `GET {url}{path}`.
 async fn get_text(url: &str, path: &str) -> String {
     let r = client().get(format!("{url}{path}")).send().await.unwrap();
@@ -583,33 +590,17 @@ fn bad_requests_get_openai_errors() {
 fn models_and_metrics() {
     let server = shared();
     rt().block_on(async {
-        let r: Value = client()
-            .get(format!("{}/v1/models", server.url))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let (status, r) = get(&server.url, "/v1/models").await;
+        assert_eq!(status, 200);
         assert_eq!(r["object"], "list");
         let id = &server.engine.info().model_id;
         assert_eq!(r["data"][0]["id"], id.as_str());
         // One model by id (the clients' `models.retrieve`), and an unknown one.
-        let one = client()
-            .get(format!("{}/v1/models/{id}", server.url))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(one.status(), 200);
-        let one: Value = one.json().await.unwrap();
+        let (status, one) = get(&server.url, &format!("/v1/models/{id}")).await;
+        assert_eq!(status, 200);
         assert_eq!(one, r["data"][0]);
-        let missing = client()
-            .get(format!("{}/v1/models/no-such-model", server.url))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(missing.status(), 404);
-        let missing: Value = missing.json().await.unwrap();
+        let (status, missing) = get(&server.url, "/v1/models/no-such-model").await;
+        assert_eq!(status, 404);
         assert_eq!(error_of(&missing)["code"], "model_not_found", "{missing}");
         let (s, _) = post(
             &server.url,
