@@ -70,7 +70,9 @@ __device__ __forceinline__ size_t ring_row(int unit, int r, int units) {
 }
 
 // Computes every unit of this block's groups and hands each warp's finished unit to `finish`
-// (called by every lane of the warp with the reduced sums).
+// (called by every lane of the warp with the reduced sums). Every consumer thread also calls
+// finish.begin() once x may be read, finish.group_end(group) after each group and finish.end()
+// after the last (for epilogues that act on a whole group: the all-reduce).
 template <int R, bool NORM, bool PAIRED, class Finish>
 __device__ __forceinline__ void gemv_ring(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x,
                                           const __nv_bfloat16* __restrict__ g, float eps, int units, int k,
@@ -152,6 +154,7 @@ __device__ __forceinline__ void gemv_ring(const __nv_bfloat16* __restrict__ w, c
         scale = rsqrtf(warp_sum(ss) / (float)k + eps);
     }
     asm volatile("bar.sync 1, %0;\n" ::"n"(RING_WARPS * TURBO_WARP) : "memory");
+    finish.begin();
 
     int i = 0;
     for (int group = g0; group < g1; group++) {
@@ -198,10 +201,19 @@ __device__ __forceinline__ void gemv_ring(const __nv_bfloat16* __restrict__ w, c
             for (int r = 0; r < R; r++) dot[0][r] = warp_sum(dot[0][r]) * scale;
             finish(unit, dot);
         }
+        finish.group_end(group);
     }
+    finish.end();
 }
 
-struct RingStore {
+// Epilogues that act on units one at a time.
+struct RingUnitEpilogue {
+    __device__ __forceinline__ void begin() {}
+    __device__ __forceinline__ void group_end(int) const {}
+    __device__ __forceinline__ void end() const {}
+};
+
+struct RingStore : RingUnitEpilogue {
     void* out;
     int units, mode;
     template <int R>
@@ -210,7 +222,7 @@ struct RingStore {
     }
 };
 
-struct RingQkvRope {
+struct RingQkvRope : RingUnitEpilogue {
     GemvQkvRope o;
     __device__ __forceinline__ void operator()(int unit, const float (&dot)[1][2]) const {
         if (threadIdx.x % TURBO_WARP == 0) gemv_qkv_rope_store<1>(dot, o, unit);
@@ -223,19 +235,19 @@ struct RingQkvRope {
 extern "C" __global__ void __launch_bounds__(RING_THREADS)
     gemv_ring_m1(const __nv_bfloat16* w, const __nv_bfloat16* x, const __nv_bfloat16* g, float eps, void* out,
                  int units, int k, int mode, int chunk, int stages) {
-    gemv_ring<1, false, false>(w, x, g, eps, units, k, chunk, stages, RingStore{out, units, mode});
+    gemv_ring<1, false, false>(w, x, g, eps, units, k, chunk, stages, RingStore{{}, out, units, mode});
 }
 
 extern "C" __global__ void __launch_bounds__(RING_THREADS)
     gemv_ring_norm_m1(const __nv_bfloat16* w, const __nv_bfloat16* x, const __nv_bfloat16* g, float eps, void* out,
                       int units, int k, int mode, int chunk, int stages) {
-    gemv_ring<1, true, false>(w, x, g, eps, units, k, chunk, stages, RingStore{out, units, mode});
+    gemv_ring<1, true, false>(w, x, g, eps, units, k, chunk, stages, RingStore{{}, out, units, mode});
 }
 
 extern "C" __global__ void __launch_bounds__(RING_THREADS)
     gemv_ring_norm_swiglu_m1(const __nv_bfloat16* w, const __nv_bfloat16* x, const __nv_bfloat16* g, float eps,
                              void* out, int units, int k, int mode, int chunk, int stages) {
-    gemv_ring<2, true, false>(w, x, g, eps, units, k, chunk, stages, RingStore{out, units, mode});
+    gemv_ring<2, true, false>(w, x, g, eps, units, k, chunk, stages, RingStore{{}, out, units, mode});
 }
 
 // gemv.cu's gemv_norm_qkv_rope_m1 fed through the ring: units = q_cols / 2 + kv_cols RoPE pairs.
@@ -245,5 +257,91 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS) gemv_ring_norm_qkv_ro
     const float* inv_freq, int q_cols, int kv_cols, int head_dim, long long cache_slots, int k, int chunk,
     int stages) {
     const GemvQkvRope o = {q, k_cache, v_cache, positions, slots, inv_freq, q_cols, kv_cols, head_dim, cache_slots};
-    gemv_ring<2, true, true>(w, x, g, eps, q_cols / 2 + kv_cols, k, chunk, stages, RingQkvRope{o});
+    gemv_ring<2, true, true>(w, x, g, eps, q_cols / 2 + kv_cols, k, chunk, stages, RingQkvRope{{}, o});
+}
+
+// gemv.cu's gemv_all_reduce_m1 fed through the ring: a row-parallel product of a tensor-parallel
+// decode step and its all-reduce. Each group is the eight consecutive outputs a block of that
+// kernel computes, and is summed as it sums them: rank 0's part bf16(residual + x · Wᵀ), every
+// other rank's bf16(x · Wᵀ), pushed as two flagged lines into every peer's inbox, the peers'
+// lines pulled, and the rank-order f32 sum written once into the residual stream; the same bits.
+// Every rank runs the same grid and groups, and the launcher checks that the grid is resident
+// at once (a block waits only for its peers' block of the same index).
+struct RingAllReduce {
+    __nv_bfloat16* residual;
+    int rank, world;
+    const unsigned long long* table;
+    long long slot_lines;
+    const volatile int* abort_flag;
+    float (*part)[RING_WARPS];  // [2][RING_WARPS] in shared memory, by group parity
+    CommCall call;
+
+    // The call's epoch is what the collective kernel ahead wrote: read once that kernel is done.
+    __device__ __forceinline__ void begin() { call = comm_begin_call(table, rank); }
+
+    __device__ __forceinline__ void operator()(int unit, const float (&dot)[1][1]) const {
+        if (threadIdx.x % TURBO_WARP != 0) return;
+        const float v = rank == 0 ? __bfloat162float(residual[unit]) + dot[0][0] : dot[0][0];
+        part[(unit / RING_WARPS) & 1][unit % RING_WARPS] = round_bf16(v);
+    }
+
+    __device__ __forceinline__ void group_end(int group) const {
+        asm volatile("bar.sync 1, %0;\n" ::"n"(RING_WARPS * TURBO_WARP) : "memory");
+        if (threadIdx.x >= 2) return;
+        const int j = threadIdx.x;
+        const unsigned epoch = call.epoch;
+        const long long element = (long long)group * RING_WARPS + 4 * j;
+        const long long line = element / 4;
+        const long long half = (long long)(epoch & 1u) * world * slot_lines;
+        const float* mine = &part[group & 1][4 * j];
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(mine[0], mine[1]);
+        const __nv_bfloat162 hi = __floats2bfloat162_rn(mine[2], mine[3]);
+        const unsigned a = *reinterpret_cast<const unsigned*>(&lo), b = *reinterpret_cast<const unsigned*>(&hi);
+        for (int r = 0; r < world; r++) {
+            if (r == rank) continue;
+            uint4* slot = reinterpret_cast<uint4*>(table[2 * COMM_MAX_RANKS + r]) + half + (long long)rank * slot_lines;
+            comm_push_line(slot + line, a, b, epoch);
+        }
+        const uint4* inbox = reinterpret_cast<const uint4*>(table[2 * COMM_MAX_RANKS + rank]) + half;
+        float acc[4];
+        for (int r = 0; r < world; r++) {
+            float v[4];
+            if (r == rank) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) v[e] = mine[e];
+            } else {
+                const uint2 got = comm_pull_line(inbox + (long long)r * slot_lines + line, epoch, abort_flag);
+                const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&got.x));
+                const float2 q = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&got.y));
+                v[0] = p.x, v[1] = p.y, v[2] = q.x, v[3] = q.y;
+            }
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[e] = r == 0 ? v[e] : acc[e] + v[e];
+        }
+        const __nv_bfloat162 s0 = __floats2bfloat162_rn(acc[0], acc[1]);
+        const __nv_bfloat162 s1 = __floats2bfloat162_rn(acc[2], acc[3]);
+        uint2 sum;
+        sum.x = *reinterpret_cast<const unsigned*>(&s0);
+        sum.y = *reinterpret_cast<const unsigned*>(&s1);
+        *reinterpret_cast<uint2*>(residual + element) = sum;
+    }
+
+    // comm_end_call among the consumer warps (the producer warp has left).
+    __device__ __forceinline__ void end() const {
+        asm volatile("bar.sync 1, %0;\n" ::"n"(RING_WARPS * TURBO_WARP) : "memory");
+        unsigned* blocks_done = call.own_epoch + 1;
+        if (threadIdx.x == 0 && atomicAdd(blocks_done, 1u) == gridDim.x - 1) {
+            *blocks_done = 0;
+            *call.own_epoch = call.epoch;
+        }
+    }
+};
+
+// Grid: as the other ring kernels, every block resident at once, units % RING_WARPS == 0.
+extern "C" __global__ void __launch_bounds__(RING_THREADS) gemv_ring_all_reduce_m1(
+    const __nv_bfloat16* w, const __nv_bfloat16* x, __nv_bfloat16* residual, int units, int k, int rank, int world,
+    const unsigned long long* table, long long slot_lines, const volatile int* abort_flag, int chunk, int stages) {
+    __shared__ float part[2][RING_WARPS];
+    RingAllReduce epilogue{residual, rank, world, table, slot_lines, abort_flag, part, CommCall{}};
+    gemv_ring<1, false, false>(w, x, nullptr, 0.f, units, k, chunk, stages, epilogue);
 }

@@ -553,13 +553,15 @@ impl CudaBackend {
     }
 
     /// Whether one-token products stream their weights through the ring
-    /// ([`ops::gemv::GemvRing`]): not on a tensor-parallel rank, where the products around them
-    /// are fused with the all-reduce and let no kernel start early, so the ring's own costs
-    /// remain without its gain (batch-1 decode 401 -> 394 tok/s at TP 2 on two H200s).
+    /// ([`ops::gemv::GemvRing`]): on one GPU, and on tensor-parallel ranks whose residual
+    /// products and all-reduces are fused through mapped memory (the ring form of those lets
+    /// the next product start early too); not on ranks that all-reduce through NCCL, where the
+    /// ring's costs would remain without its gain (measured at TP 2 with only the QKV and
+    /// gate/up products on the ring: batch-1 decode 401 -> 394 tok/s on two H200s).
     fn gemv_ring(&self) -> Option<ops::gemv::GemvRing> {
-        match self.nccl {
-            Some(_) => None,
-            None => ops::gemv::gemv_ring_config(),
+        match (&self.nccl, self.peer()) {
+            (Some(_), None) => None,
+            _ => ops::gemv::gemv_ring_config(),
         }
     }
 
@@ -1440,8 +1442,9 @@ impl Backend for CudaBackend {
                 false => None,
             };
             if let Some(group) = group {
-                if ops::gemv::gemv_all_reduce(
+                if ops::gemv::gemv_all_reduce_with_ring(
                     &self.dev,
+                    self.gemv_ring(),
                     &input.data,
                     input.rows,
                     data,

@@ -400,6 +400,33 @@ pub fn gemv_all_reduce(
     residual: &mut CudaSlice<bf16>,
     group: &GemvGroup,
 ) -> Result<bool> {
+    gemv_all_reduce_with_ring(
+        dev,
+        gemv_ring_config(),
+        x,
+        tokens,
+        w,
+        rows,
+        k,
+        residual,
+        group,
+    )
+}
+
+/// [`gemv_all_reduce`] with the weights of one-token steps streamed through `ring` (Hopper;
+/// every rank must pass the same): the same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_all_reduce_with_ring(
+    dev: &CudaDevice,
+    ring: Option<GemvRing>,
+    x: &CudaSlice<bf16>,
+    tokens: usize,
+    w: &CudaSlice<bf16>,
+    rows: usize,
+    k: usize,
+    residual: &mut CudaSlice<bf16>,
+    group: &GemvGroup,
+) -> Result<bool> {
     if !rows.is_multiple_of(WARPS) || tokens * rows > 4 * group.slot_lines {
         return Ok(false);
     }
@@ -420,6 +447,9 @@ pub fn gemv_all_reduce(
             )
         },
     )?;
+    if let Some(done) = ring_all_reduce(dev, ring, x, tokens, w, rows, k, residual, group)? {
+        return Ok(done);
+    }
     let f = dev.function("gemv", ALL_REDUCE_NAMES[tokens - 1])?;
     let threads = (WARPS * 32) as u32;
     let blocks = rows / WARPS;
@@ -450,6 +480,64 @@ pub fn gemv_all_reduce(
     // names the group's buffers, alive as long as the group, of the sizes the kernel assumes.
     unsafe { b.launch(cfg) }?;
     Ok(true)
+}
+
+/// The ring form of [`gemv_all_reduce_with_ring`]: `Some(true)` when launched, `None` where it
+/// does not apply (more than one token, no ring, or a grid the GPUs cannot hold resident), so
+/// that `gemv.cu`'s kernel is tried. The grid follows the group's fewest SMs, so every rank
+/// launches the same blocks over the same groups.
+#[allow(clippy::too_many_arguments)]
+fn ring_all_reduce(
+    dev: &CudaDevice,
+    ring: Option<GemvRing>,
+    x: &CudaSlice<bf16>,
+    tokens: usize,
+    w: &CudaSlice<bf16>,
+    rows: usize,
+    k: usize,
+    residual: &mut CudaSlice<bf16>,
+    group: &GemvGroup,
+) -> Result<Option<bool>> {
+    let Some(config) = ring else { return Ok(None) };
+    let Some(mut shape) = ring_shape(dev, ring, tokens, rows, (1, false), k) else {
+        return Ok(None);
+    };
+    if !rows.is_multiple_of(RING_WARPS) {
+        return Ok(None);
+    }
+    shape.blocks = balanced_blocks(rows / RING_WARPS, group.sms * config.blocks_per_sm);
+    let name = "gemv_ring_all_reduce_m1";
+    let f = dev.function_with_smem("gemv_sm90a", name, shape.smem)?;
+    let threads = ((RING_WARPS + 1) * 32) as u32;
+    let resident = f.occupancy_max_active_blocks_per_multiprocessor(threads, shape.smem, None)?;
+    if (resident as usize) * group.sms < shape.blocks {
+        return Ok(None);
+    }
+    let mut w_p = address(w, dev);
+    let mut x_p = address(x, dev);
+    let mut res_p = address(residual, dev);
+    let (mut units_i, mut k_i) = (rows as i32, k as i32);
+    let (mut rank_i, mut world_i) = (group.rank as i32, group.world as i32);
+    let mut table_p = address(group.table, dev);
+    let mut slot_lines = group.slot_lines as i64;
+    let mut abort = group.abort_flag;
+    let mut params = vec![
+        param(&mut w_p),
+        param(&mut x_p),
+        param(&mut res_p),
+        param(&mut units_i),
+        param(&mut k_i),
+        param(&mut rank_i),
+        param(&mut world_i),
+        param(&mut table_p),
+        param(&mut slot_lines),
+        param(&mut abort),
+    ];
+    // SAFETY: the arguments of `gemv_ring_all_reduce_m1` in order; the sizes were checked by
+    // the caller; the table names the group's buffers, alive as long as the group, of the sizes
+    // the kernel assumes; every block is resident at once (checked above).
+    unsafe { launch_ring(dev, name, &shape, &mut params) }?;
+    Ok(Some(true))
 }
 
 /// Where [`gemv_qkv_rope`] puts its results, and the step's rotary positions.
