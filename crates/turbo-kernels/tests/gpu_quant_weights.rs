@@ -632,6 +632,96 @@ fn split_norm_products_match_f64() {
     assert!(refused.is_err(), "a split norm over two tokens");
 }
 
+/// One-token tensor-core products launched back to back as a decode step runs them (split norms
+/// linking each residual step to the product after it), each reading what the one before wrote
+/// and writing what it read, give the same bits as the same launches with the host waiting for
+/// each: nothing is read or overwritten before the kernel ahead is done with it, and the values
+/// do not depend on how the launches overlap.
+#[test]
+fn chained_one_token_products_read_what_the_kernel_ahead_wrote() {
+    let Some(gpu) = gpu() else { return };
+    let dev = gpu.device();
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let (hidden, ffn, layers, eps) = (2048, 4096, 4, 1e-5f32);
+    // Per layer: O (Q4_K), gate/up (Q4_K, SwiGLU), down (Q6_K), the next layer's input (Q4_K).
+    let shapes = [
+        (DType::Q4_K, (hidden, hidden)),
+        (DType::Q4_K, (2 * ffn, hidden)),
+        (DType::Q6_K, (hidden, ffn)),
+        (DType::Q4_K, (hidden, hidden)),
+    ];
+    let weights: Vec<Vec<_>> = (0..layers)
+        .map(|_| {
+            let layer: Vec<_> = shapes
+                .iter()
+                .map(|&(dtype, shape)| {
+                    assert!(quant::links_norm(dev, dtype, shape, 1), "{dtype} {shape:?}");
+                    (dtype, random_rows(dev, dtype, shape, &mut rng).1, shape)
+                })
+                .collect();
+            layer
+        })
+        .collect();
+    let g = [0, 1].map(|_| dev.stream.clone_htod(&bf16_values(&mut rng, hidden)).unwrap());
+    let (resid, a0) = (
+        bf16_values(&mut rng, hidden),
+        bf16_values(&mut rng, hidden),
+    );
+    let run = |wait: bool| -> (Vec<bf16>, Vec<bf16>) {
+        let mut h = dev.stream.clone_htod(&resid).unwrap();
+        let mut a = dev.stream.clone_htod(&a0).unwrap();
+        let mut scaled = dev.stream.alloc_zeros::<bf16>(hidden).unwrap();
+        let mut parts = dev.stream.alloc_zeros::<f32>(hidden / 16).unwrap();
+        let mut act = dev.stream.alloc_zeros::<bf16>(ffn).unwrap();
+        let settle = || {
+            if wait {
+                dev.stream.synchronize().unwrap();
+            }
+        };
+        for layer in &weights {
+            let w: Vec<QuantRows> = layer
+                .iter()
+                .map(|(dtype, bytes, shape)| quant_rows(*dtype, bytes, *shape))
+                .collect();
+            for i in 0..2 {
+                let (x, residual_w) = if i == 0 { (&a, &w[0]) } else { (&act, &w[2]) };
+                // A residual step writing the stream, x · g and the parts of its norm...
+                let ahead = quant::NormLink::Ahead {
+                    weight: &g[i],
+                    scaled: &mut scaled,
+                    parts: &mut parts,
+                };
+                let mut view = h.slice_mut(0..);
+                let out = QuantOut::AddTo(&mut view);
+                quant::qgemv_linked(dev, (x, 1), residual_w, (None, ahead), out, hidden).unwrap();
+                settle();
+                // ...and the product after it finishing that norm.
+                let finish = quant::NormLink::Finish { parts: &parts, eps };
+                if i == 0 {
+                    let out = QuantOut::SwiGlu(&mut act.slice_mut(0..));
+                    quant::qgemv_linked(dev, (&scaled, 1), &w[1], (None, finish), out, ffn)
+                } else {
+                    let out = QuantOut::Bf16(&mut a.slice_mut(0..));
+                    quant::qgemv_linked(dev, (&scaled, 1), &w[3], (None, finish), out, hidden)
+                }
+                .unwrap();
+                settle();
+            }
+        }
+        (
+            dev.stream.clone_dtoh(&h).unwrap(),
+            dev.stream.clone_dtoh(&a).unwrap(),
+        )
+    };
+    let (h_waited, a_waited) = run(true);
+    assert!(h_waited.iter().chain(&a_waited).all(|v| v.is_finite()));
+    for round in 0..3 {
+        let (h, a) = run(false);
+        assert_eq!(h, h_waited, "round {round}: the residual stream");
+        assert_eq!(a, a_waited, "round {round}: the last product");
+    }
+}
+
 /// A one-token QKV product finishing a split norm that rotates its outputs and writes the KV
 /// cache itself (`RopeKvOut`) gives, bit for bit, what the product into a qkv row followed by
 /// `qkv_rope_kv` gives: q, the keys and the values at the token's slot, nothing else written;
