@@ -21,8 +21,8 @@
 //   one-token products whose blocks loop over groups of rows, staging x once (see qgemv).
 // - qmma1_[norm_][swiglu_]<type> (Q4_K, Q6_K): one-token products on tensor cores (mma.sync, the
 //   sub-blocks of a super-block as the columns of a block-diagonal x; see below), the norm fused
-//   where the caller asks for it; qmma_[swiglu_]<type>_m<2|4>: the same for steps of up to 2 or 4
-//   tokens, x normalized by the caller.
+//   where the caller asks for it; qmma_[swiglu_]<type>_m<2|4|6>: the same for steps of up to 2, 4
+//   or 6 tokens, x normalized by the caller.
 // - dequant_<type>: rows decoded to bf16 (the feed of the cuBLASLt products for larger steps),
 //   each value computed as GGML's reference dequantiser computes it (quant.rs on the host), then
 //   rounded once to bf16.
@@ -1385,8 +1385,11 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
 #define QMMA1_Q4K_WARPS 4
 #define QMMA1_Q4K_SLOTS 2
 #define QMMA1_Q6K_WARPS 8
-// Q6_K steps of 2-4 tokens: 4 warps (with 124-144 registers a thread, 8 warps were slower for 4
-// tokens on every shape, and for 2 tokens over many blocks).
+// Q6_K steps of 2-6 tokens: 4 warps (with 124-144 registers a thread, 8 warps were slower for 4
+// tokens on every shape, and for 2 tokens over many blocks). Steps of 5-6 tokens (M = 6: 164
+// registers for Q4_K, 198-222 for Q6_K, no spills on sm_90) read the weights once instead of in a
+// 4- and a 2-token launch; eight tokens of Q4_K would take more than the 48 KiB of static shared
+// memory its slots may use.
 #define QMMA_Q6K_TOKENS_WARPS 4
 #define QMMA1_KERNEL(NAME, W, CALL)                                                                           \
     extern "C" __global__ void __launch_bounds__(W * TURBO_WARP)                                              \
@@ -1438,10 +1441,12 @@ QUANT_KERNELS_OF(QUANT_TYPE)
 QMMA1_KERNELS(Q4_K, qmma1_q4k, QMMA1_Q4K_WARPS, QMMA1_Q4K_LINKED, QMMA1_Q4K_SLOTS, )
 QMMA_TOKENS_KERNELS(Q4_K, QMMA1_Q4K_WARPS, QMMA_Q4K_TOKENS, 2)
 QMMA_TOKENS_KERNELS(Q4_K, QMMA1_Q4K_WARPS, QMMA_Q4K_TOKENS, 4)
+QMMA_TOKENS_KERNELS(Q4_K, QMMA1_Q4K_WARPS, QMMA_Q4K_TOKENS, 6)
 #endif
 #if QUANT_IS_Q6_K(QUANT_TYPE)
 QMMA1_KERNELS(Q6_K, qmma1_q6k, QMMA1_Q6K_WARPS, true, )
 QMMA_TOKENS_KERNELS(Q6_K, QMMA_Q6K_TOKENS_WARPS, QMMA_Q6K_TOKENS, 2)
 QMMA_TOKENS_KERNELS(Q6_K, QMMA_Q6K_TOKENS_WARPS, QMMA_Q6K_TOKENS, 4)
+QMMA_TOKENS_KERNELS(Q6_K, QMMA_Q6K_TOKENS_WARPS, QMMA_Q6K_TOKENS, 6)
 #endif
 #endif

@@ -53,12 +53,15 @@ const MAX_GRAPH_SPLIT: usize = 64;
 const PARAM_WORDS: usize = std::mem::size_of::<SampleParams>() / 4;
 
 /// The rows a decode step of `n` sequences is padded to, so that few shapes are recorded: 1, 2,
-/// 4, 8, then multiples of 8.
+/// 4, 6, 8, then multiples of 8. Six has its own shape because quantized weights' products take
+/// up to six tokens in one launch and more in two (each reading the weights): padded to eight,
+/// five or six sequences decoded at the speed of eight (on an H200, 8B Q4_K_M, 665 and 798
+/// tok/s against 980 for four).
 pub fn graph_rows(n: usize) -> usize {
-    if n <= 8 {
-        n.next_power_of_two()
-    } else {
-        n.next_multiple_of(8)
+    match n {
+        0..=4 => n.next_power_of_two(),
+        5..=6 => 6,
+        _ => n.next_multiple_of(8),
     }
 }
 
@@ -2098,5 +2101,20 @@ impl Backend for CudaBackend {
     fn free_memory(&self) -> Option<usize> {
         self.dev.stream.synchronize().ok()?;
         self.dev.ctx.mem_get_info().ok().map(|(free, _total)| free)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::graph_rows;
+
+    #[test]
+    fn decode_steps_pad_to_few_shapes_that_hold_them() {
+        let padded: Vec<usize> = (1..=17).map(graph_rows).collect();
+        assert_eq!(
+            padded,
+            [1, 2, 4, 4, 6, 6, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16, 24]
+        );
+        assert!((1..2000).all(|n| graph_rows(n) >= n));
     }
 }

@@ -662,11 +662,12 @@ fn chained_one_token_products_read_what_the_kernel_ahead_wrote() {
             layer
         })
         .collect();
-    let g = [0, 1].map(|_| dev.stream.clone_htod(&bf16_values(&mut rng, hidden)).unwrap());
-    let (resid, a0) = (
-        bf16_values(&mut rng, hidden),
-        bf16_values(&mut rng, hidden),
-    );
+    let g = [0, 1].map(|_| {
+        dev.stream
+            .clone_htod(&bf16_values(&mut rng, hidden))
+            .unwrap()
+    });
+    let (resid, a0) = (bf16_values(&mut rng, hidden), bf16_values(&mut rng, hidden));
     let run = |wait: bool| -> (Vec<bf16>, Vec<bf16>) {
         let mut h = dev.stream.clone_htod(&resid).unwrap();
         let mut a = dev.stream.clone_htod(&a0).unwrap();
@@ -683,11 +684,11 @@ fn chained_one_token_products_read_what_the_kernel_ahead_wrote() {
                 .iter()
                 .map(|(dtype, bytes, shape)| quant_rows(*dtype, bytes, *shape))
                 .collect();
-            for i in 0..2 {
+            for (i, norm_w) in g.iter().enumerate() {
                 let (x, residual_w) = if i == 0 { (&a, &w[0]) } else { (&act, &w[2]) };
                 // A residual step writing the stream, x · g and the parts of its norm...
                 let ahead = quant::NormLink::Ahead {
-                    weight: &g[i],
+                    weight: norm_w,
                     scaled: &mut scaled,
                     parts: &mut parts,
                 };

@@ -407,9 +407,11 @@ pub fn qgemv_linked(
     if let (true, Some(mma1)) = (mma, names.mma1.as_ref()) {
         let shape = (units, swiglu);
         if let (false, Some((multi, warps))) = (tokens == 1, mma1.tokens) {
-            // Up to MMA_MAX_TOKENS tokens a launch.
-            for first in (0..tokens).step_by(MMA_MAX_TOKENS) {
-                let n = (tokens - first).min(MMA_MAX_TOKENS);
+            // Up to MMA_MAX_TOKENS tokens in one launch; more in launches of four (the 4-token
+            // kernel keeps more blocks resident than the 6-token one).
+            let per_launch = if tokens <= MMA_MAX_TOKENS { tokens } else { 4 };
+            for first in (0..tokens).step_by(per_launch) {
+                let n = (tokens - first).min(per_launch);
                 mma_tokens_launch(
                     dev,
                     (names.module, multi, warps),
@@ -722,22 +724,29 @@ fn mma1_launch(
     Ok(())
 }
 
-/// Tokens of one tensor-core launch for steps of several tokens (`qmma_<type>_m<2|4>`).
-const MMA_MAX_TOKENS: usize = 4;
+/// Tokens of one tensor-core launch for steps of several tokens (`qmma_<type>_m<2|4|6>`).
+const MMA_MAX_TOKENS: usize = 6;
 
-/// A step of `tokens` (2 to [`MMA_MAX_TOKENS`]) tokens on tensor cores (`qmma_*_m2` or `_m4`; x
-/// normalized by the caller): `units` outputs a token, token t's at `dst` + t · `ld`, in qgemv's
-/// output `mode`.
+/// The widths of the several-token tensor-core kernels, `Mma1Kernels::tokens`'s order.
+const MMA_TOKEN_WIDTHS: [usize; 3] = [2, 4, 6];
+
+/// A step of `tokens` (2 to [`MMA_MAX_TOKENS`]) tokens on tensor cores (`qmma_*_m2`, `_m4` or
+/// `_m6`, the narrowest that holds them; x normalized by the caller): `units` outputs a token,
+/// token t's at `dst` + t · `ld`, in qgemv's output `mode`.
 fn mma_tokens_launch(
     dev: &CudaDevice,
-    (module, names, warps): (&'static str, [[&'static str; 2]; 2], u32),
+    (module, names, warps): (&'static str, MmaTokenNames, u32),
     (w, row_bytes): (&QuantRows, usize),
     (x, tokens): (&CudaView<'_, bf16>, usize),
     (units, swiglu): (usize, bool),
     (mode, mut dst, ld): (i32, Dst<'_>, usize),
 ) -> Result<()> {
     let blocks = units.div_ceil(if swiglu { 8 } else { 16 });
-    let f = dev.function(module, names[(tokens > 2) as usize][swiglu as usize])?;
+    let width = MMA_TOKEN_WIDTHS
+        .iter()
+        .position(|&m| tokens <= m)
+        .expect("at most MMA_MAX_TOKENS tokens");
+    let f = dev.function(module, names[width][swiglu as usize])?;
     let (row_bytes_i, tokens_i, units_i, k_i, ld_i) = (
         row_bytes as i64,
         tokens as i32,
@@ -961,11 +970,14 @@ struct Mma1Kernels {
     /// Taken only for products of few blocks ([`MMA1_FEW_BLOCKS_BELOW`]): with more, the CUDA-core
     /// product is as fast.
     few_blocks_only: bool,
-    /// Steps of 2 to [`MMA_MAX_TOKENS`] tokens (`qmma_*`), `[2, 4 tokens][plain, SwiGLU]`, and
+    /// Steps of 2 to [`MMA_MAX_TOKENS`] tokens (`qmma_*`), `[2, 4, 6 tokens][plain, SwiGLU]`, and
     /// their warps a block (`QMMA_<type>_TOKENS_WARPS`), for the types that have them; taken
     /// whatever the number of blocks.
-    tokens: Option<([[&'static str; 2]; 2], u32)>,
+    tokens: Option<(MmaTokenNames, u32)>,
 }
+
+/// The several-token tensor-core kernels of a type, `[2, 4, 6 tokens][plain, SwiGLU]`.
+type MmaTokenNames = [[&'static str; 2]; 3];
 
 macro_rules! kernel_names {
     ($module:literal, $t:literal) => {
@@ -1026,6 +1038,7 @@ static Q4_K: KernelNames = kernel_names!(
             [
                 ["qmma_Q4_K_m2", "qmma_swiglu_Q4_K_m2"],
                 ["qmma_Q4_K_m4", "qmma_swiglu_Q4_K_m4"],
+                ["qmma_Q4_K_m6", "qmma_swiglu_Q4_K_m6"],
             ],
             4,
         )),
@@ -1048,6 +1061,7 @@ static Q6_K: KernelNames = kernel_names!(
             [
                 ["qmma_Q6_K_m2", "qmma_swiglu_Q6_K_m2"],
                 ["qmma_Q6_K_m4", "qmma_swiglu_Q6_K_m4"],
+                ["qmma_Q6_K_m6", "qmma_swiglu_Q6_K_m6"],
             ],
             4,
         )),
