@@ -21,8 +21,8 @@
 //   one-token products whose blocks loop over groups of rows, staging x once (see qgemv).
 // - qmma1_[norm_][swiglu_]<type> (Q4_K, Q6_K): one-token products on tensor cores (mma.sync, the
 //   sub-blocks of a super-block as the columns of a block-diagonal x; see below), the norm fused
-//   where the caller asks for it; qmma_[swiglu_]<type>_m<2|4|6>: the same for steps of up to 2, 4
-//   or 6 tokens, x normalized by the caller.
+//   where the caller asks for it; qmma_[swiglu_]<type>_m<2|4|6|8>: the same for steps of up to 2,
+//   4, 6 or 8 tokens, x normalized by the caller.
 // - dequant_<type>: rows decoded to bf16 (the feed of the cuBLASLt products for larger steps),
 //   each value computed as GGML's reference dequantiser computes it (quant.rs on the host), then
 //   rounded once to bf16.
@@ -936,7 +936,18 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
     // A slot: x over the super-block (32 words a token, without NORM), then the 16 rows' blocks.
     constexpr int X_WORDS = NORM ? 0 : 32 * M, SLOT_WORDS = X_WORDS + 16 * SB_WORDS;
     __shared__ float part[W][M][16];
-    __shared__ uint4 stage[W][S][SLOT_WORDS];
+    // Eight tokens' slots take more than static shared memory may hold (48 KiB a block): from
+    // M = 8 they are the launch's dynamic shared memory, W · S · SLOT_WORDS words (ops::quant's
+    // MmaTokens::smem gives it).
+    constexpr bool DYNAMIC = M >= 8;
+    __shared__ uint4 stage_static[DYNAMIC ? 1 : W][DYNAMIC ? 1 : S][SLOT_WORDS];
+    extern __shared__ uint4 stage_dynamic[];
+    auto stage = [&](int wi, int si) -> uint4* {
+        if constexpr (DYNAMIC)
+            return stage_dynamic + ((size_t)wi * S + (size_t)si) * SLOT_WORDS;
+        else
+            return stage_static[wi][si];
+    };
     __shared__ uint4 normed[NORM ? MMA1_NORM_MAX_K / 8 : 1];
     __shared__ float norm_inv[1];
     const int lane = threadIdx.x % TURBO_WARP, warp = threadIdx.x / TURBO_WARP;
@@ -959,7 +970,7 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
     const int nsb = k / 256, mine = (nsb - warp + W - 1) / W;
     auto issue = [&](int i) {
         const int sb = warp + i * W;
-        uint4* slot = stage[warp][i % S];
+        uint4* slot = stage(warp, i % S);
         // Tokens past the step's are staged as zeros.
         if (!NORM)
 #pragma unroll
@@ -987,7 +998,7 @@ __device__ __forceinline__ void qmma1_q4k(const uint8_t* __restrict__ w, long lo
     for (int i = 0; i < mine; i++) {
         pf_cp_async_wait<S - 1>();
         __syncwarp();
-        const uint4* slot = stage[warp][i % S];
+        const uint4* slot = stage(warp, i % S);
         const uint4* row_a = slot + X_WORDS + l.gq * SB_WORDS;
         const uint4* row_b = slot + X_WORDS + (l.gq + 8) * SB_WORDS;
         const uint4 ha = row_a[0], hb = row_b[0];
@@ -1386,10 +1397,9 @@ __device__ __forceinline__ void embed(const uint8_t* __restrict__ w, long long r
 #define QMMA1_Q4K_SLOTS 2
 #define QMMA1_Q6K_WARPS 8
 // Q6_K steps of 2-6 tokens: 4 warps (with 124-144 registers a thread, 8 warps were slower for 4
-// tokens on every shape, and for 2 tokens over many blocks). Steps of 5-6 tokens (M = 6: 164
-// registers for Q4_K, 198-222 for Q6_K, no spills on sm_90) read the weights once instead of in a
-// 4- and a 2-token launch; eight tokens of Q4_K would take more than the 48 KiB of static shared
-// memory its slots may use.
+// tokens on every shape, and for 2 tokens over many blocks). Steps of 5-8 tokens take one launch
+// of M = 6 or 8 (Q4_K 158 / 196 registers, Q6_K 198-222 / 255, no spills on sm_90; Q4_K's slots
+// at M = 8 are dynamic shared memory) rather than two that each read the weights.
 #define QMMA_Q6K_TOKENS_WARPS 4
 #define QMMA1_KERNEL(NAME, W, CALL)                                                                           \
     extern "C" __global__ void __launch_bounds__(W * TURBO_WARP)                                              \
@@ -1442,11 +1452,13 @@ QMMA1_KERNELS(Q4_K, qmma1_q4k, QMMA1_Q4K_WARPS, QMMA1_Q4K_LINKED, QMMA1_Q4K_SLOT
 QMMA_TOKENS_KERNELS(Q4_K, QMMA1_Q4K_WARPS, QMMA_Q4K_TOKENS, 2)
 QMMA_TOKENS_KERNELS(Q4_K, QMMA1_Q4K_WARPS, QMMA_Q4K_TOKENS, 4)
 QMMA_TOKENS_KERNELS(Q4_K, QMMA1_Q4K_WARPS, QMMA_Q4K_TOKENS, 6)
+QMMA_TOKENS_KERNELS(Q4_K, QMMA1_Q4K_WARPS, QMMA_Q4K_TOKENS, 8)
 #endif
 #if QUANT_IS_Q6_K(QUANT_TYPE)
 QMMA1_KERNELS(Q6_K, qmma1_q6k, QMMA1_Q6K_WARPS, true, )
 QMMA_TOKENS_KERNELS(Q6_K, QMMA_Q6K_TOKENS_WARPS, QMMA_Q6K_TOKENS, 2)
 QMMA_TOKENS_KERNELS(Q6_K, QMMA_Q6K_TOKENS_WARPS, QMMA_Q6K_TOKENS, 4)
 QMMA_TOKENS_KERNELS(Q6_K, QMMA_Q6K_TOKENS_WARPS, QMMA_Q6K_TOKENS, 6)
+QMMA_TOKENS_KERNELS(Q6_K, QMMA_Q6K_TOKENS_WARPS, QMMA_Q6K_TOKENS, 8)
 #endif
 #endif

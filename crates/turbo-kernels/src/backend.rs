@@ -53,10 +53,10 @@ const MAX_GRAPH_SPLIT: usize = 64;
 const PARAM_WORDS: usize = std::mem::size_of::<SampleParams>() / 4;
 
 /// The rows a decode step of `n` sequences is padded to, so that few shapes are recorded: 1, 2,
-/// 4, 6, 8, then multiples of 8. Six has its own shape because quantized weights' products take
-/// up to six tokens in one launch and more in two (each reading the weights): padded to eight,
-/// five or six sequences decoded at the speed of eight (on an H200, 8B Q4_K_M, 665 and 798
-/// tok/s against 980 for four).
+/// 4, 6, 8, then multiples of 8. Six has its own shape because quantized weights' products
+/// decode each code once for all of a step's tokens, so their cost grows with the padded rows
+/// (on an H200, 8B Q4_K_M, five and six sequences padded to eight decoded 662 and 793 tok/s,
+/// recorded at six 947 and 1135).
 pub fn graph_rows(n: usize) -> usize {
     match n {
         0..=4 => n.next_power_of_two(),

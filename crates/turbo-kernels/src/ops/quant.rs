@@ -406,15 +406,13 @@ pub fn qgemv_linked(
     };
     if let (true, Some(mma1)) = (mma, names.mma1.as_ref()) {
         let shape = (units, swiglu);
-        if let (false, Some((multi, warps))) = (tokens == 1, mma1.tokens) {
-            // Up to MMA_MAX_TOKENS tokens in one launch; more in launches of four (the 4-token
-            // kernel keeps more blocks resident than the 6-token one).
-            let per_launch = if tokens <= MMA_MAX_TOKENS { tokens } else { 4 };
-            for first in (0..tokens).step_by(per_launch) {
-                let n = (tokens - first).min(per_launch);
+        if let (false, Some(multi)) = (tokens == 1, mma1.tokens.as_ref()) {
+            // Up to MMA_MAX_TOKENS tokens a launch.
+            for first in (0..tokens).step_by(MMA_MAX_TOKENS) {
+                let n = (tokens - first).min(MMA_MAX_TOKENS);
                 mma_tokens_launch(
                     dev,
-                    (names.module, multi, warps),
+                    (names.module, multi),
                     (w, row_bytes),
                     (&x.slice(first * w.cols..), n),
                     shape,
@@ -724,18 +722,18 @@ fn mma1_launch(
     Ok(())
 }
 
-/// Tokens of one tensor-core launch for steps of several tokens (`qmma_<type>_m<2|4|6>`).
-const MMA_MAX_TOKENS: usize = 6;
+/// Tokens of one tensor-core launch for steps of several tokens (`qmma_<type>_m<2|4|6|8>`).
+const MMA_MAX_TOKENS: usize = 8;
 
-/// The widths of the several-token tensor-core kernels, `Mma1Kernels::tokens`'s order.
-const MMA_TOKEN_WIDTHS: [usize; 3] = [2, 4, 6];
+/// The widths of the several-token tensor-core kernels, [`MmaTokens`]'s order.
+const MMA_TOKEN_WIDTHS: [usize; 4] = [2, 4, 6, 8];
 
-/// A step of `tokens` (2 to [`MMA_MAX_TOKENS`]) tokens on tensor cores (`qmma_*_m2`, `_m4` or
-/// `_m6`, the narrowest that holds them; x normalized by the caller): `units` outputs a token,
-/// token t's at `dst` + t · `ld`, in qgemv's output `mode`.
+/// A step of `tokens` (2 to [`MMA_MAX_TOKENS`]) tokens on tensor cores (`qmma_*_m2` to `_m8`, the
+/// narrowest that holds them; x normalized by the caller): `units` outputs a token, token t's at
+/// `dst` + t · `ld`, in qgemv's output `mode`.
 fn mma_tokens_launch(
     dev: &CudaDevice,
-    (module, names, warps): (&'static str, MmaTokenNames, u32),
+    (module, kernels): (&'static str, &MmaTokens),
     (w, row_bytes): (&QuantRows, usize),
     (x, tokens): (&CudaView<'_, bf16>, usize),
     (units, swiglu): (usize, bool),
@@ -746,7 +744,8 @@ fn mma_tokens_launch(
         .iter()
         .position(|&m| tokens <= m)
         .expect("at most MMA_MAX_TOKENS tokens");
-    let f = dev.function(module, names[width][swiglu as usize])?;
+    let smem = kernels.smem[width];
+    let f = dev.function_with_smem(module, kernels.names[width][swiglu as usize], smem)?;
     let (row_bytes_i, tokens_i, units_i, k_i, ld_i) = (
         row_bytes as i64,
         tokens as i32,
@@ -766,8 +765,8 @@ fn mma_tokens_launch(
     b.arg(&mode);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
-        block_dim: (warps * 32, 1, 1),
-        shared_mem_bytes: 0,
+        block_dim: (kernels.warps * 32, 1, 1),
+        shared_mem_bytes: smem as u32,
     };
     // SAFETY: the arguments match the kernel's signature; `qgemv` checked the sizes for all its
     // tokens (this launch's x and outputs start at its first token's rows, and it reads x only
@@ -970,14 +969,22 @@ struct Mma1Kernels {
     /// Taken only for products of few blocks ([`MMA1_FEW_BLOCKS_BELOW`]): with more, the CUDA-core
     /// product is as fast.
     few_blocks_only: bool,
-    /// Steps of 2 to [`MMA_MAX_TOKENS`] tokens (`qmma_*`), `[2, 4, 6 tokens][plain, SwiGLU]`, and
-    /// their warps a block (`QMMA_<type>_TOKENS_WARPS`), for the types that have them; taken
+    /// Steps of 2 to [`MMA_MAX_TOKENS`] tokens (`qmma_*`), for the types that have them; taken
     /// whatever the number of blocks.
-    tokens: Option<(MmaTokenNames, u32)>,
+    tokens: Option<MmaTokens>,
 }
 
-/// The several-token tensor-core kernels of a type, `[2, 4, 6 tokens][plain, SwiGLU]`.
-type MmaTokenNames = [[&'static str; 2]; 3];
+/// A type's tensor-core kernels for steps of several tokens.
+struct MmaTokens {
+    /// `[2, 4, 6, 8 tokens][plain, SwiGLU]`.
+    names: [[&'static str; 2]; 4],
+    /// Warps a block (`QMMA_<type>_TOKENS_WARPS`).
+    warps: u32,
+    /// Dynamic shared memory of each width's launch: Q4_K's slots at eight tokens, past the 48
+    /// KiB of static shared memory (`qmma1_q4k`: warps · 2 slots · (32 · 8 + 144) words of 16
+    /// bytes).
+    smem: [usize; 4],
+}
 
 macro_rules! kernel_names {
     ($module:literal, $t:literal) => {
@@ -1034,14 +1041,16 @@ static Q4_K: KernelNames = kernel_names!(
         rope: "qmma1_link_rope_Q4_K",
         warps: 4,
         few_blocks_only: false,
-        tokens: Some((
-            [
+        tokens: Some(MmaTokens {
+            names: [
                 ["qmma_Q4_K_m2", "qmma_swiglu_Q4_K_m2"],
                 ["qmma_Q4_K_m4", "qmma_swiglu_Q4_K_m4"],
                 ["qmma_Q4_K_m6", "qmma_swiglu_Q4_K_m6"],
+                ["qmma_Q4_K_m8", "qmma_swiglu_Q4_K_m8"],
             ],
-            4,
-        )),
+            warps: 4,
+            smem: [0, 0, 0, 4 * 2 * (32 * 8 + 144) * 16],
+        }),
     })
 );
 static Q5_K: KernelNames = kernel_names!("quant_q5_k", "Q5_K");
@@ -1057,14 +1066,16 @@ static Q6_K: KernelNames = kernel_names!(
         rope: "qmma1_link_rope_Q6_K",
         warps: 8,
         few_blocks_only: true,
-        tokens: Some((
-            [
+        tokens: Some(MmaTokens {
+            names: [
                 ["qmma_Q6_K_m2", "qmma_swiglu_Q6_K_m2"],
                 ["qmma_Q6_K_m4", "qmma_swiglu_Q6_K_m4"],
                 ["qmma_Q6_K_m6", "qmma_swiglu_Q6_K_m6"],
+                ["qmma_Q6_K_m8", "qmma_swiglu_Q6_K_m8"],
             ],
-            4,
-        )),
+            warps: 4,
+            smem: [0; 4],
+        }),
     })
 );
 
