@@ -63,6 +63,14 @@ impl ApiError {
             .code("not_found")
     }
 
+    /// 503: the server shut down before the request finished (its shutdown timeout passed and
+    /// the engine cancelled what was still running).
+    pub fn cut_off_by_shutdown() -> Self {
+        Self::internal("the server shut down before the request finished")
+            .status(StatusCode::SERVICE_UNAVAILABLE)
+            .code("unavailable")
+    }
+
     pub fn internal(message: impl Into<String>) -> Self {
         ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,

@@ -330,6 +330,12 @@ impl Collector {
                     finish = finish_reason(c.finish_reason),
                     "request finished"
                 );
+                // A request is cancelled while its client listens only when the server shuts
+                // down (a client that leaves drops this collector first): it gets an error, not
+                // a finish reason OpenAI's clients do not know.
+                if c.finish_reason == FinishReason::Cancelled {
+                    self.failed = Some(ApiError::cut_off_by_shutdown());
+                }
                 choice.completion = Some(c);
                 None
             }
@@ -432,11 +438,11 @@ impl Collector {
                     };
                     self.queue.push_back(chunk);
                 }
-                if finished {
-                    let reason = self.choices[i]
-                        .completion
-                        .as_ref()
-                        .map(|c| finish_reason(c.finish_reason));
+                let completion = self.choices[i].completion.as_ref();
+                let cut_off =
+                    completion.is_some_and(|c| c.finish_reason == FinishReason::Cancelled);
+                if finished && !cut_off {
+                    let reason = completion.map(|c| finish_reason(c.finish_reason));
                     let empty = match self.meta.kind {
                         Kind::Chat => json!({}),
                         Kind::Text => Value::String(String::new()),
@@ -618,6 +624,8 @@ fn secs(from: Instant, to: Instant) -> f64 {
     to.duration_since(from).as_secs_f64()
 }
 
+/// The finish reason a client sees (`Cancelled` only in logs and metrics, as `abort`: a client
+/// still listening gets [`ApiError::cut_off_by_shutdown`] instead).
 fn finish_reason(reason: FinishReason) -> &'static str {
     match reason {
         FinishReason::Stop => "stop",

@@ -953,6 +953,55 @@ fn shutdown_finishes_the_running_request_then_stops() {
     assert!(!server.engine.stats().alive, "the engine thread has ended");
 }
 
+/// Requests still running when the shutdown timeout passes are cancelled; their clients get an
+/// error (503 `unavailable`, or an error event ending the stream after the text sent so far), not
+/// a finish reason OpenAI's clients do not know.
+#[test]
+fn requests_cut_off_by_shutdown_get_an_error() {
+    let config = ServerConfig {
+        shutdown_timeout: Duration::from_millis(200),
+        ..ServerConfig::default()
+    };
+    let mut server = Server::start(engine(2, 8), config);
+    let body = json!({"prompt": "Count to ten:", "max_tokens": 4000, "ignore_eos": true});
+    let rt = rt();
+    let (url, whole_body) = (server.url.clone(), body.clone());
+    let whole = rt.spawn(async move { post(&url, "/v1/completions", whole_body).await });
+    let url = server.url.clone();
+    let streamed = rt.spawn(async move {
+        let mut body = body;
+        body["stream"] = json!(true);
+        stream(&url, "/v1/completions", body).await
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while server.engine.stats().batch.running < 2 {
+        assert!(Instant::now() < deadline, "the requests never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    server
+        .shutdown(Duration::from_secs(60))
+        .expect("serve returns Ok");
+    let (status, body) = rt.block_on(whole).unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(error_of(&body)["code"], "unavailable", "{body}");
+    assert_eq!(error_of(&body)["type"], "server_error", "{body}");
+    let chunks = rt.block_on(streamed).unwrap();
+    let (last, text) = chunks.split_last().expect("chunks before the error");
+    assert_eq!(last["error"]["code"], "unavailable", "{last}");
+    assert!(
+        text.iter().any(|c| c["choices"][0]["text"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty())),
+        "the text generated before the shutdown was sent"
+    );
+    assert!(
+        text.iter()
+            .all(|c| c["choices"][0]["finish_reason"].is_null()),
+        "no finish reason for a request that did not finish"
+    );
+}
+
 /// The official `openai` Python client against the server (`openai_client.py`). `.ci/run`
 /// installs the client into `target/pydeps` and sets `TURBO_REQUIRE_OPENAI`; without the client
 /// (and without that variable) the test says so and skips.
