@@ -5,13 +5,14 @@ use crate::generate::Output;
 use crate::runtime::{KvArgs, ModelArgs};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
+use std::collections::VecDeque;
 use std::io::Read;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use turbo_engine::limits::MAX_REQUESTS_FILE_BYTES;
-use turbo_engine::requests_file::{parse_requests, RequestLine};
+use turbo_engine::requests_file::{parse_requests, ParsedLine, RequestLine};
 use turbo_engine::{Engine, EngineConfig};
 use turbo_scheduler::{FinishReason, Request, SamplingParams, StepPhases, StepTiming};
 
@@ -41,6 +42,16 @@ pub(crate) fn tokens_per_step(max_batched_tokens: usize, max_batch: usize) -> Re
     Ok(max_batched_tokens.max(max_batch))
 }
 
+/// The fewest requests a requests file keeps queued in the engine at once.
+const QUEUE_WINDOW_MIN: usize = 4096;
+
+/// Requests queued at once: enough for the scheduler to fill every slot and choose among
+/// waiting prompts (4 batches, at least [`QUEUE_WINDOW_MIN`]), but not a whole file of millions
+/// of lines, whose queued requests would take gigabytes.
+fn queue_window(max_batch: usize, lines: usize) -> usize {
+    (4 * max_batch).max(QUEUE_WINDOW_MIN).min(lines).max(1)
+}
+
 /// One request's failure, as its line of output.
 #[derive(Serialize)]
 struct FailedLine<'a> {
@@ -62,45 +73,58 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
         bail!("{} holds no requests", args.file.display());
     }
     let step_tokens = tokens_per_step(args.max_batched_tokens, args.max_batch)?;
+    if let Some(path) = &args.step_profile {
+        crate::output::check_writable("--step-profile", path)?;
+    }
     // Ctrl-C while the model loads cancels every request once they are queued: each still gets
     // its line (cancelled), none is lost.
     let early = Arc::new(AtomicBool::new(false));
     let flag = early.clone();
     crate::interrupt::cancel_on_ctrl_c(move || flag.store(true, Ordering::SeqCst));
-    // CPU default: room for every slot to hold a full context (capped at 4096 tokens each). The
-    // whole file is queued at once.
+    // CPU default: room for every slot to hold a full context (capped at 4096 tokens each).
+    // Requests are queued a window at a time (a file may hold millions of lines).
+    let window = queue_window(args.max_batch, lines.len());
     let engine = Arc::new(Engine::start(EngineConfig {
         kv: args.kv.size(args.max_batch, 4096)?,
         max_batch: args.max_batch,
         max_batched_tokens: step_tokens,
         prefill_chunk: 512,
-        max_pending: lines.len(),
+        max_pending: window,
         profile_steps: args.step_profile.is_some(),
         ..EngineConfig::new(model.options()?)
     })?);
     let started = Instant::now();
-    let mut outcomes = Vec::with_capacity(lines.len());
-    let mut ids = Vec::new();
-    for line in &lines {
-        let submitted = line
-            .request
+    // Every request submitted so far, for Ctrl-C; once it came, later ones are cancelled as
+    // they are submitted, so that each line still gets its (cancelled) outcome.
+    let submitted_ids = Arc::new(Mutex::new(Vec::new()));
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let cancel_all = {
+        let (engine, ids, interrupted) =
+            (engine.clone(), submitted_ids.clone(), interrupted.clone());
+        Arc::new(move || {
+            interrupted.store(true, Ordering::SeqCst);
+            for &id in ids.lock().unwrap().iter() {
+                engine.cancel(id);
+            }
+        })
+    };
+    let submit = |line: &ParsedLine| {
+        line.request
             .clone()
             .map_err(anyhow::Error::msg)
             .and_then(|request| make_request(&engine, &args, request))
             .and_then(|request| {
                 let prompt = request.prompt.clone();
                 let stream = engine.submit(request)?;
-                ids.push(stream.id());
+                submitted_ids.lock().unwrap().push(stream.id());
+                if interrupted.load(Ordering::SeqCst) {
+                    engine.cancel(stream.id());
+                }
                 Ok((prompt, stream))
-            });
-        outcomes.push(submitted);
-    }
-    let cancel = engine.clone();
-    let cancel_all = Arc::new(move || {
-        for &id in &ids {
-            cancel.cancel(id);
-        }
-    });
+            })
+    };
+    let mut queued: VecDeque<_> = lines.iter().take(window).map(submit).collect();
+    let mut unsubmitted = lines.iter().skip(window);
     let on_interrupt = cancel_all.clone();
     crate::interrupt::cancel_on_ctrl_c(move || on_interrupt());
     // Installed first, checked second: a Ctrl-C in between is taken by one or the other.
@@ -109,11 +133,15 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
     }
     let (mut failed, mut cancelled, mut generated) = (0usize, false, 0usize);
     let mut prompt_tokens = 0usize;
-    for (line, outcome) in lines.iter().zip(outcomes) {
+    for line in &lines {
+        let outcome = queued.pop_front().expect("a request a line, in order");
         let finished = outcome.and_then(|(prompt, stream)| {
             let completion = stream.wait()?;
             Ok((prompt, completion))
         });
+        if let Some(next) = unsubmitted.next() {
+            queued.push_back(submit(next));
+        }
         match finished {
             Ok((prompt, c)) => {
                 generated += c.token_ids.len();

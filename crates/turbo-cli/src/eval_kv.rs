@@ -120,6 +120,9 @@ pub fn run(args: EvalKvArgs) -> Result<()> {
     if let Some(path) = &args.plot {
         plot::check_writable(path)?;
     }
+    if let Some(path) = &args.greedy_out {
+        crate::output::check_writable("--greedy-out", path)?;
+    }
     let (rows, source) = match &args.from_json {
         Some(path) => {
             let rows = read_rows(path)?;

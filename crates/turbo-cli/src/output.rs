@@ -44,3 +44,32 @@ pub fn is_closed_pipe(e: &anyhow::Error) -> bool {
             .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
     })
 }
+
+/// Checks before a long run that the file `flag` names can be written when the run ends (its
+/// directory exists, it is not a directory, it can be opened for writing), so that a mistyped
+/// path does not lose the run's results. A file that did not exist is not left behind.
+pub fn check_writable(flag: &str, path: &std::path::Path) -> anyhow::Result<()> {
+    use anyhow::{ensure, Context as _};
+    let shown = path.display();
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    ensure!(
+        parent.is_dir(),
+        "{flag} {shown}: directory {} does not exist",
+        parent.display()
+    );
+    ensure!(!path.is_dir(), "{flag} {shown} is a directory");
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .with_context(|| format!("{flag} {shown} cannot be written"))?;
+    if !existed {
+        // Best effort: the file is written for good after the run.
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}

@@ -183,27 +183,7 @@ pub fn check_writable(path: &Path) -> Result<()> {
             .is_some_and(|e| e.eq_ignore_ascii_case("png")),
         "--plot {shown}: the plot is a PNG, so its file name must end in .png"
     );
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    ensure!(
-        parent.is_dir(),
-        "--plot {shown}: directory {} does not exist",
-        parent.display()
-    );
-    ensure!(!path.is_dir(), "--plot {shown} is a directory");
-    let existed = path.exists();
-    std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(path)
-        .with_context(|| format!("--plot {shown} cannot be written"))?;
-    if !existed {
-        // Best effort: the file is written for good after the evaluation.
-        let _ = std::fs::remove_file(path);
-    }
-    Ok(())
+    crate::output::check_writable("--plot", path)
 }
 
 const FONT_FAMILY: &str = "sans-serif";

@@ -1,7 +1,7 @@
 //! `turbo serve`: the model behind an OpenAI-compatible HTTP API, until SIGINT or SIGTERM.
 
 use crate::runtime::{seconds, KvArgs, ModelArgs};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::sync::Arc;
 use turbo_engine::{Engine, EngineConfig};
@@ -48,6 +48,23 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
+    // An empty key (say `--api-key "$UNSET"`) would serve without authentication unnoticed.
+    if args.api_key.as_ref().is_some_and(|k| k.trim().is_empty()) {
+        bail!(
+            "the API key (--api-key or TURBO_API_KEY) is empty: give a key, or set neither to \
+             serve without one"
+        );
+    }
+    if args
+        .served_model_name
+        .as_ref()
+        .is_some_and(|n| n.trim().is_empty())
+    {
+        bail!("--served-model-name is empty");
+    }
+    if args.max_body_bytes == 0 {
+        bail!("--max-body-bytes must be at least 1");
+    }
     anyhow::ensure!(args.max_batch > 0, "--max-batch must be positive");
     anyhow::ensure!(args.max_pending > 0, "--max-pending must be positive");
     let max_batched_tokens =
@@ -66,7 +83,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         eprintln!("warning: {e}; /v1/chat/completions will answer with an error");
     }
     let config = ServerConfig {
-        api_key: args.api_key.filter(|k| !k.is_empty()),
+        api_key: args.api_key,
         served_model_name: args.served_model_name,
         max_body_bytes: args.max_body_bytes,
         shutdown_timeout,

@@ -525,3 +525,43 @@ fn diagnostics_have_no_colour_codes_off_a_terminal() {
     assert!(stderr.contains("WARN"), "{stderr}");
     assert!(!stderr.contains('\u{1b}'), "{stderr:?}");
 }
+
+/// Flags that would make a server open or useless are refused before the model loads, and
+/// output files of long runs are checked before the run, not after it.
+#[test]
+fn empty_keys_and_unwritable_outputs_are_refused_up_front() {
+    expect_error(&["serve", "--api-key", ""], "the API key");
+    expect_error(
+        &["serve", "--served-model-name", " "],
+        "--served-model-name",
+    );
+    expect_error(&["serve", "--max-body-bytes", "0"], "--max-body-bytes");
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = dir.path().join("p.jsonl");
+    std::fs::write(&prompts, "{\"prompt\": \"hi\", \"max_tokens\": 1}\n").unwrap();
+    let missing = dir.path().join("no/such/dir/profile.jsonl");
+    expect_error(
+        &[
+            "generate",
+            "--device",
+            "cpu",
+            "--prompts-file",
+            prompts.to_str().unwrap(),
+            "--step-profile",
+            missing.to_str().unwrap(),
+        ],
+        "--step-profile",
+    );
+    expect_error(
+        &[
+            "eval-kv",
+            "--device",
+            "cpu",
+            "--text",
+            prompts.to_str().unwrap(),
+            "--greedy-out",
+            dir.path().to_str().unwrap(),
+        ],
+        "--greedy-out",
+    );
+}

@@ -487,14 +487,7 @@ impl TextTokenizer {
     /// `<|im_start|>`) are recognized. Use this for text that continues a sequence and for
     /// rendered chat templates (which already contain any BOS they need).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc =
-            self.inner
-                .encode_fast(text, false)
-                .map_err(|error| TokenizerError::Tokenizers {
-                    context: "encoding failed",
-                    error,
-                })?;
-        Ok(enc.get_ids().to_vec())
+        Ok(encode_contained(&self.inner, text)?.get_ids().to_vec())
     }
 
     /// Encodes `text` in which the byte ranges `untrusted` (e.g. the messages' content in a
@@ -538,14 +531,7 @@ impl TextTokenizer {
                 plain
             }),
         };
-        let enc =
-            tokenizer
-                .encode_fast(piece, false)
-                .map_err(|error| TokenizerError::Tokenizers {
-                    context: "encoding failed",
-                    error,
-                })?;
-        ids.extend_from_slice(enc.get_ids());
+        ids.extend_from_slice(encode_contained(tokenizer, piece)?.get_ids());
         Ok(())
     }
 
@@ -575,8 +561,11 @@ impl TextTokenizer {
                 });
             }
         }
-        self.inner
-            .decode(ids, false)
+        crate::contain::contained(|| self.inner.decode(ids, false))
+            .map_err(|panic| TokenizerError::Tokenizers {
+                context: "decoding failed",
+                error: format!("the tokenizers library failed ({panic})").into(),
+            })?
             .map_err(|error| TokenizerError::Tokenizers {
                 context: "decoding failed",
                 error,
@@ -772,6 +761,21 @@ fn json_id(v: &serde_json::Value, field: &str, path: &Path) -> Result<u32> {
         })
 }
 
+/// `text` encoded by `tokenizer` without special handling, a panic of the tokenizers library
+/// (a model file's regex that backtracks past the regex engine's limit, say) contained as an
+/// error of that encoding.
+fn encode_contained(tokenizer: &Tokenizer, text: &str) -> Result<tokenizers::Encoding> {
+    crate::contain::contained(|| tokenizer.encode_fast(text, false))
+        .map_err(|panic| TokenizerError::Tokenizers {
+            context: "encoding failed",
+            error: format!("the tokenizers library failed ({panic})").into(),
+        })?
+        .map_err(|error| TokenizerError::Tokenizers {
+            context: "encoding failed",
+            error,
+        })
+}
+
 /// Incremental detokenizer for streaming output.
 ///
 /// Decoding token by token is wrong for byte-level BPE (a character can span several tokens)
@@ -780,7 +784,9 @@ fn json_id(v: &serde_json::Value, field: &str, path: &Path) -> Result<u32> {
 /// already emitted (for context) plus the not-yet-emitted tokens, decodes the window and emits
 /// the difference. Text ending in U+FFFD (an incomplete UTF-8 character) is held back until
 /// the next token completes it. Concatenating every `push` and `finish` gives exactly
-/// `decode(all ids)`.
+/// `decode(all ids)` of the ids the tokenizer knows: an id past its vocabulary (a model whose
+/// embedding has padding rows beyond the tokenizer's tokens can generate one) has no text, as
+/// HF's tokenizers decode it, rather than ending the generation.
 #[derive(Debug, Clone, Default)]
 pub struct TextStream {
     /// Window of tokens: `window[..prefix_len]` is already emitted context.
@@ -797,6 +803,9 @@ impl TextStream {
 
     /// Feeds one token; returns the newly completed text (possibly empty).
     pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<String> {
+        if tok.inner.id_to_token(id).is_none() {
+            return Ok(String::new());
+        }
         self.window.push(id);
         let text = tok.decode(&self.window)?;
         if text.len() <= self.prefix_text.len() || text.ends_with('\u{FFFD}') {
@@ -1030,6 +1039,16 @@ mod tests {
             tok.decode(&[9999]),
             Err(TokenizerError::IdOutOfRange { id: 9999, .. })
         ));
+        // Streamed generated text skips ids past the vocabulary (padded embedding rows).
+        let ids = tok.encode("hello world").unwrap();
+        let mut stream = TextStream::new();
+        let mut text = String::new();
+        for &id in &ids {
+            text += &stream.push(&tok, 9999).unwrap();
+            text += &stream.push(&tok, id).unwrap();
+        }
+        text += &stream.finish(&tok).unwrap();
+        assert_eq!(text, "hello world");
     }
 
     #[test]
@@ -1185,6 +1204,32 @@ mod tests {
             msg.contains("the BPE model lists no merges") && msg.contains("'he'"),
             "{msg}"
         );
+    }
+
+    /// A tokenizer.json regex that backtracks past the regex engine's limit makes the tokenizers
+    /// library panic while encoding: that is an error of the encoding, and the tokenizer still
+    /// encodes other text.
+    #[test]
+    fn a_regex_that_backtracks_too_far_is_an_encoding_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let tok = TextTokenizer::from_gguf_vocab(&tiny_vocab(None)).unwrap();
+        tok.save(&path).unwrap();
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        json["pre_tokenizer"] = serde_json::json!({
+            "type": "Split", "pattern": {"Regex": "^(a|a)*$"}, "behavior": "Isolated", "invert": false
+        });
+        std::fs::write(&path, json.to_string()).unwrap();
+        let loaded = TextTokenizer::from_hf_dir(dir.path()).unwrap();
+        let hostile = format!("{}b", "a".repeat(64));
+        let e = loaded.encode(&hostile).unwrap_err();
+        assert!(e.to_string().contains("encoding failed"), "{e}");
+        let e = loaded
+            .encode_untrusted(&hostile, std::slice::from_ref(&(0..hostile.len())))
+            .unwrap_err();
+        assert!(e.to_string().contains("encoding failed"), "{e}");
+        assert!(!loaded.encode("hello").unwrap().is_empty());
     }
 
     /// A tokenizer.json's truncation and padding are ignored: a prompt is never cut or padded
