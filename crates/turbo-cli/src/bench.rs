@@ -211,12 +211,21 @@ impl ModelTask for Bench {
         let Bench { args, path } = self;
         let gen_tokens = args.gen_tokens.unwrap_or(128);
         let repeats = args.repeats.unwrap_or(3);
+        let context = info.context_length;
         anyhow::ensure!(
-            args.prompt_tokens < info.context_length
-                && args.decode_context >= 1
-                && args.decode_context.saturating_add(gen_tokens) < info.context_length,
-            "the model's context is {} tokens",
-            info.context_length
+            args.decode_context >= 1,
+            "--decode-context must be at least 1"
+        );
+        anyhow::ensure!(
+            args.prompt_tokens < context,
+            "--prompt-tokens {} does not fit the model's context of {context} tokens",
+            args.prompt_tokens
+        );
+        anyhow::ensure!(
+            args.decode_context.saturating_add(gen_tokens) < context,
+            "--decode-context {} plus --gen-tokens {gen_tokens} does not fit the model's context \
+             of {context} tokens",
+            args.decode_context
         );
         let mut prompt = Vec::new();
         while prompt.len() < args.prompt_tokens.max(args.decode_context) {

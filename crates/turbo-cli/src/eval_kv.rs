@@ -123,6 +123,15 @@ pub fn run(args: EvalKvArgs) -> Result<()> {
     if let Some(path) = &args.greedy_out {
         crate::output::check_writable("--greedy-out", path)?;
     }
+    // The policies and budgets come from --policies and --budgets; the per-run flags would be
+    // ignored silently.
+    let e = &args.eviction;
+    if e.kv_policy != turbo_keyformer::PolicyKind::Full
+        || e.kv_budget.is_some()
+        || e.kv_budget_tokens.is_some()
+    {
+        bail!("eval-kv takes its policies and budgets from --policies and --budgets, not --kv-policy, --kv-budget or --kv-budget-tokens");
+    }
     let (rows, source) = match &args.from_json {
         Some(path) => {
             let rows = read_rows(path)?;
