@@ -561,15 +561,7 @@ impl TextTokenizer {
                 });
             }
         }
-        crate::contain::contained(|| self.inner.decode(ids, false))
-            .map_err(|panic| TokenizerError::Tokenizers {
-                context: "decoding failed",
-                error: format!("the tokenizers library failed ({panic})").into(),
-            })?
-            .map_err(|error| TokenizerError::Tokenizers {
-                context: "decoding failed",
-                error,
-            })
+        tokenizers_call("decoding failed", || self.inner.decode(ids, false))
     }
 
     /// Number of tokens, added tokens included.
@@ -761,19 +753,23 @@ fn json_id(v: &serde_json::Value, field: &str, path: &Path) -> Result<u32> {
         })
 }
 
-/// `text` encoded by `tokenizer` without special handling, a panic of the tokenizers library
-/// (a model file's regex that backtracks past the regex engine's limit, say) contained as an
-/// error of that encoding.
+/// `text` encoded by `tokenizer` without special handling.
 fn encode_contained(tokenizer: &Tokenizer, text: &str) -> Result<tokenizers::Encoding> {
-    crate::contain::contained(|| tokenizer.encode_fast(text, false))
+    tokenizers_call("encoding failed", || tokenizer.encode_fast(text, false))
+}
+
+/// A call into the tokenizers library, its errors and its panics (a model file's regex that
+/// backtracks past the regex engine's limit, say) returned as errors of that call (`context`).
+fn tokenizers_call<T>(
+    context: &'static str,
+    f: impl FnOnce() -> std::result::Result<T, BoxError>,
+) -> Result<T> {
+    crate::contain::contained(f)
         .map_err(|panic| TokenizerError::Tokenizers {
-            context: "encoding failed",
+            context,
             error: format!("the tokenizers library failed ({panic})").into(),
         })?
-        .map_err(|error| TokenizerError::Tokenizers {
-            context: "encoding failed",
-            error,
-        })
+        .map_err(|error| TokenizerError::Tokenizers { context, error })
 }
 
 /// Incremental detokenizer for streaming output.
