@@ -97,8 +97,13 @@ impl<'a> Output<'a> {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
+    // Checked for one prompt too (where they do not matter), so that a mistake is not silent.
+    anyhow::ensure!(args.max_batch > 0, "--max-batch must be positive");
+    anyhow::ensure!(
+        args.max_batched_tokens > 0,
+        "--max-batched-tokens must be positive"
+    );
     if let Some(file) = &args.prompts_file {
-        anyhow::ensure!(args.max_batch > 0, "--max-batch must be positive");
         let batch = crate::batch::BatchArgs {
             file: file.clone(),
             max_tokens: args.max_tokens,

@@ -526,8 +526,9 @@ fn diagnostics_have_no_colour_codes_off_a_terminal() {
     assert!(!stderr.contains('\u{1b}'), "{stderr:?}");
 }
 
-/// Flags that would make a server open or useless are refused before the model loads, and
-/// output files of long runs are checked before the run, not after it.
+/// Flags that would make a server open or useless, or that would be ignored, are refused before
+/// the model loads; output files of long runs are checked before the run, not after it; a
+/// device given as the model is named as such.
 #[test]
 fn empty_keys_and_unwritable_outputs_are_refused_up_front() {
     expect_error(&["serve", "--api-key", ""], "the API key");
@@ -536,6 +537,16 @@ fn empty_keys_and_unwritable_outputs_are_refused_up_front() {
         "--served-model-name",
     );
     expect_error(&["serve", "--max-body-bytes", "0"], "--max-body-bytes");
+    expect_error(&["info", "--model", "/dev/null"], "not a device or pipe");
+    expect_error(
+        &["generate", "--prompt", "hi", "--max-batch", "0"],
+        "--max-batch",
+    );
+    let line = expect_error(
+        &["eval-kv", "--from-json", "/nonexistent/rows.jsonl"],
+        "No such file",
+    );
+    assert_eq!(line.matches("No such file").count(), 1, "said once: {line}");
     let dir = tempfile::tempdir().unwrap();
     let prompts = dir.path().join("p.jsonl");
     std::fs::write(&prompts, "{\"prompt\": \"hi\", \"max_tokens\": 1}\n").unwrap();

@@ -59,7 +59,7 @@ pub fn check_positive(name: &str, value: usize, max: usize) -> Result<usize, Eng
 /// Why a bounded read failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
     #[error("is longer than {limit} bytes")]
     TooLong { limit: u64 },

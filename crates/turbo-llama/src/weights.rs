@@ -79,6 +79,13 @@ impl LoadedModel {
         if meta.is_file() {
             return load_gguf(path);
         }
+        if !meta.is_dir() {
+            // A device or a pipe (`/dev/null`, a FIFO): neither a file to map nor a directory.
+            return Err(LlamaError::Format(format!(
+                "{}: not a model: expected a .gguf file or a model directory, not a device or pipe",
+                path.display()
+            )));
+        }
         if path.join(crate::native::MANIFEST).is_file() {
             return crate::native::load(path);
         }
