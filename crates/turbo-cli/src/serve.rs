@@ -1,7 +1,7 @@
 //! `turbo serve`: the model behind an OpenAI-compatible HTTP API, until SIGINT or SIGTERM.
 
 use crate::runtime::{seconds, KvArgs, ModelArgs};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use std::sync::Arc;
 use turbo_engine::{Engine, EngineConfig};
@@ -49,22 +49,22 @@ pub struct ServeArgs {
 
 pub fn run(args: ServeArgs) -> Result<()> {
     // An empty key (say `--api-key "$UNSET"`) would serve without authentication unnoticed.
-    if args.api_key.as_ref().is_some_and(|k| k.trim().is_empty()) {
-        bail!(
-            "the API key (--api-key or TURBO_API_KEY) is empty: give a key, or set neither to \
-             serve without one"
-        );
-    }
-    if args
-        .served_model_name
-        .as_ref()
-        .is_some_and(|n| n.trim().is_empty())
-    {
-        bail!("--served-model-name is empty");
-    }
-    if args.max_body_bytes == 0 {
-        bail!("--max-body-bytes must be at least 1");
-    }
+    anyhow::ensure!(
+        !args.api_key.as_ref().is_some_and(|k| k.trim().is_empty()),
+        "the API key (--api-key or TURBO_API_KEY) is empty: give a key, or set neither to serve \
+         without one"
+    );
+    anyhow::ensure!(
+        !args
+            .served_model_name
+            .as_ref()
+            .is_some_and(|n| n.trim().is_empty()),
+        "--served-model-name is empty"
+    );
+    anyhow::ensure!(
+        args.max_body_bytes > 0,
+        "--max-body-bytes must be at least 1"
+    );
     anyhow::ensure!(args.max_batch > 0, "--max-batch must be positive");
     anyhow::ensure!(args.max_pending > 0, "--max-pending must be positive");
     let max_batched_tokens =

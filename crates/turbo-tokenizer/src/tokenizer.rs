@@ -561,6 +561,12 @@ impl TextTokenizer {
                 });
             }
         }
+        self.decode_known(ids)
+    }
+
+    /// [`decode`](Self::decode) of ids already known to be in the vocabulary ([`TextStream`]
+    /// checks each as it comes, so its window is not checked again at every token).
+    fn decode_known(&self, ids: &[u32]) -> Result<String> {
         tokenizers_call("decoding failed", || self.inner.decode(ids, false))
     }
 
@@ -803,7 +809,7 @@ impl TextStream {
             return Ok(String::new());
         }
         self.window.push(id);
-        let text = tok.decode(&self.window)?;
+        let text = tok.decode_known(&self.window)?;
         if text.len() <= self.prefix_text.len() || text.ends_with('\u{FFFD}') {
             return Ok(String::new());
         }
@@ -816,13 +822,13 @@ impl TextStream {
         // The emitted tokens become the next context window.
         self.window.drain(..self.prefix_len);
         self.prefix_len = self.window.len();
-        self.prefix_text = tok.decode(&self.window)?;
+        self.prefix_text = tok.decode_known(&self.window)?;
         Ok(new)
     }
 
     /// Flushes any held-back text (e.g. an incomplete character at the end) and resets.
     pub fn finish(&mut self, tok: &TextTokenizer) -> Result<String> {
-        let text = tok.decode(&self.window)?;
+        let text = tok.decode_known(&self.window)?;
         let rest = match text.strip_prefix(self.prefix_text.as_str()) {
             Some(rest) => rest.to_string(),
             None => diff_suffix(&self.prefix_text, &text).to_string(),
@@ -1180,16 +1186,27 @@ mod tests {
         }
     }
 
-    /// A tokenizer.json whose BPE model lists no merges is refused; a real one loads.
-    #[test]
-    fn hf_bpe_without_merges_is_refused() {
+    /// A directory holding the tiny vocabulary's tokenizer.json, the tokenizer, the file's
+    /// path and its JSON (for a test to change and write back).
+    fn saved_tiny_tokenizer() -> (
+        tempfile::TempDir,
+        TextTokenizer,
+        std::path::PathBuf,
+        serde_json::Value,
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tokenizer.json");
         let tok = TextTokenizer::from_gguf_vocab(&tiny_vocab(None)).unwrap();
         tok.save(&path).unwrap();
+        let json = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        (dir, tok, path, json)
+    }
+
+    /// A tokenizer.json whose BPE model lists no merges is refused; a real one loads.
+    #[test]
+    fn hf_bpe_without_merges_is_refused() {
+        let (dir, _, path, mut json) = saved_tiny_tokenizer();
         TextTokenizer::from_hf_dir(dir.path()).unwrap();
-        let mut json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert!(!json["model"]["merges"].as_array().unwrap().is_empty());
         json["model"]["merges"] = serde_json::json!([]);
         std::fs::write(&path, json.to_string()).unwrap();
@@ -1207,12 +1224,7 @@ mod tests {
     /// encodes other text.
     #[test]
     fn a_regex_that_backtracks_too_far_is_an_encoding_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tokenizer.json");
-        let tok = TextTokenizer::from_gguf_vocab(&tiny_vocab(None)).unwrap();
-        tok.save(&path).unwrap();
-        let mut json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let (dir, _, path, mut json) = saved_tiny_tokenizer();
         json["pre_tokenizer"] = serde_json::json!({
             "type": "Split", "pattern": {"Regex": "^(a|a)*$"}, "behavior": "Isolated", "invert": false
         });
@@ -1233,15 +1245,10 @@ mod tests {
     /// tokenizers library) is harmless.
     #[test]
     fn hf_truncation_and_padding_are_dropped() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tokenizer.json");
-        let tok = TextTokenizer::from_gguf_vocab(&tiny_vocab(None)).unwrap();
-        tok.save(&path).unwrap();
+        let (dir, tok, path, mut json) = saved_tiny_tokenizer();
         let text = "hello hello hello hello hello hello hello hello";
         let full = tok.encode(text).unwrap();
         assert!(full.len() > 4, "{full:?}");
-        let mut json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         json["truncation"] = serde_json::json!({
             "direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 7
         });
