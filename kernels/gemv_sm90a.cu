@@ -292,38 +292,8 @@ struct RingAllReduce {
         const unsigned epoch = call.epoch;
         const long long element = (long long)group * RING_WARPS + 4 * j;
         const long long line = element / 4;
-        const long long half = (long long)(epoch & 1u) * world * slot_lines;
         const float* mine = &part[group & 1][4 * j];
-        const __nv_bfloat162 lo = __floats2bfloat162_rn(mine[0], mine[1]);
-        const __nv_bfloat162 hi = __floats2bfloat162_rn(mine[2], mine[3]);
-        const unsigned a = *reinterpret_cast<const unsigned*>(&lo), b = *reinterpret_cast<const unsigned*>(&hi);
-        for (int r = 0; r < world; r++) {
-            if (r == rank) continue;
-            uint4* slot = reinterpret_cast<uint4*>(table[2 * COMM_MAX_RANKS + r]) + half + (long long)rank * slot_lines;
-            comm_push_line(slot + line, a, b, epoch);
-        }
-        const uint4* inbox = reinterpret_cast<const uint4*>(table[2 * COMM_MAX_RANKS + rank]) + half;
-        float acc[4];
-        for (int r = 0; r < world; r++) {
-            float v[4];
-            if (r == rank) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) v[e] = mine[e];
-            } else {
-                const uint2 got = comm_pull_line(inbox + (long long)r * slot_lines + line, epoch, abort_flag);
-                const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&got.x));
-                const float2 q = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&got.y));
-                v[0] = p.x, v[1] = p.y, v[2] = q.x, v[3] = q.y;
-            }
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[e] = r == 0 ? v[e] : acc[e] + v[e];
-        }
-        const __nv_bfloat162 s0 = __floats2bfloat162_rn(acc[0], acc[1]);
-        const __nv_bfloat162 s1 = __floats2bfloat162_rn(acc[2], acc[3]);
-        uint2 sum;
-        sum.x = *reinterpret_cast<const unsigned*>(&s0);
-        sum.y = *reinterpret_cast<const unsigned*>(&s1);
-        *reinterpret_cast<uint2*>(residual + element) = sum;
+        comm_all_reduce_line(table, rank, world, slot_lines, epoch, abort_flag, line, mine, residual + element);
     }
 
     // comm_end_call among the consumer warps (the producer warp has left).
