@@ -91,7 +91,7 @@ pub fn run(model: &ModelArgs, args: BatchArgs) -> Result<()> {
         prefill_chunk: 512,
         max_pending: window,
         profile_steps: args.step_profile.is_some(),
-        ..EngineConfig::new(model.options()?)
+        ..model.engine_config()?
     })?);
     let started = Instant::now();
     // Every request submitted so far, for Ctrl-C; once it came, later ones are cancelled as

@@ -49,7 +49,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         max_batch: 1,
         max_batched_tokens: PREFILL_CHUNK,
         prefill_chunk: PREFILL_CHUNK,
-        ..EngineConfig::new(args.model.options()?)
+        ..args.model.engine_config()?
     })?);
     let in_flight = Arc::new(AtomicU64::new(IDLE));
     handle_ctrl_c(engine.clone(), in_flight.clone());

@@ -276,7 +276,7 @@ fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
         prefill_chunk: 512,
         prefix_caching: false,
         max_pending: configs.len() + 1,
-        ..EngineConfig::new(args.model.options()?)
+        ..args.model.engine_config()?
     })?;
     let context = engine.info().context_length;
     anyhow::ensure!(

@@ -124,12 +124,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
          --prompts-file; a single prompt runs with room for one full context"
     );
     let model = args.model.options()?;
-    // One request: room for one full context, prefilled in chunks of 512 tokens.
+    // One request: room for one full context, prefilled in chunks of 512 tokens; no warm-up,
+    // whose steps would only add to this one request's.
     let engine = Arc::new(Engine::start(EngineConfig {
         kv: KvSize::Contexts(1),
         max_batch: 1,
         max_batched_tokens: 512,
         prefill_chunk: 512,
+        warm_up: false,
         ..EngineConfig::new(model)
     })?);
     let prompt = match (&args.prompt, &args.prompt_file) {

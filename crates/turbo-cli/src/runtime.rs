@@ -6,7 +6,7 @@ use clap::Args;
 use std::path::PathBuf;
 use turbo_core::cpu::CpuActivations;
 use turbo_core::{Backend, KvDtype};
-use turbo_engine::{Device, KvSize, LoadedModelInfo, ModelOptions, ModelTask};
+use turbo_engine::{Device, EngineConfig, KvSize, LoadedModelInfo, ModelOptions, ModelTask};
 use turbo_llama::Llama;
 use turbo_scheduler::SamplingParams;
 
@@ -43,6 +43,10 @@ pub struct ModelArgs {
     /// comparison).
     #[arg(long)]
     pub no_overlap: bool,
+    /// On a GPU, start without first running a prefill chunk and decode steps once; the first
+    /// requests' steps then load kernels, choose product algorithms and record step graphs.
+    #[arg(long)]
+    pub no_warm_up: bool,
     /// KV blocks to map at a time on a GPU, as steps reach them (rounded up to the driver's
     /// allocation granularity, 2 MiB of each layer's keys and of its values on current GPUs),
     /// so that the KV cache holds memory only for the blocks used so far; default: the whole
@@ -162,6 +166,14 @@ impl ModelArgs {
             kv_dtype: self.kv_dtype,
             cpu_activations: self.cpu_activations,
             native_weights: self.weights_dtype == WeightsDtype::Native,
+        })
+    }
+
+    /// The engine's defaults with these options (and the warm-up unless `--no-warm-up`).
+    pub fn engine_config(&self) -> Result<EngineConfig> {
+        Ok(EngineConfig {
+            warm_up: !self.no_warm_up,
+            ..EngineConfig::new(self.options()?)
         })
     }
 

@@ -77,7 +77,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_batched_tokens,
         prefill_chunk: 512,
         max_pending: args.max_pending,
-        ..EngineConfig::new(args.model.options()?)
+        ..args.model.engine_config()?
     })?);
     if let Err(e) = engine.template() {
         eprintln!("warning: {e}; /v1/chat/completions will answer with an error");

@@ -387,6 +387,13 @@ pub trait Backend: Send + Sync {
         false
     }
 
+    /// Whether a step's first run at a shape costs more than later ones (kernels loaded and
+    /// product algorithms chosen on first use, steps recorded for replay), so that an engine
+    /// gains by running its first kinds of step once before it serves.
+    fn first_steps_cost_more(&self) -> bool {
+        false
+    }
+
     /// The embedding table's rows for the batch's token ids.
     fn embed(
         &self,

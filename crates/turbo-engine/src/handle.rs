@@ -39,6 +39,11 @@ pub struct EngineConfig {
     /// Keep a timing of every step (host phases, device time), for
     /// [`Engine::take_step_profile`].
     pub profile_steps: bool,
+    /// Before taking requests, run a prefill chunk and decode steps of one row and of
+    /// `max_batch` rows once ([`PersistentBatch::warm_up`]) on backends whose first steps cost
+    /// more (a GPU's: kernels loaded, product algorithms chosen, step graphs recorded), so that
+    /// the first requests do not pay for them.
+    pub warm_up: bool,
 }
 
 impl EngineConfig {
@@ -56,6 +61,7 @@ impl EngineConfig {
             prefix_caching: true,
             max_pending: 1024,
             profile_steps: false,
+            warm_up: true,
         }
     }
 }
@@ -537,8 +543,13 @@ impl ModelTask for EngineThread {
                 max_prompt_bytes: max_prompt_bytes(&tokenizer, info.context_length),
             };
             let mut batch = PersistentBatch::new(model, tokenizer.clone(), batch_config)?;
-            batch.set_step_profile(config.profile_steps);
             batch.set_overlap(batch.overlaps() && config.model.overlap_steps);
+            if config.warm_up && batch.model().backend().first_steps_cost_more() {
+                let started = Instant::now();
+                batch.warm_up(config.max_batch, config.max_batched_tokens)?;
+                tracing::info!("warmed up in {:.2} s", started.elapsed().as_secs_f64());
+            }
+            batch.set_step_profile(config.profile_steps);
             Ok::<_, EngineError>((batch, (engine_info, tokenizer, template)))
         })();
         let mut batch = match made {

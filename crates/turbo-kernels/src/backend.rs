@@ -1148,6 +1148,10 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn first_steps_cost_more(&self) -> bool {
+        true
+    }
+
     fn step_device_micros(&self, batch: &CudaBatch) -> Option<f64> {
         step_micros(batch.step_events.lock().ok()?.take())
     }

@@ -678,6 +678,73 @@ impl<B: Backend> PersistentBatch<B> {
         Ok(report)
     }
 
+    /// Runs the kinds of step that serving starts with once, before any real request: a
+    /// prefill chunk of up to `prompt_tokens` tokens and decode steps of one row, then decode
+    /// steps of up to `sequences` rows (two of each, so that a backend that records its steps
+    /// records those). The one-time costs of those steps (kernels loaded on first use, product
+    /// algorithms chosen, step graphs recorded) are then paid here rather than by the first
+    /// requests. Afterwards the counters and the step profile start from zero; the requests'
+    /// blocks are freed (a cache that keeps finished prefixes may keep theirs, unreferenced,
+    /// until it needs the room). Does nothing unless the batch is idle; the shapes are cut to
+    /// the batch's limits.
+    pub fn warm_up(&mut self, sequences: usize, prompt_tokens: usize) -> Result<(), BatchError> {
+        if !self.is_idle() {
+            return Ok(());
+        }
+        const MAX_TOKENS: usize = 3;
+        const SHORT: usize = 8;
+        let limits = self.limits();
+        let block = limits.block_size.max(1);
+        let room = limits.num_blocks.saturating_mul(block);
+        let long = prompt_tokens
+            .min(self.config.max_batched_tokens)
+            .min(limits.context.saturating_sub(MAX_TOKENS + 1))
+            .min(room.saturating_sub(MAX_TOKENS + block));
+        let sequences = sequences
+            .min(self.config.max_batch)
+            .min(limits.num_blocks / (SHORT + MAX_TOKENS).div_ceil(block));
+        // Ordinary token ids of this vocabulary, cycled: what they say does not matter.
+        let ids = self
+            .tokenizer
+            .encode("The engine runs each kind of step once before it serves requests.")
+            .unwrap_or_default();
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let request = |n: usize| Request {
+            max_tokens: MAX_TOKENS,
+            ignore_eos: true,
+            ..Request::new(ids.iter().copied().cycle().take(n).collect())
+        };
+        let mut phases = Vec::new();
+        if long > 0 {
+            phases.push(vec![request(long)]);
+        }
+        if sequences > 1 {
+            phases.push((0..sequences).map(|_| request(SHORT)).collect());
+        }
+        for requests in phases {
+            let handles: Vec<RequestHandle> =
+                requests.into_iter().map(|r| self.submit(r)).collect();
+            self.run_until_idle()?;
+            for h in handles {
+                if let Err(e) = h.wait() {
+                    tracing::warn!("a warm-up request failed: {e}");
+                }
+            }
+        }
+        self.steps = 0;
+        self.tokens_run = 0;
+        self.prefill_tokens_run = 0;
+        self.decode_steps = (0, 0, 0);
+        self.compactions = (0, 0);
+        self.kv_blocks_peak = self.kv.num_used();
+        self.preemptions = 0;
+        self.overlapped_steps = 0;
+        self.profile.reset();
+        Ok(())
+    }
+
     /// Steps until nothing is waiting or running.
     pub fn run_until_idle(&mut self) -> Result<(), BatchError> {
         while !self.is_idle() {

@@ -1216,3 +1216,59 @@ fn a_split_model_overlaps_its_steps_and_generates_what_the_whole_one_does() {
         same_greedy(&whole, &format!("request {i}"), p, g, w);
     }
 }
+
+/// A warm-up runs its steps and leaves nothing behind: no request or held block, every counter
+/// at zero, consistent KV bookkeeping; the requests after it generate what they do on a batch
+/// that was not warmed up, in as many steps.
+#[test]
+fn warm_up_leaves_the_batch_as_it_found_it() {
+    let (spec, loaded, _dir) = tiny_model();
+    let config = BatchConfig {
+        max_batch: 4,
+        max_batched_tokens: 64,
+        block_size: 8,
+        num_blocks: 64,
+        prefill_chunk: 64,
+        prefix_caching: true,
+    };
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|i| random_tokens(&spec, 20 + i, 40 + i as u64))
+        .collect();
+    let run = |warm: bool| {
+        let mut batch =
+            PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config.clone())
+                .unwrap();
+        if warm {
+            batch.warm_up(4, 64).unwrap();
+            assert!(batch.is_idle());
+            let s = batch.stats();
+            assert_eq!(
+                (s.steps, s.tokens_run, s.decode_steps, s.kv_blocks_used),
+                (0, 0, 0, 0)
+            );
+            // The finished warm-up prompts' full blocks stay findable: it did run.
+            assert!(s.kv_blocks_evictable > 0, "the warm-up ran no step");
+            batch.kv().check().unwrap();
+        }
+        let handles: Vec<RequestHandle> = prompts
+            .iter()
+            .map(|p| {
+                batch.submit(Request {
+                    max_tokens: 6,
+                    ignore_eos: true,
+                    ..Request::new(p.clone())
+                })
+            })
+            .collect();
+        batch.run_until_idle().unwrap();
+        let outs: Vec<Vec<u32>> = handles.iter().map(|h| outcome(h).token_ids).collect();
+        (outs, batch.stats())
+    };
+    let (cold, cold_stats) = run(false);
+    let (warm, warm_stats) = run(true);
+    assert_eq!(warm, cold);
+    assert_eq!(
+        (warm_stats.steps, warm_stats.tokens_run),
+        (cold_stats.steps, cold_stats.tokens_run)
+    );
+}

@@ -171,4 +171,13 @@ impl StepProfile {
     pub(super) fn take(&mut self) -> Vec<StepTiming> {
         std::mem::take(&mut self.steps)
     }
+
+    /// Forgets every step so far (the sums and the timeline), keeping the profile on or off.
+    pub(super) fn reset(&mut self) {
+        self.phases = StepPhases::default();
+        self.steps.clear();
+        if self.origin.is_some() {
+            self.origin = Some(Instant::now());
+        }
+    }
 }
