@@ -735,6 +735,18 @@ fn stress(stepping: Stepping) {
 
 /// A tiny random model (hidden 64, 2 layers, context 128) written to a GGUF file in a temporary
 /// directory, which must outlive the model (its weights may be memory-mapped).
+/// A batch for the tiny model: 64 tokens a step, blocks of 8, prefix caching on.
+fn tiny_batch_config(max_batch: usize, num_blocks: usize, prefill_chunk: usize) -> BatchConfig {
+    BatchConfig {
+        max_batch,
+        max_batched_tokens: 64,
+        block_size: 8,
+        num_blocks,
+        prefill_chunk,
+        prefix_caching: true,
+    }
+}
+
 fn tiny_model() -> (TinySpec, LoadedModel, tempfile::TempDir) {
     let spec = TinySpec {
         context: 128,
@@ -754,14 +766,7 @@ fn tiny_model() -> (TinySpec, LoadedModel, tempfile::TempDir) {
 #[test]
 fn refusals_cancellations_and_busy_sessions() {
     let (spec, loaded, _dir) = tiny_model();
-    let config = BatchConfig {
-        max_batch: 2,
-        max_batched_tokens: 64,
-        block_size: 8,
-        num_blocks: 8,
-        prefill_chunk: 16,
-        prefix_caching: true,
-    };
+    let config = tiny_batch_config(2, 8, 16);
     let mut batch =
         PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config).unwrap();
     let tokens = |n: usize, seed: u64| random_tokens(&spec, n, seed);
@@ -975,14 +980,7 @@ fn prefix_caching_off_prefills_every_prompt_whole() {
 #[test]
 fn concurrent_requests_compute_a_common_prefix_once() {
     let (spec, loaded, _dir) = tiny_model();
-    let config = BatchConfig {
-        max_batch: 8,
-        max_batched_tokens: 64,
-        block_size: 8,
-        num_blocks: 64,
-        prefill_chunk: 16,
-        prefix_caching: true,
-    };
+    let config = tiny_batch_config(8, 64, 16);
     let mut batch =
         PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config).unwrap();
     let system = random_tokens(&spec, 40, 1);
@@ -1118,14 +1116,7 @@ fn quantized_kv_caches_serve_the_batch() {
 #[test]
 fn cancel_all_reads_back_the_step_in_flight() {
     let (spec, loaded, _dir) = tiny_model();
-    let config = BatchConfig {
-        max_batch: 4,
-        max_batched_tokens: 64,
-        block_size: 8,
-        num_blocks: 64,
-        prefill_chunk: 32,
-        prefix_caching: true,
-    };
+    let config = tiny_batch_config(4, 64, 32);
     let mut batch =
         PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config).unwrap();
     batch.set_overlap(true);
@@ -1223,14 +1214,7 @@ fn a_split_model_overlaps_its_steps_and_generates_what_the_whole_one_does() {
 #[test]
 fn warm_up_leaves_the_batch_as_it_found_it() {
     let (spec, loaded, _dir) = tiny_model();
-    let config = BatchConfig {
-        max_batch: 4,
-        max_batched_tokens: 64,
-        block_size: 8,
-        num_blocks: 64,
-        prefill_chunk: 64,
-        prefix_caching: true,
-    };
+    let config = tiny_batch_config(4, 64, 64);
     let prompts: Vec<Vec<u32>> = (0..3)
         .map(|i| random_tokens(&spec, 20 + i, 40 + i as u64))
         .collect();
