@@ -2,6 +2,8 @@
 #include "common.cuh"
 
 #define ARGMAX_NONE 0xffffffffu
+// What a row with no logit above -inf samples (turbo_core::sampling::NO_FINITE_LOGIT): no token.
+#define SAMPLE_NO_TOKEN 0xfffffffeu
 
 // Whether candidate (v, i) beats the current best (bv, bi): a larger value, or an equal value at
 // a lower index; ARGMAX_NONE marks "no candidate". NaN is mapped to -inf before it gets here, so
@@ -53,14 +55,15 @@ __device__ void block_argmax(float& bv, unsigned& bi) {
     __syncthreads();
 }
 
-// Block-wide reduction of (bv, bi); the result is written to out[row] by thread 0.
+// Block-wide reduction of (bv, bi); the result is written to out[row] by thread 0, or
+// SAMPLE_NO_TOKEN when no value is above -inf.
 __device__ __forceinline__ void argmax_finish(float bv, unsigned bi, unsigned* out, int row) {
     block_argmax(bv, bi);
-    if (threadIdx.x == 0) out[row] = bi == ARGMAX_NONE ? 0u : bi;
+    if (threadIdx.x == 0) out[row] = bi == ARGMAX_NONE || bv == -INFINITY ? SAMPLE_NO_TOKEN : bi;
 }
 
 // out[r] = the lowest index of the largest value of row r of logits ([rows, cols], cols >= 1);
-// NaN counts as -inf. One block per row (blockDim.x a multiple of 32, at most 1024); 16-byte loads
+// NaN counts as -inf; SAMPLE_NO_TOKEN for a row with nothing above -inf. One block per row (blockDim.x a multiple of 32, at most 1024); 16-byte loads
 // when cols % 8 == 0 and the buffer is 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(1024)
 argmax_bf16(const __nv_bfloat16* logits, int rows, int cols, unsigned* out) {
@@ -705,7 +708,8 @@ __device__ unsigned sample_gathered(sample_u64* s, int n, unsigned k, float top_
 // to logits in place, to the tokens penalty_tokens[penalty_offsets[r] .. penalty_offsets[r + 1]]
 // (clamped to n_penalty_tokens; ids >= vocab are ignored; a token listed twice in a row is a race,
 // where the CPU penalizes it twice), each generated penalty_counts[j] times. The row's argmax is
-// written first and stays when nothing can be drawn.
+// written first and stays when nothing can be drawn; a row with no logit above -inf gets
+// SAMPLE_NO_TOKEN.
 // One block of SAMPLE_THREADS threads per row; vocab * 2^40 must fit in 64 bits.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_f32(float* logits, int rows, int vocab, const unsigned* params, const unsigned* penalty_offsets,
@@ -757,7 +761,8 @@ sample_f32(float* logits, int rows, int vocab, const unsigned* params, const uns
     }
     block_argmax(bv, bi);
     // The answer when nothing can be weighed or nothing is kept; overwritten by a drawn token.
-    if (threadIdx.x == 0) out[row] = bi;
+    // No logit above -inf: no token.
+    if (threadIdx.x == 0) out[row] = bv == -INFINITY ? SAMPLE_NO_TOKEN : bi;
     if (!isfinite(bv)) return;
     const unsigned n_kept = (unsigned)block_sum_u64(n_finite);
     const SampleWeights weights = {bv, temperature, 1.f / temperature};

@@ -19,8 +19,17 @@
 //!    weight reaches `top_p` of its total; **min-p** then keeps those with `w >= min_p`.
 //! 4. **The draw**: with `K` the total weight kept, the token is the first kept one, in index order,
 //!    whose running weight exceeds `uniform · K` (the last kept one if rounding leaves none).
+//!
+//! A row in which no logit is above -inf (every one NaN or -inf: a model whose weights or
+//! arithmetic went wrong) has no token to give: sampling returns [`NO_FINITE_LOGIT`], which is
+//! outside every vocabulary, and the caller fails the request rather than emit a made-up token.
 
 use bytemuck::{Pod, Zeroable};
+
+/// What sampling returns for a row with no logit above -inf (see the module docs). A GPU's
+/// embedding reads an id this large as a row of NaN, so a step issued with it before the host
+/// has seen it computes nothing from other memory.
+pub const NO_FINITE_LOGIT: u32 = 0xFFFF_FFFE;
 
 /// One row's sampling parameters, as every backend receives them (`#[repr(C)]`: a GPU reads them
 /// as they are laid out here).
@@ -179,16 +188,19 @@ pub fn apply_penalties(logits: &mut [f32], params: &SampleParams, row: PenaltyRo
 /// The token `params` choose from `logits` (penalized in place), by the module's definition.
 pub fn sample_row(logits: &mut [f32], params: &SampleParams, penalized: PenaltyRow<'_>) -> u32 {
     apply_penalties(logits, params, penalized);
-    if params.temperature == 0.0 {
-        return argmax(logits);
-    }
     let max = logits
         .iter()
         .copied()
         .filter(|l| !l.is_nan())
         .fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return NO_FINITE_LOGIT;
+    }
+    if params.temperature == 0.0 {
+        return argmax(logits);
+    }
     if !max.is_finite() {
-        // No finite ranking to weigh (every logit -inf or NaN, or a +inf one): the first best.
+        // No finite ranking to weigh (a +inf logit): the first best.
         return argmax(logits);
     }
     let t = params.temperature;
@@ -397,10 +409,25 @@ mod tests {
             sample_row(&mut [1.0, f32::INFINITY, 2.0], &p, PenaltyRow::default()),
             1
         );
-        assert_eq!(
-            sample_row(&mut [f32::NEG_INFINITY; 3], &p, PenaltyRow::default()),
-            0
-        );
+        // No logit above -inf: no token, greedy or not.
+        for t in [0.0, 0.7] {
+            let p = SampleParams {
+                temperature: t,
+                ..p
+            };
+            for row in [
+                [f32::NEG_INFINITY; 3],
+                [f32::NAN; 3],
+                [f32::NAN, f32::NEG_INFINITY, f32::NAN],
+            ] {
+                let mut row = row;
+                assert_eq!(
+                    sample_row(&mut row, &p, PenaltyRow::default()),
+                    NO_FINITE_LOGIT,
+                    "{row:?} at temperature {t}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -16,7 +16,9 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use turbo_core::sampling::{argmax, sample_row, PenaltyLists, PenaltyRow, SampleParams};
+use turbo_core::sampling::{
+    argmax, sample_row, PenaltyLists, PenaltyRow, SampleParams, NO_FINITE_LOGIT,
+};
 use turbo_kernels::ops::sampling;
 use turbo_kernels::CudaDevice;
 
@@ -37,14 +39,18 @@ const FIXED_TOL: f64 = 1.0 / (1u64 << 40) as f64;
 /// Every token the definition can give for `logits` (already penalized) when sums may be off by
 /// `REL_TOL` relative plus `FIXED_TOL` a token and weights by `REL_TOL` relative; sorted.
 fn acceptable(logits: &[f32], p: &SampleParams) -> Vec<u32> {
-    if p.temperature == 0.0 {
-        return vec![argmax(logits)];
-    }
     let max = logits
         .iter()
         .copied()
         .filter(|l| !l.is_nan())
         .fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        // Nothing above -inf (every logit NaN or -inf): no token.
+        return vec![NO_FINITE_LOGIT];
+    }
+    if p.temperature == 0.0 {
+        return vec![argmax(logits)];
+    }
     if !max.is_finite() {
         return vec![argmax(logits)];
     }
@@ -548,8 +554,10 @@ fn penalties_apply_in_place_like_the_cpu() {
     });
 }
 
+/// Rows with infinities and NaN: a +inf logit wins as the argmax, a row with nothing above -inf
+/// gives no token (`NO_FINITE_LOGIT`), greedy or not.
 #[test]
-fn non_finite_rows_fall_back_to_argmax() {
+fn non_finite_rows_follow_the_definition() {
     run(9, "non-finite", 24, 8, |rng, vocab, i| {
         let mut logits = vec![f32::NEG_INFINITY; vocab];
         match i % 6 {
@@ -580,7 +588,7 @@ fn non_finite_rows_fall_back_to_argmax() {
         Row {
             logits,
             params: params(
-                [1.0, 0.5][i % 2],
+                [1.0, 0.5, 0.0][i / 6 % 3],
                 [0, 2][i / 2 % 2],
                 [1.0, 0.5][i / 3 % 2],
                 0.0,

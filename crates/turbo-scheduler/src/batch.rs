@@ -46,6 +46,7 @@ use std::sync::mpsc::channel;
 use std::time::Instant;
 use thiserror::Error;
 use turbo_core::backend::CARRIED_TOKEN;
+use turbo_core::sampling::NO_FINITE_LOGIT;
 use turbo_core::sampling::{PenaltyLists, PenaltyRow, SampleParams};
 use turbo_core::Backend;
 use turbo_kv::{KvError, KvManager, SeqId, SeqState};
@@ -1154,6 +1155,12 @@ impl<B: Backend> PersistentBatch<B> {
                 continue;
             }
             live.first_token.get_or_insert_with(Instant::now);
+            if token == NO_FINITE_LOGIT {
+                let index = live.generated.len();
+                self.fail(w.slot, RequestError::NoFiniteLogits { index })?;
+                report.ended += 1;
+                continue;
+            }
             // Teacher forcing: the forced token replaces the sampled one.
             let token = live
                 .forced

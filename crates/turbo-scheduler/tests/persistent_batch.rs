@@ -1256,3 +1256,69 @@ fn warm_up_leaves_the_batch_as_it_found_it() {
         (cold_stats.steps, cold_stats.tokens_run)
     );
 }
+
+/// A request whose logits turn NaN (here: its prompt holds a token whose embedding is NaN) fails
+/// with `NoFiniteLogits` instead of emitting a made-up token, one step at a time and overlapped,
+/// and the request beside it in the batch generates what it does alone.
+#[test]
+fn a_request_without_finite_logits_fails_and_its_neighbour_goes_on() {
+    let spec = TinySpec {
+        context: 128,
+        seed: 12,
+        ..TinySpec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let load = |poison: Option<u32>| {
+        let mut weights = TinyWeights::random(&spec);
+        if let Some(t) = poison {
+            let d = spec.hidden;
+            weights.embed[t as usize * d..(t as usize + 1) * d].fill(f32::NAN);
+        }
+        let path = dir.path().join(format!("tiny-{poison:?}.gguf"));
+        write_gguf(&path, &spec, &weights, DType::F32);
+        LoadedModel::load(&path).unwrap()
+    };
+    let greedy = |prompt: Vec<u32>| Request {
+        max_tokens: 8,
+        ignore_eos: true,
+        ..Request::new(prompt)
+    };
+    let healthy = random_tokens(&spec, 12, 50);
+    // What the healthy request generates on the clean model; the poisoned token is one it never
+    // meets.
+    let clean = load(None);
+    let mut batch = PersistentBatch::new(
+        cpu_model(&clean),
+        clean.tokenizer.clone(),
+        tiny_batch_config(2, 32, 64),
+    )
+    .unwrap();
+    let h = batch.submit(greedy(healthy.clone()));
+    batch.run_until_idle().unwrap();
+    let alone = outcome(&h).token_ids;
+    let poison = (0..spec.vocab as u32)
+        .find(|t| !healthy.contains(t) && !alone.contains(t))
+        .unwrap();
+    let broken = load(Some(poison));
+    for overlap in [false, true] {
+        let mut batch = PersistentBatch::new(
+            cpu_model(&broken),
+            broken.tokenizer.clone(),
+            tiny_batch_config(2, 32, 64),
+        )
+        .unwrap();
+        batch.set_overlap(overlap);
+        let mut bad_prompt = random_tokens(&spec, 10, 51);
+        bad_prompt[3] = poison;
+        let bad = batch.submit(greedy(bad_prompt));
+        let good = batch.submit(greedy(healthy.clone()));
+        batch.run_until_idle().unwrap();
+        match bad.drain().as_slice() {
+            [Event::Failed(RequestError::NoFiniteLogits { index: 0 })] => {}
+            other => panic!("overlap {overlap}: expected NoFiniteLogits, got {other:?}"),
+        }
+        assert_eq!(outcome(&good).token_ids, alone, "overlap {overlap}");
+        assert_eq!(batch.stats().kv_blocks_used, 0);
+        batch.kv().check().unwrap();
+    }
+}

@@ -121,9 +121,10 @@ impl From<RequestError> for ApiError {
             RequestError::QueueTimeout { .. } => ApiError::internal(e.to_string())
                 .status(StatusCode::SERVICE_UNAVAILABLE)
                 .code("overloaded"),
-            RequestError::Model(_) | RequestError::Detokenize(_) | RequestError::Disconnected => {
-                ApiError::internal(e.to_string())
-            }
+            RequestError::Model(_)
+            | RequestError::NoFiniteLogits { .. }
+            | RequestError::Detokenize(_)
+            | RequestError::Disconnected => ApiError::internal(e.to_string()),
         }
     }
 }

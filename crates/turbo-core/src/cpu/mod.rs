@@ -15,7 +15,7 @@ use crate::backend::{
     CARRIED_TOKEN,
 };
 use crate::comm::{own_vocab_part, vocab_part, CpuGroupMember, RankInfo};
-use crate::sampling::{sample_row, PenaltyLists, SampleParams};
+use crate::sampling::{sample_row, PenaltyLists, SampleParams, NO_FINITE_LOGIT};
 use crate::WeightMatrix;
 use rayon::prelude::*;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -60,7 +60,9 @@ pub struct CpuBatch {
 }
 
 /// The embedding of the batch's tokens from `table`, which holds rows `part` of a vocabulary of
-/// `vocab` (all of it, or a tensor-parallel rank's part): other rows' tokens embed as zeros.
+/// `vocab` (all of it, or a tensor-parallel rank's part): other rows' tokens embed as zeros, and
+/// a carried token that its step could not sample ([`NO_FINITE_LOGIT`]) as NaN, as a GPU's
+/// embedding gives it (its request fails once that token is read back).
 fn embed_rows(
     table: &WeightMatrix,
     batch: &CpuBatch,
@@ -69,6 +71,10 @@ fn embed_rows(
     out: &mut HostTensor,
 ) -> Result<()> {
     for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(&batch.ids) {
+        if id == NO_FINITE_LOGIT {
+            row.fill(f32::NAN);
+            continue;
+        }
         let id = id as usize;
         if id >= vocab {
             return Err(BackendError::Unsupported(format!(

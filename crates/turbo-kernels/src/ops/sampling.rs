@@ -52,7 +52,8 @@ fn launch<T: DeviceRepr>(
 }
 
 /// For each row of `logits` (`[rows, cols]`, `cols >= 1`), the index of its largest value, the lowest
-/// such index on ties; NaN counts as -inf.
+/// such index on ties; NaN counts as -inf, and a row with no value above -inf gives
+/// [`turbo_core::sampling::NO_FINITE_LOGIT`].
 pub fn argmax(
     dev: &CudaDevice,
     logits: &CudaSlice<bf16>,

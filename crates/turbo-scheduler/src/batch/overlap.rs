@@ -29,6 +29,7 @@ use super::profile::StepClock;
 use super::{BatchError, PersistentBatch, RequestError, RequestId, StepReport, Work};
 use std::time::Instant;
 use turbo_core::backend::{TokensLater, CARRIED_TOKEN};
+use turbo_core::sampling::NO_FINITE_LOGIT;
 use turbo_core::Backend;
 use turbo_kv::KvError;
 
@@ -224,9 +225,17 @@ impl<B: Backend> PersistentBatch<B> {
                     sampled.tokens.len()
                 ))
             })?;
-            debug_assert_eq!(token & CARRIED_TOKEN, 0);
             live.in_flight -= 1;
             live.first_token.get_or_insert_with(Instant::now);
+            if token == NO_FINITE_LOGIT {
+                // The step issued after this one carried it (as a row of NaN on a GPU): its row
+                // is skipped when read back, as the request no longer holds the slot.
+                let index = live.generated.len();
+                self.fail(slot, RequestError::NoFiniteLogits { index })?;
+                report.ended += 1;
+                continue;
+            }
+            debug_assert_eq!(token & CARRIED_TOKEN, 0);
             let commit = live.commit_when_known.take();
             self.kv.append_token(seq, token)?;
             if let Some(upto) = commit {

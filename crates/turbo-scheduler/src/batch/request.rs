@@ -154,6 +154,13 @@ pub enum RequestError {
     Model(String),
     #[error("cannot decode the generated text: {0}")]
     Detokenize(String),
+    /// Every logit of a step was NaN or -inf: the model's weights or arithmetic are broken, and
+    /// no token can be sampled.
+    #[error(
+        "the model gave no finite logit for generated token {index} (every one NaN or -inf): its \
+         weights or its arithmetic are broken"
+    )]
+    NoFiniteLogits { index: usize },
     #[error("the batch was dropped before the request ended")]
     Disconnected,
     #[error("KV eviction: {0}")]
