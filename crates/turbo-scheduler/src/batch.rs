@@ -35,7 +35,7 @@ pub use profile::{StepPhases, StepTiming, MAX_PROFILED_STEPS};
 pub use crate::completion::{Completion, Timings};
 pub use request::{
     Event, EventSink, Request, RequestError, RequestHandle, RequestId, RequestLimits,
-    TokenLogprobs, MAX_TOP_LOGPROBS,
+    TokenLogprobs, MAX_SESSION_NAME_BYTES, MAX_TOP_LOGPROBS,
 };
 
 use crate::completion::FinishReason;
@@ -305,6 +305,10 @@ impl Live {
     }
 }
 
+/// Most sessions a batch remembers; a new one past this forgets the least recently used session
+/// that has no request in the batch (see [`Request::session`]).
+pub const MAX_SESSIONS: usize = 4096;
+
 /// A model, its KV cache and the requests running on it; see the [module docs](self).
 pub struct PersistentBatch<B: Backend> {
     /// The step issued and not yet read back, when stepping overlaps. First, so that it is
@@ -319,8 +323,8 @@ pub struct PersistentBatch<B: Backend> {
     slots: Vec<Option<Live>>,
     /// New requests in submission order, preempted ones in front.
     waiting: VecDeque<Live>,
-    /// Session name -> its sequence.
-    sessions: HashMap<String, SeqId>,
+    /// Session name -> its sequence and when a request last named it (`next_stamp`'s clock).
+    sessions: HashMap<String, (SeqId, u64)>,
     next_seq: SeqId,
     next_request: u64,
     next_stamp: u64,
@@ -410,7 +414,7 @@ impl<B: Backend> PersistentBatch<B> {
 
     /// The sequence of a session, once a request named it.
     pub fn session_seq(&self, session: &str) -> Option<SeqId> {
-        self.sessions.get(session).copied()
+        self.sessions.get(session).map(|&(seq, _)| seq)
     }
 
     pub fn stats(&self) -> BatchStats {
@@ -507,14 +511,24 @@ impl<B: Backend> PersistentBatch<B> {
             return id;
         }
         let seq = match &request.session {
-            Some(name) => match self.sessions.get(name) {
-                Some(&seq) => seq,
-                None => {
-                    let seq = self.new_seq();
-                    self.sessions.insert(name.clone(), seq);
-                    seq
+            Some(name) => {
+                let used = self.next_stamp;
+                self.next_stamp += 1;
+                match self.sessions.get_mut(name) {
+                    Some((seq, last)) => {
+                        *last = used;
+                        *seq
+                    }
+                    None => {
+                        if self.sessions.len() >= MAX_SESSIONS {
+                            self.forget_oldest_idle_session();
+                        }
+                        let seq = self.new_seq();
+                        self.sessions.insert(name.clone(), (seq, used));
+                        seq
+                    }
                 }
-            },
+            }
             None => self.new_seq(),
         };
         let submitted = Instant::now();
@@ -603,11 +617,10 @@ impl<B: Backend> PersistentBatch<B> {
 
     /// Forgets a session and frees its KV; false if it is unknown or has a request in the batch.
     pub fn end_session(&mut self, session: &str) -> Result<bool, BatchError> {
-        let Some(&seq) = self.sessions.get(session) else {
+        let Some(&(seq, _)) = self.sessions.get(session) else {
             return Ok(false);
         };
-        let in_batch = |l: &Live| l.seq == seq;
-        if self.slots.iter().flatten().any(in_batch) || self.waiting.iter().any(in_batch) {
+        if self.seq_in_batch(seq) {
             return Ok(false);
         }
         self.sessions.remove(session);
@@ -615,6 +628,30 @@ impl<B: Backend> PersistentBatch<B> {
             self.kv.free(seq)?;
         }
         Ok(true)
+    }
+
+    /// Whether a request of `seq` is running or waiting.
+    fn seq_in_batch(&self, seq: SeqId) -> bool {
+        let of_seq = |l: &Live| l.seq == seq;
+        self.slots.iter().flatten().any(of_seq) || self.waiting.iter().any(of_seq)
+    }
+
+    /// Makes room for a new session name: forgets the least recently named session that has no
+    /// request in the batch, with its KV and token ids (its next request, which carries the
+    /// whole conversation, prefills it again). Sessions are never ended by clients that just stop
+    /// using them, so without this bound their names and token lists would pile up forever.
+    fn forget_oldest_idle_session(&mut self) {
+        let oldest = self
+            .sessions
+            .iter()
+            .filter(|(_, &(seq, _))| !self.seq_in_batch(seq))
+            .min_by_key(|(_, &(_, used))| used)
+            .map(|(name, _)| name.clone());
+        if let Some(name) = oldest {
+            if let Err(e) = self.end_session(&name) {
+                tracing::warn!("forgetting session {name:?}: {e}");
+            }
+        }
     }
 
     /// One step: decide what runs, run it in one forward pass, act on the logits.

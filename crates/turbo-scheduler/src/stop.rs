@@ -19,11 +19,16 @@ impl StopStrings {
 
     /// Adds decoded text; returns the text now safe to release and whether a stop string was hit
     /// (in which case the returned text ends just before it).
+    ///
+    /// The work is bounded by the text held back, not by the stop strings' lengths: a stop string
+    /// longer than that text is not searched for, and only prefixes that fit in it are tried.
     pub fn push(&mut self, text: &str) -> (String, bool) {
         self.pending.push_str(text);
+        let pending = self.pending.len();
         if let Some(at) = self
             .stops
             .iter()
+            .filter(|s| s.len() <= pending)
             .filter_map(|s| self.pending.find(s.as_str()))
             .min()
         {
@@ -36,7 +41,7 @@ impl StopStrings {
             .stops
             .iter()
             .flat_map(|s| {
-                (1..s.len())
+                (1..s.len().min(pending + 1))
                     .rev()
                     .filter(|&n| s.is_char_boundary(n))
                     .find(|&n| self.pending.ends_with(&s[..n]))
@@ -77,6 +82,26 @@ mod tests {
         assert_eq!(s.push("arth"), ("Earth".into(), false));
         assert_eq!(s.push(" E"), (" ".into(), false));
         assert_eq!(s.finish(), "E");
+    }
+
+    #[test]
+    fn long_stop_strings_cost_only_the_text_held() {
+        // A megabyte stop string that the text never completes: each push looks at the few
+        // bytes held back, not at the megabyte (each push walked all of it before).
+        let long = format!("ab{}", "x".repeat(1 << 20));
+        let mut s = StopStrings::new(vec![long.clone(), "STOP".into()]);
+        for _ in 0..2000 {
+            assert_eq!(s.push("word "), ("word ".into(), false));
+        }
+        assert_eq!(s.push("a"), ("".into(), false));
+        assert_eq!(s.push("b"), ("".into(), false));
+        assert_eq!(s.push("xy"), ("abxy".into(), false));
+        assert_eq!(s.push(" STOP"), (" ".into(), true));
+        // And it still ends generation when the text does complete it.
+        let mut s = StopStrings::new(vec![long.clone()]);
+        assert_eq!(s.push("go "), ("go ".into(), false));
+        assert_eq!(s.push(&long[..10]), ("".into(), false));
+        assert_eq!(s.push(&long[10..]), ("".into(), true));
     }
 
     #[test]

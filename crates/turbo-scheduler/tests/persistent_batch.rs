@@ -1322,3 +1322,55 @@ fn a_request_without_finite_logits_fails_and_its_neighbour_goes_on() {
         batch.kv().check().unwrap();
     }
 }
+
+/// Sessions are bounded: past `MAX_SESSIONS` names, a new one forgets the least recently named
+/// session with no request in the batch (never one with a request waiting or running); a name
+/// longer than `MAX_SESSION_NAME_BYTES` is refused.
+#[test]
+fn sessions_are_forgotten_least_recently_used_first_past_the_bound() {
+    use turbo_scheduler::{MAX_SESSIONS, MAX_SESSION_NAME_BYTES};
+    let (spec, loaded, _dir) = tiny_model();
+    let mut batch = PersistentBatch::new(
+        cpu_model(&loaded),
+        loaded.tokenizer.clone(),
+        tiny_batch_config(2, 64, 64),
+    )
+    .unwrap();
+    let prompt = random_tokens(&spec, 5, 60);
+    let named = |name: String, max_tokens: usize| Request {
+        max_tokens,
+        session: Some(name),
+        ..Request::new(prompt.clone())
+    };
+    // Waiting in the batch, and the least recently named: it must stay.
+    let kept = batch.submit(named("in-batch".into(), 3));
+    for i in 0..MAX_SESSIONS + 10 {
+        // Finished at once (no tokens asked for), so idle.
+        batch.submit(named(format!("s{i}"), 0));
+        if i == 20 {
+            // Named again: now more recent than s1..s20.
+            batch.submit(named("s0".into(), 0));
+        }
+    }
+    assert!(batch.session_seq("in-batch").is_some());
+    // 11 names had to go, the least recently named: s1..s11 (s0 was named again after s20).
+    assert!(batch.session_seq("s0").is_some());
+    for i in 1..=11 {
+        assert!(
+            batch.session_seq(&format!("s{i}")).is_none(),
+            "s{i} remembered"
+        );
+    }
+    assert!(batch.session_seq("s12").is_some());
+    assert!(batch
+        .session_seq(&format!("s{}", MAX_SESSIONS + 9))
+        .is_some());
+    batch.run_until_idle().unwrap();
+    assert_eq!(outcome(&kept).token_ids.len(), 3);
+    let long = batch.submit(named("x".repeat(MAX_SESSION_NAME_BYTES + 1), 2));
+    match long.drain().as_slice() {
+        [Event::Failed(RequestError::SessionName(n))] => assert_eq!(*n, MAX_SESSION_NAME_BYTES + 1),
+        other => panic!("expected SessionName, got {other:?}"),
+    }
+    batch.kv().check().unwrap();
+}

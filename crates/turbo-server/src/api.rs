@@ -215,6 +215,19 @@ impl Common {
         sampling
             .validate()
             .map_err(|e| ApiError::invalid(format!("invalid sampling parameters: {e}")))?;
+        // Options that ask for something of a stream, on a request that is not streamed (empty
+        // or all-null options, as some clients always send, are not a contradiction).
+        if self
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+            && !self.stream
+        {
+            return Err(ApiError::invalid(
+                "stream_options.include_usage is only allowed when stream is true",
+            )
+            .param("stream_options"));
+        }
         if self.session.as_ref().is_some_and(|_| n > 1) {
             return Err(
                 ApiError::invalid("a session runs one choice at a time: n must be 1")
@@ -245,8 +258,15 @@ impl CompletionRequest {
         if self.echo == Some(true) {
             return Err(unsupported("echo", "the prompt is not repeated"));
         }
-        if self.best_of.is_some_and(|b| b > 1) {
-            return Err(unsupported("best_of", "use n"));
+        match self.best_of {
+            Some(b) if b > 1 => return Err(unsupported("best_of", "use n")),
+            Some(b) if b < 1 => {
+                return Err(
+                    ApiError::invalid(format!("best_of must be at least 1, got {b}"))
+                        .param("best_of"),
+                )
+            }
+            _ => {}
         }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(unsupported("suffix", "no fill-in-the-middle"));
@@ -327,6 +347,13 @@ impl ChatRequest {
                         for part in parts {
                             match (part.kind.as_str(), &part.text) {
                                 ("text", Some(t)) => text.push_str(t),
+                                ("text", None) => {
+                                    return Err(ApiError::invalid(format!(
+                                        "messages[{i}]: a content part of type 'text' needs \
+                                         its 'text'"
+                                    ))
+                                    .param("messages"))
+                                }
                                 (kind, _) => {
                                     return Err(ApiError::invalid(format!(
                                         "message content of type '{kind}' is not supported: \

@@ -118,6 +118,7 @@ impl From<RequestError> for ApiError {
                 ApiError::invalid(e.to_string())
             }
             RequestError::TooManyLogprobs(_) => ApiError::invalid(e.to_string()).param("logprobs"),
+            RequestError::SessionName(_) => ApiError::invalid(e.to_string()).param("session"),
             RequestError::QueueTimeout { .. } => ApiError::internal(e.to_string())
                 .status(StatusCode::SERVICE_UNAVAILABLE)
                 .code("overloaded"),

@@ -154,8 +154,22 @@ async fn run(
     g: Generation,
     arrived: Instant,
 ) -> Result<Response, ApiError> {
-    let limits = state.engine.info().limits;
-    let mut streams = Vec::with_capacity(prompts.len() * g.n);
+    let info = state.engine.info();
+    let limits = info.limits;
+    // More sequences than the engine ever holds at once could never all be admitted: a client
+    // error, not a reason to retry.
+    let sequences = prompts.len().saturating_mul(g.n);
+    if sequences > info.max_pending {
+        return Err(ApiError::invalid(format!(
+            "this request asks for {sequences} sequences ({} prompts, n = {}); this server \
+             takes at most {} at once",
+            prompts.len(),
+            g.n,
+            info.max_pending
+        ))
+        .param(if g.n > 1 { "n" } else { "prompt" }));
+    }
+    let mut streams = Vec::with_capacity(sequences);
     let base_seed = if g.seeded {
         g.sampling.seed
     } else {
@@ -175,7 +189,10 @@ async fn run(
                 ignore_eos: g.ignore_eos,
                 session: g.session.clone(),
                 logprobs: g.logprobs,
-                max_queue_wait: state.config.max_queue_wait,
+                // The queue's bound is the request's first sequence's: once that one is in, the
+                // others of the request wait for slots as long as it takes (a request may fan
+                // out wider than the batch).
+                max_queue_wait: state.config.max_queue_wait.filter(|_| streams.is_empty()),
                 ..Request::new(prompt.clone())
             };
             // An error drops the streams submitted so far, which cancels them.

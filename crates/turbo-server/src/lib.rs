@@ -201,7 +201,12 @@ async fn authorize(State(state): State<Arc<AppState>>, request: Request, next: N
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        // The scheme is case-insensitive (RFC 9110, 11.1).
+        .and_then(|v| {
+            v.split_once(' ')
+                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        })
+        .map(|(_, key)| key);
     if given.is_some_and(|g| constant_time_eq(g.trim().as_bytes(), key.as_bytes())) {
         return next.run(request).await;
     }

@@ -523,6 +523,9 @@ fn bad_requests_get_openai_errors() {
             json!({"prompt": "x", "frequency_penalty": -3}),
             json!({"prompt": "x", "logprobs": 21}),
             json!({"prompt": "x", "logprobs": "yes"}),
+            json!({"prompt": "x", "best_of": 0}),
+            json!({"prompt": "x", "stream_options": {"include_usage": true}}),
+            json!({"prompt": "x", "session": "s".repeat(257)}),
         ] {
             let (s, b) = post(url, "/v1/completions", bad.clone()).await;
             assert_eq!(s, 400, "{bad}: {b}");
@@ -535,6 +538,7 @@ fn bad_requests_get_openai_errors() {
             json!({"messages": [{"role": "bogus", "content": "x"}]}),
             json!({"messages": [{"role": "user"}]}),
             json!({"messages": [{"role": "user", "content": null}]}),
+            json!({"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
         ] {
             let (s, b) = post(url, "/v1/chat/completions", bad.clone()).await;
             assert_eq!(s, 400, "{bad}: {b}");
@@ -882,6 +886,25 @@ fn a_request_that_waits_past_the_queue_limit_gets_503() {
         )
         .await;
         assert!(chunks.iter().any(|c| c["choices"][0]["finish_reason"] == "length"));
+        // A request wider than the batch (n = 3, one slot) is not refused for its own choices'
+        // wait: once its first is in, the others wait for the slot.
+        let (status, body) = post(
+            &url,
+            "/v1/completions",
+            json!({"prompt": "Hi", "max_tokens": 2, "n": 3, "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["choices"].as_array().unwrap().len(), 3);
+        // Wider than the engine ever takes (8 pending): a client error, not "retry later".
+        for (request, param) in [
+            (json!({"prompt": vec!["Hi"; 9], "max_tokens": 2}), "prompt"),
+            (json!({"prompt": "Hi", "max_tokens": 2, "n": 9}), "n"),
+        ] {
+            let (status, body) = post(&url, "/v1/completions", request).await;
+            assert_eq!(status, 400, "{body}");
+            assert_eq!(error_of(&body)["param"], param);
+        }
         let metrics = get_text(&url, "/metrics").await;
         assert_eq!(metric(&metrics, "turbo_requests_waiting"), 0.0);
     });
@@ -916,6 +939,14 @@ fn the_api_key_guards_v1_routes() {
         let r = client()
             .get(format!("{url}/v1/models"))
             .bearer_auth("sesame")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        // The scheme's case does not matter.
+        let r = client()
+            .get(format!("{url}/v1/models"))
+            .header("authorization", "bearer sesame")
             .send()
             .await
             .unwrap();

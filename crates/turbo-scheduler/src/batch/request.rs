@@ -55,6 +55,9 @@ pub struct Request {
 /// Most alternatives a request may ask log-probabilities of (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
+/// Longest session name, in bytes: names are kept while their sessions are remembered.
+pub const MAX_SESSION_NAME_BYTES: usize = 256;
+
 impl Request {
     /// A greedy request for up to 256 tokens after `prompt`.
     pub fn new(prompt: Vec<u32>) -> Self {
@@ -93,6 +96,13 @@ impl Request {
             num_blocks,
         } = *limits;
         self.sampling.validate().map_err(RequestError::Sampling)?;
+        if let Some(name) = self
+            .session
+            .as_ref()
+            .filter(|s| s.len() > MAX_SESSION_NAME_BYTES)
+        {
+            return Err(RequestError::SessionName(name.len()));
+        }
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return Err(RequestError::TooManyLogprobs(n));
         }
@@ -141,6 +151,8 @@ pub enum RequestError {
     Sampling(String),
     #[error("at most {MAX_TOP_LOGPROBS} top log-probabilities per token, asked for {0}")]
     TooManyLogprobs(usize),
+    #[error("a session name is at most {MAX_SESSION_NAME_BYTES} bytes, this one has {0}")]
+    SessionName(usize),
     #[error(
         "the request needs {needed} KV blocks ({tokens} tokens), but the whole cache has {total}: \
          it cannot run even alone"
