@@ -33,6 +33,7 @@ pub struct Metrics {
     kv_free: Gauge,
     kv_evictable: Gauge,
     kv_total: Gauge,
+    idle_sessions: Gauge,
     /// 1 for the KV cache's dtype (`bf16`, `int8`, `fp8`), Prometheus' "info" pattern.
     kv_dtype: Family<Vec<(String, String)>, Gauge>,
     preemptions: Counter,
@@ -65,6 +66,7 @@ impl Metrics {
             kv_free: Gauge::default(),
             kv_evictable: Gauge::default(),
             kv_total: Gauge::default(),
+            idle_sessions: Gauge::default(),
             kv_dtype: Family::default(),
             preemptions: Counter::default(),
             preemptions_seen: AtomicU64::new(0),
@@ -119,7 +121,7 @@ impl Metrics {
             );
             r.register(
                 "kv_blocks_used",
-                "KV blocks held by sequences",
+                "KV blocks held by sequences, idle sessions' included (given back when needed)",
                 m.kv_used.clone(),
             );
             r.register(
@@ -136,6 +138,11 @@ impl Metrics {
                 "kv_blocks_total",
                 "KV blocks in the cache",
                 m.kv_total.clone(),
+            );
+            r.register(
+                "idle_sessions",
+                "Finished sessions whose KV stays resident until its blocks are needed",
+                m.idle_sessions.clone(),
             );
             r.register(
                 "kv_cache_dtype",
@@ -170,6 +177,7 @@ impl Metrics {
         set(&self.kv_free, b.kv_blocks_free);
         set(&self.kv_evictable, b.kv_blocks_evictable);
         set(&self.kv_total, b.kv_blocks_total);
+        set(&self.idle_sessions, b.idle_sessions);
         self.kv_dtype
             .get_or_create(&vec![("dtype".to_string(), kv_dtype.to_string())])
             .set(1);

@@ -620,6 +620,7 @@ fn models_and_metrics() {
             "turbo_kv_blocks_used",
             "turbo_kv_blocks_free",
             "turbo_kv_blocks_evictable",
+            "turbo_idle_sessions",
             "turbo_prefix_cache_hit_tokens_total",
             "turbo_preemptions_total",
             "turbo_prompt_tokens_total",
