@@ -99,9 +99,64 @@ fn respond(state: &AppState, result: Result<Response, ApiError>) -> Response {
     })
 }
 
+/// Request fields an error can name as its `param`.
+const FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "logit_bias",
+    "session",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "best_of",
+    "suffix",
+    "tools",
+    "response_format",
+];
+
+/// The request body as `T`; an error names the field where it went wrong (its path, and the
+/// top-level field as the error's `param`).
 fn parse<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::invalid(format!("the request body is not a valid request: {e}")))
+    let invalid =
+        |e: String| ApiError::invalid(format!("the request body is not a valid request: {e}"));
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let parsed = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let field = match e.path().iter().next() {
+            Some(serde_path_to_error::Segment::Map { key }) => {
+                FIELDS.iter().copied().find(|f| *f == key.as_str())
+            }
+            _ => None,
+        };
+        let at = match path.as_str() {
+            "." | "" => String::new(),
+            p => format!("at {p}: "),
+        };
+        let error = invalid(format!("{at}{}", e.into_inner()));
+        match field {
+            Some(f) => error.param(f),
+            None => error,
+        }
+    })?;
+    // Nothing but whitespace after the request.
+    de.end().map_err(|e| invalid(e.to_string()))?;
+    Ok(parsed)
 }
 
 fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
@@ -648,5 +703,37 @@ fn finish_reason(reason: FinishReason) -> &'static str {
         FinishReason::Stop => "stop",
         FinishReason::Length => "length",
         FinishReason::Cancelled => "abort",
+    }
+}
+
+#[cfg(test)]
+mod parse_tests {
+    use super::*;
+    use crate::api::{ChatRequest, CompletionRequest};
+
+    fn error(body: &str, chat: bool) -> (String, Option<&'static str>) {
+        let e = match chat {
+            true => parse::<ChatRequest>(body.as_bytes()).err(),
+            false => parse::<CompletionRequest>(body.as_bytes()).err(),
+        }
+        .expect("refused");
+        (e.message, e.param)
+    }
+
+    #[test]
+    fn errors_name_the_field_that_is_wrong() {
+        // Fields of the request itself are named with their path and as the param; the shared
+        // sampling fields (flattened into each request, where serde keeps no path) say where in
+        // the body the bad value is.
+        let (m, p) = error(r#"{"prompt": 5}"#, false);
+        assert!(m.contains("at prompt"), "{m}");
+        assert_eq!(p, Some("prompt"));
+        let (m, _) = error(r#"{"prompt": "x", "max_tokens": 5.5}"#, false);
+        assert!(m.contains("5.5") && m.contains("column"), "{m}");
+        let (m, p) = error(r#"{"messages": [{"role": "user", "content": 5}]}"#, true);
+        assert!(m.contains("messages[0]"), "{m}");
+        assert_eq!(p, Some("messages"));
+        let (m, _) = error(r#"{"prompt": "x"} {"prompt": "y"}"#, false);
+        assert!(m.contains("trailing"), "{m}");
     }
 }
