@@ -25,6 +25,9 @@ pub enum EngineError {
     /// The model's chat template did not compile when the engine started.
     #[error("{0}")]
     Template(String),
+    /// The steps run before serving failed (`EngineConfig::warm_up`).
+    #[error("the warm-up before serving failed: {0} (--no-warm-up skips it)")]
+    WarmUp(String),
     #[error(
         "the prompt is {bytes} bytes of text, more than a prompt within the model's context of \
          {context} tokens can be ({limit} bytes)"

@@ -546,8 +546,16 @@ impl ModelTask for EngineThread {
             batch.set_overlap(batch.overlaps() && config.model.overlap_steps);
             if config.warm_up && batch.model().backend().first_steps_cost_more() {
                 let started = Instant::now();
-                batch.warm_up(config.max_batch, config.max_batched_tokens)?;
-                tracing::info!("warmed up in {:.2} s", started.elapsed().as_secs_f64());
+                let done = batch
+                    .warm_up(config.max_batch, config.max_batched_tokens)
+                    .map_err(|e| EngineError::WarmUp(e.to_string()))?;
+                tracing::info!(
+                    "warmed up in {:.2} s: {} steps, prefill up to {} tokens, decode up to {} rows",
+                    started.elapsed().as_secs_f64(),
+                    done.steps,
+                    done.prefill_tokens,
+                    done.decode_rows
+                );
             }
             batch.set_step_profile(config.profile_steps);
             Ok::<_, EngineError>((batch, (engine_info, tokenizer, template)))

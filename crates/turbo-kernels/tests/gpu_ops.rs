@@ -509,6 +509,35 @@ fn argmax_f32_lowest_index_of_max() {
     }
 }
 
+/// Rows with nothing above -inf (all NaN, all -inf, a mix) give no token
+/// (`NO_FINITE_LOGIT`), in f32 and bf16; a NaN beside finite values counts as -inf; the rows
+/// around them are unaffected.
+#[test]
+fn argmax_of_rows_without_a_finite_value_is_no_token() {
+    use turbo_core::sampling::NO_FINITE_LOGIT;
+    let Some(dev) = device() else { return };
+    let cols = 1003;
+    let (nan, ninf) = (f32::NAN, f32::NEG_INFINITY);
+    let mut mixed = vec![ninf; cols];
+    mixed[7] = nan;
+    let mut one = vec![nan; cols];
+    one[500] = -3.0;
+    let rows: Vec<Vec<f32>> = vec![
+        vec![nan; cols],
+        vec![ninf; cols],
+        mixed,
+        one,
+        vec![1.0; cols],
+    ];
+    let want = vec![NO_FINITE_LOGIT, NO_FINITE_LOGIT, NO_FINITE_LOGIT, 500, 0];
+    let x: Vec<f32> = rows.concat();
+    let got = ops::sampling::argmax_f32(&dev, &upload(&dev, &x), rows.len(), cols).unwrap();
+    assert_eq!(got, want, "f32");
+    let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+    let got = ops::sampling::argmax(&dev, &upload(&dev, &xb), rows.len(), cols).unwrap();
+    assert_eq!(got, want, "bf16");
+}
+
 #[test]
 fn swiglu_matches_reference() {
     let Some(dev) = device() else { return };

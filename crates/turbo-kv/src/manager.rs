@@ -544,6 +544,27 @@ impl KvManager {
         Ok(())
     }
 
+    /// Forgets `seq` as [`KvManager::free`] does, and makes the blocks it held alone unfindable
+    /// by hash, so that no later sequence reuses them: for KV that must not be trusted (the step
+    /// that wrote it gave no finite logit). Blocks other sequences share stay as they are: they
+    /// hold them, computed by whichever sequence came first.
+    pub fn discard(&mut self, seq: SeqId) -> Result<(), KvError> {
+        let mut s = self
+            .seqs
+            .remove(&seq)
+            .ok_or(KvError::UnknownSequence(seq))?;
+        if let Some(at) = s.idle_since {
+            self.idle.remove(&at);
+        }
+        for &b in &s.blocks {
+            if self.cache.refs(b) == 1 {
+                self.cache.invalidate(b);
+            }
+        }
+        self.release_from(&mut s.blocks, 0);
+        Ok(())
+    }
+
     /// Takes the blocks of the active `seq` (to let others run); it keeps its tokens with
     /// `computed = 0`. [`KvManager::resume`] later re-attaches what is still findable.
     pub fn preempt(&mut self, seq: SeqId) -> Result<(), KvError> {

@@ -163,6 +163,35 @@ fn sequences_sharing_a_system_prompt_share_its_blocks() {
     m.check().unwrap();
 }
 
+/// A discarded sequence's own blocks are never found again; blocks it shares stay with their
+/// other holders; a freed sequence's full blocks stay findable.
+#[test]
+fn discarded_blocks_are_never_reused() {
+    let mut m = KvManager::new(32, 4);
+    let mut w = Written::default();
+    let a: Vec<u32> = range(16).into_iter().chain([100, 101]).collect();
+    let b: Vec<u32> = range(8).into_iter().chain([200]).collect();
+    m.admit(1, &a);
+    w.step(&mut m, 1).unwrap();
+    assert_eq!(m.admit(2, &b).cached, 8, "b shares a's first two blocks");
+    w.step(&mut m, 2).unwrap();
+    m.discard(1).unwrap();
+    assert_eq!(m.state(1), None);
+    assert_eq!(
+        m.resident_prefix(&a),
+        8,
+        "only the blocks b holds are findable"
+    );
+    w.verify(&m, [2]).unwrap();
+    m.check().unwrap();
+    // Freed instead, all of a's full blocks stay findable.
+    m.admit(3, &a);
+    w.step(&mut m, 3).unwrap();
+    m.free(3).unwrap();
+    assert_eq!(m.resident_prefix(&a), 16);
+    m.check().unwrap();
+}
+
 #[test]
 fn without_reuse_nothing_is_shared_or_kept() {
     let mut m = KvManager::without_reuse(32, 4);

@@ -219,7 +219,8 @@ struct StepInputs {
 struct Live {
     id: RequestId,
     seq: SeqId,
-    has_session: bool,
+    /// The session the request continues, if any.
+    session: Option<String>,
     /// Needed until the first admission; afterwards the KV manager holds the tokens.
     prompt: Vec<u32>,
     /// `max_tokens`, capped by the context.
@@ -305,8 +306,19 @@ impl Live {
     }
 }
 
-/// Most sessions a batch remembers; a new one past this forgets the least recently used session
-/// that has no request in the batch (see [`Request::session`]).
+/// What [`PersistentBatch::warm_up`] ran.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WarmUpReport {
+    pub steps: usize,
+    /// The most prompt tokens of one step.
+    pub prefill_tokens: usize,
+    /// The most decoding sequences of one step.
+    pub decode_rows: usize,
+}
+
+/// Most sessions a batch remembers; a new one past this forgets the session with no request in
+/// the batch that was least recently used (named by a request, or ended one); see
+/// [`Request::session`].
 pub const MAX_SESSIONS: usize = 4096;
 
 /// A model, its KV cache and the requests running on it; see the [module docs](self).
@@ -535,7 +547,7 @@ impl<B: Backend> PersistentBatch<B> {
         let mut live = Live {
             id,
             seq,
-            has_session: request.session.is_some(),
+            session: request.session.clone(),
             prompt: request.prompt,
             max_tokens,
             ignore_eos: request.ignore_eos,
@@ -636,15 +648,22 @@ impl<B: Backend> PersistentBatch<B> {
         self.slots.iter().flatten().any(of_seq) || self.waiting.iter().any(of_seq)
     }
 
-    /// Makes room for a new session name: forgets the least recently named session that has no
+    /// Makes room for a new session name: forgets the least recently used session that has no
     /// request in the batch, with its KV and token ids (its next request, which carries the
     /// whole conversation, prefills it again). Sessions are never ended by clients that just stop
     /// using them, so without this bound their names and token lists would pile up forever.
     fn forget_oldest_idle_session(&mut self) {
+        let in_batch: HashSet<SeqId> = self
+            .slots
+            .iter()
+            .flatten()
+            .chain(self.waiting.iter())
+            .map(|l| l.seq)
+            .collect();
         let oldest = self
             .sessions
             .iter()
-            .filter(|(_, &(seq, _))| !self.seq_in_batch(seq))
+            .filter(|(_, (seq, _))| !in_batch.contains(seq))
             .min_by_key(|(_, &(_, used))| used)
             .map(|(name, _)| name.clone());
         if let Some(name) = oldest {
@@ -725,12 +744,16 @@ impl<B: Backend> PersistentBatch<B> {
     /// blocks are freed (a cache that keeps finished prefixes may keep theirs, unreferenced,
     /// until it needs the room). Does nothing unless the batch is idle; the shapes are cut to
     /// the batch's limits.
-    pub fn warm_up(&mut self, sequences: usize, prompt_tokens: usize) -> Result<(), BatchError> {
+    pub fn warm_up(
+        &mut self,
+        sequences: usize,
+        prompt_tokens: usize,
+    ) -> Result<WarmUpReport, BatchError> {
+        let mut done = WarmUpReport::default();
         if !self.is_idle() {
-            return Ok(());
+            return Ok(done);
         }
         const MAX_TOKENS: usize = 3;
-        const SHORT: usize = 8;
         let limits = self.limits();
         let block = limits.block_size.max(1);
         let room = limits.num_blocks.saturating_mul(block);
@@ -738,16 +761,19 @@ impl<B: Backend> PersistentBatch<B> {
             .min(self.config.max_batched_tokens)
             .min(limits.context.saturating_sub(MAX_TOKENS + 1))
             .min(room.saturating_sub(MAX_TOKENS + block));
+        // The short prompts all fit one step, so that every sequence decodes in the same steps.
         let sequences = sequences
             .min(self.config.max_batch)
-            .min(limits.num_blocks / (SHORT + MAX_TOKENS).div_ceil(block));
+            .min(self.config.max_batched_tokens);
+        let short = (self.config.max_batched_tokens / sequences.max(1)).clamp(1, 8);
+        let sequences = sequences.min(limits.num_blocks / (short + MAX_TOKENS).div_ceil(block));
         // Ordinary token ids of this vocabulary, cycled: what they say does not matter.
         let ids = self
             .tokenizer
             .encode("The engine runs each kind of step once before it serves requests.")
             .unwrap_or_default();
         if ids.is_empty() {
-            return Ok(());
+            return Ok(done);
         }
         let request = |n: usize| Request {
             max_tokens: MAX_TOKENS,
@@ -759,12 +785,17 @@ impl<B: Backend> PersistentBatch<B> {
             phases.push(vec![request(long)]);
         }
         if sequences > 1 {
-            phases.push((0..sequences).map(|_| request(SHORT)).collect());
+            phases.push((0..sequences).map(|_| request(short)).collect());
         }
         for requests in phases {
             let handles: Vec<RequestHandle> =
                 requests.into_iter().map(|r| self.submit(r)).collect();
-            self.run_until_idle()?;
+            while !self.is_idle() {
+                let step = self.step()?;
+                done.steps += 1;
+                done.prefill_tokens = done.prefill_tokens.max(step.prefill_tokens);
+                done.decode_rows = done.decode_rows.max(step.decode_sequences);
+            }
             for h in handles {
                 if let Err(e) = h.wait() {
                     tracing::warn!("a warm-up request failed: {e}");
@@ -780,7 +811,7 @@ impl<B: Backend> PersistentBatch<B> {
         self.preemptions = 0;
         self.overlapped_steps = 0;
         self.profile.reset();
-        Ok(())
+        Ok(done)
     }
 
     /// Steps until nothing is waiting or running.
@@ -941,7 +972,7 @@ impl<B: Backend> PersistentBatch<B> {
             .slots
             .iter()
             .flatten()
-            .filter(|l| l.has_session)
+            .filter(|l| l.session.is_some())
             .map(|l| l.seq)
             .collect();
         // Blocks the requests admitted in this step still need for their prompts.
@@ -952,7 +983,7 @@ impl<B: Backend> PersistentBatch<B> {
                 break;
             };
             let candidate = &self.waiting[i];
-            if candidate.has_session && !claimed.insert(candidate.seq) {
+            if candidate.session.is_some() && !claimed.insert(candidate.seq) {
                 i += 1;
                 continue;
             }
@@ -1044,7 +1075,7 @@ impl<B: Backend> PersistentBatch<B> {
     /// Undoes an admission that found too few blocks: the request waits with its sequence as it
     /// was (a session's resident prefix stays resident).
     fn unadmit(&mut self, live: &Live, first: bool) -> Result<(), KvError> {
-        match (first, live.has_session) {
+        match (first, live.session.is_some()) {
             (false, _) => self.kv.preempt(live.seq),
             (true, true) => self.kv.finish(live.seq),
             (true, false) => self.kv.free(live.seq),
@@ -1193,8 +1224,7 @@ impl<B: Backend> PersistentBatch<B> {
             }
             live.first_token.get_or_insert_with(Instant::now);
             if token == NO_FINITE_LOGIT {
-                let index = live.generated.len();
-                self.fail(w.slot, RequestError::NoFiniteLogits { index })?;
+                self.fail_without_finite_logits(w.slot)?;
                 report.ended += 1;
                 continue;
             }
@@ -1271,6 +1301,22 @@ impl<B: Backend> PersistentBatch<B> {
         Ok(())
     }
 
+    /// Ends the request in `slot` whose step gave no finite logit: its KV is not to be trusted,
+    /// so its sequence is discarded (no later request reuses its blocks) and a session forgets
+    /// it (the session's next request prefills from scratch).
+    fn fail_without_finite_logits(&mut self, slot: usize) -> Result<(), KvError> {
+        let mut live = self.slots[slot].take().expect("an occupied slot");
+        let index = live.generated.len();
+        if self.kv.state(live.seq).is_some() {
+            self.kv.discard(live.seq)?;
+        }
+        if let Some(name) = &live.session {
+            self.sessions.remove(name);
+        }
+        live.send(Event::Failed(RequestError::NoFiniteLogits { index }));
+        Ok(())
+    }
+
     /// Ends every request of a step whose forward pass failed.
     fn fail_all(&mut self, work: &[Work], error: &BatchError) -> Result<(), KvError> {
         for w in work {
@@ -1284,9 +1330,14 @@ impl<B: Backend> PersistentBatch<B> {
     /// request waits (another request of the session may be running on it, or it was preempted
     /// and keeps its tokens); any other sequence is the request's own and is forgotten.
     fn release(&mut self, live: &Live, running: bool) -> Result<(), KvError> {
+        // A session is used until its request ends: the bound on sessions forgets by this.
+        if let Some(entry) = live.session.as_ref().and_then(|n| self.sessions.get_mut(n)) {
+            entry.1 = self.next_stamp;
+            self.next_stamp += 1;
+        }
         match self.kv.state(live.seq) {
             None => Ok(()),
-            Some(_) if !live.has_session => self.kv.free(live.seq),
+            Some(_) if live.session.is_none() => self.kv.free(live.seq),
             Some(SeqState::Active) if running => self.kv.finish(live.seq),
             Some(_) => Ok(()),
         }

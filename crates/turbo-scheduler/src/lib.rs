@@ -9,7 +9,8 @@ pub mod stop;
 pub use batch::{
     BatchConfig, BatchError, BatchStats, Event, EventSink, KvEviction, PersistentBatch, Request,
     RequestError, RequestHandle, RequestId, RequestLimits, StepPhases, StepReport, StepTiming,
-    TokenLogprobs, MAX_PROFILED_STEPS, MAX_SESSIONS, MAX_SESSION_NAME_BYTES, MAX_TOP_LOGPROBS,
+    TokenLogprobs, WarmUpReport, MAX_PROFILED_STEPS, MAX_SESSIONS, MAX_SESSION_NAME_BYTES,
+    MAX_TOP_LOGPROBS,
 };
 pub use completion::{Completion, FinishReason, Timings};
 pub use sampling::{Sampler, SamplingParams};

@@ -20,7 +20,7 @@ impl StopStrings {
     /// Adds decoded text; returns the text now safe to release and whether a stop string was hit
     /// (in which case the returned text ends just before it).
     ///
-    /// The work is bounded by the text held back, not by the stop strings' lengths: a stop string
+    /// The work grows with the text held back, not with the stop strings' lengths: a stop string
     /// longer than that text is not searched for, and only prefixes that fit in it are tried.
     pub fn push(&mut self, text: &str) -> (String, bool) {
         self.pending.push_str(text);

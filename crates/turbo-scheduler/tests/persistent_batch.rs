@@ -733,8 +733,6 @@ fn stress(stepping: Stepping) {
     );
 }
 
-/// A tiny random model (hidden 64, 2 layers, context 128) written to a GGUF file in a temporary
-/// directory, which must outlive the model (its weights may be memory-mapped).
 /// A batch for the tiny model: 64 tokens a step, blocks of 8, prefix caching on.
 fn tiny_batch_config(max_batch: usize, num_blocks: usize, prefill_chunk: usize) -> BatchConfig {
     BatchConfig {
@@ -747,6 +745,8 @@ fn tiny_batch_config(max_batch: usize, num_blocks: usize, prefill_chunk: usize) 
     }
 }
 
+/// A tiny random model (hidden 64, 2 layers, context 128) written to a GGUF file in a temporary
+/// directory, which must outlive the model (its weights may be memory-mapped).
 fn tiny_model() -> (TinySpec, LoadedModel, tempfile::TempDir) {
     let spec = TinySpec {
         context: 128,
@@ -1223,7 +1223,8 @@ fn warm_up_leaves_the_batch_as_it_found_it() {
             PersistentBatch::new(cpu_model(&loaded), loaded.tokenizer.clone(), config.clone())
                 .unwrap();
         if warm {
-            batch.warm_up(4, 64).unwrap();
+            let done = batch.warm_up(4, 64).unwrap();
+            assert_eq!((done.prefill_tokens, done.decode_rows), (64, 4), "{done:?}");
             assert!(batch.is_idle());
             let s = batch.stats();
             assert_eq!(
@@ -1251,6 +1252,15 @@ fn warm_up_leaves_the_batch_as_it_found_it() {
     let (cold, cold_stats) = run(false);
     let (warm, warm_stats) = run(true);
     assert_eq!(warm, cold);
+    // More slots than a step has room for 8-token prompts: the short prompts shrink so that
+    // every slot still decodes in one step.
+    let mut wide = PersistentBatch::new(
+        cpu_model(&loaded),
+        loaded.tokenizer.clone(),
+        tiny_batch_config(32, 64, 64),
+    )
+    .unwrap();
+    assert_eq!(wide.warm_up(32, 64).unwrap().decode_rows, 32);
     assert_eq!(
         (warm_stats.steps, warm_stats.tokens_run),
         (cold_stats.steps, cold_stats.tokens_run)
@@ -1310,7 +1320,10 @@ fn a_request_without_finite_logits_fails_and_its_neighbour_goes_on() {
         batch.set_overlap(overlap);
         let mut bad_prompt = random_tokens(&spec, 10, 51);
         bad_prompt[3] = poison;
-        let bad = batch.submit(greedy(bad_prompt));
+        let bad = batch.submit(Request {
+            session: Some("broken".into()),
+            ..greedy(bad_prompt.clone())
+        });
         let good = batch.submit(greedy(healthy.clone()));
         batch.run_until_idle().unwrap();
         match bad.drain().as_slice() {
@@ -1318,14 +1331,17 @@ fn a_request_without_finite_logits_fails_and_its_neighbour_goes_on() {
             other => panic!("overlap {overlap}: expected NoFiniteLogits, got {other:?}"),
         }
         assert_eq!(outcome(&good).token_ids, alone, "overlap {overlap}");
+        // Its KV is not kept for reuse, nor is its session.
+        assert_eq!(batch.kv().resident_prefix(&bad_prompt), 0);
+        assert!(batch.session_seq("broken").is_none());
         assert_eq!(batch.stats().kv_blocks_used, 0);
         batch.kv().check().unwrap();
     }
 }
 
-/// Sessions are bounded: past `MAX_SESSIONS` names, a new one forgets the least recently named
-/// session with no request in the batch (never one with a request waiting or running); a name
-/// longer than `MAX_SESSION_NAME_BYTES` is refused.
+/// Sessions are bounded: past `MAX_SESSIONS` names, a new one forgets the least recently used
+/// session (named, or its request ended) with no request in the batch, never one with a request
+/// waiting or running; a name longer than `MAX_SESSION_NAME_BYTES` is refused.
 #[test]
 fn sessions_are_forgotten_least_recently_used_first_past_the_bound() {
     use turbo_scheduler::{MAX_SESSIONS, MAX_SESSION_NAME_BYTES};
@@ -1367,6 +1383,13 @@ fn sessions_are_forgotten_least_recently_used_first_past_the_bound() {
         .is_some());
     batch.run_until_idle().unwrap();
     assert_eq!(outcome(&kept).token_ids.len(), 3);
+    // Its request ended after every other session was named: it is now the most recently used,
+    // so new names forget all the others first.
+    for i in 0..MAX_SESSIONS - 1 {
+        batch.submit(named(format!("t{i}"), 0));
+    }
+    assert!(batch.session_seq("in-batch").is_some());
+    assert!(batch.session_seq("s0").is_none());
     let long = batch.submit(named("x".repeat(MAX_SESSION_NAME_BYTES + 1), 2));
     match long.drain().as_slice() {
         [Event::Failed(RequestError::SessionName(n))] => assert_eq!(*n, MAX_SESSION_NAME_BYTES + 1),

@@ -99,28 +99,12 @@ fn respond(state: &AppState, result: Result<Response, ApiError>) -> Response {
     })
 }
 
-/// Request fields an error can name as its `param`.
+/// The request fields (other than the shared sampling ones, flattened into each request, for
+/// which serde keeps no path) that a parse error can name as its `param`.
 const FIELDS: &[&str] = &[
-    "model",
-    "messages",
     "prompt",
-    "max_tokens",
+    "messages",
     "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "seed",
-    "stop",
-    "n",
-    "stream",
-    "stream_options",
-    "ignore_eos",
-    "logit_bias",
-    "session",
     "logprobs",
     "top_logprobs",
     "echo",
@@ -130,8 +114,9 @@ const FIELDS: &[&str] = &[
     "response_format",
 ];
 
-/// The request body as `T`; an error names the field where it went wrong (its path, and the
-/// top-level field as the error's `param`).
+/// The request body as `T`. An error in a request's own fields gives the path of the bad value
+/// and names its top-level field as the error's `param`; one in the shared sampling fields gives
+/// serde's line and column.
 fn parse<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
     let invalid =
         |e: String| ApiError::invalid(format!("the request body is not a valid request: {e}"));
@@ -223,6 +208,13 @@ async fn run(
             info.max_pending
         ))
         .param(if g.n > 1 { "n" } else { "prompt" }));
+    }
+    if g.session.is_some() && sequences > 1 {
+        return Err(ApiError::invalid(format!(
+            "a session runs one sequence at a time: this request has {} prompts",
+            prompts.len()
+        ))
+        .param("session"));
     }
     let mut streams = Vec::with_capacity(sequences);
     let base_seed = if g.seeded {

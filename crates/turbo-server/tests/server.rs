@@ -526,6 +526,7 @@ fn bad_requests_get_openai_errors() {
             json!({"prompt": "x", "best_of": 0}),
             json!({"prompt": "x", "stream_options": {"include_usage": true}}),
             json!({"prompt": "x", "session": "s".repeat(257)}),
+            json!({"prompt": ["a", "b"], "session": "two-prompts"}),
         ] {
             let (s, b) = post(url, "/v1/completions", bad.clone()).await;
             assert_eq!(s, 400, "{bad}: {b}");

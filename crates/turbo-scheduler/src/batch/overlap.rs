@@ -228,10 +228,9 @@ impl<B: Backend> PersistentBatch<B> {
             live.in_flight -= 1;
             live.first_token.get_or_insert_with(Instant::now);
             if token == NO_FINITE_LOGIT {
-                // The step issued after this one carried it (as a row of NaN on a GPU): its row
-                // is skipped when read back, as the request no longer holds the slot.
-                let index = live.generated.len();
-                self.fail(slot, RequestError::NoFiniteLogits { index })?;
+                // The step issued after this one carried it (as a row of NaN): its row is
+                // skipped when read back, as the request no longer holds the slot.
+                self.fail_without_finite_logits(slot)?;
                 report.ended += 1;
                 continue;
             }
