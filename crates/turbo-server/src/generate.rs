@@ -99,12 +99,28 @@ fn respond(state: &AppState, result: Result<Response, ApiError>) -> Response {
     })
 }
 
-/// The request fields (other than the shared sampling ones, flattened into each request, for
-/// which serde keeps no path) that a parse error can name as its `param`.
+/// Top-level request fields that a parse error can name as its `param`.
 const FIELDS: &[&str] = &[
+    "model",
     "prompt",
     "messages",
+    "max_tokens",
     "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "logit_bias",
+    "session",
     "logprobs",
     "top_logprobs",
     "echo",
@@ -114,33 +130,48 @@ const FIELDS: &[&str] = &[
     "response_format",
 ];
 
-/// The request body as `T`. An error in a request's own fields gives the path of the bad value
-/// and names its top-level field as the error's `param`; one in the shared sampling fields gives
-/// serde's line and column.
+/// A parse error as the API reports it: the path of the bad value (when serde kept one) and
+/// its top-level field as the `param`.
+fn located(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+    let path = e.path().to_string();
+    let field = match e.path().iter().next() {
+        Some(serde_path_to_error::Segment::Map { key }) => {
+            FIELDS.iter().copied().find(|f| *f == key.as_str())
+        }
+        _ => None,
+    };
+    let at = match path.as_str() {
+        "." | "" => String::new(),
+        p => format!("at {p}: "),
+    };
+    let error = ApiError::invalid(format!(
+        "the request body is not a valid request: {at}{}",
+        e.into_inner()
+    ));
+    match field {
+        Some(f) => error.param(f),
+        None => error,
+    }
+}
+
+/// The request body as `T`. An error gives the path of the bad value and names its top-level
+/// field as the error's `param`. The shared sampling fields are flattened into each request,
+/// where serde keeps no path: an error without one is looked for in them on their own.
 fn parse<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
-    let invalid =
-        |e: String| ApiError::invalid(format!("the request body is not a valid request: {e}"));
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let parsed = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let path = e.path().to_string();
-        let field = match e.path().iter().next() {
-            Some(serde_path_to_error::Segment::Map { key }) => {
-                FIELDS.iter().copied().find(|f| *f == key.as_str())
-            }
-            _ => None,
-        };
-        let at = match path.as_str() {
-            "." | "" => String::new(),
-            p => format!("at {p}: "),
-        };
-        let error = invalid(format!("{at}{}", e.into_inner()));
-        match field {
-            Some(f) => error.param(f),
-            None => error,
+        if !e.path().to_string().trim_start_matches('.').is_empty() {
+            return located(e);
         }
+        let shared = serde_json::from_slice::<serde_json::Value>(bytes)
+            .ok()
+            .and_then(|body| serde_path_to_error::deserialize::<_, crate::api::Common>(body).err())
+            .filter(|s| !s.path().to_string().trim_start_matches('.').is_empty());
+        located(shared.unwrap_or(e))
     })?;
     // Nothing but whitespace after the request.
-    de.end().map_err(|e| invalid(e.to_string()))?;
+    de.end()
+        .map_err(|e| ApiError::invalid(format!("the request body is not a valid request: {e}")))?;
     Ok(parsed)
 }
 
@@ -714,14 +745,19 @@ mod parse_tests {
 
     #[test]
     fn errors_name_the_field_that_is_wrong() {
-        // Fields of the request itself are named with their path and as the param; the shared
-        // sampling fields (flattened into each request, where serde keeps no path) say where in
-        // the body the bad value is.
         let (m, p) = error(r#"{"prompt": 5}"#, false);
         assert!(m.contains("at prompt"), "{m}");
         assert_eq!(p, Some("prompt"));
-        let (m, _) = error(r#"{"prompt": "x", "max_tokens": 5.5}"#, false);
-        assert!(m.contains("5.5") && m.contains("column"), "{m}");
+        // The shared sampling fields too, though they are flattened into each request.
+        let (m, p) = error(r#"{"prompt": "x", "max_tokens": 5.5}"#, false);
+        assert!(m.contains("at max_tokens") && m.contains("5.5"), "{m}");
+        assert_eq!(p, Some("max_tokens"));
+        let (m, p) = error(
+            r#"{"messages": [], "stream_options": {"include_usage": "yes"}}"#,
+            true,
+        );
+        assert!(m.contains("at stream_options.include_usage"), "{m}");
+        assert_eq!(p, Some("stream_options"));
         let (m, p) = error(r#"{"messages": [{"role": "user", "content": 5}]}"#, true);
         assert!(m.contains("messages[0]"), "{m}");
         assert_eq!(p, Some("messages"));
