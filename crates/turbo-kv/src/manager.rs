@@ -533,15 +533,21 @@ impl KvManager {
     /// Forgets `seq` in any state (cancelled, or its conversation is over): its blocks are released
     /// at once, though full ones stay findable by hash until reallocated.
     pub fn free(&mut self, seq: SeqId) -> Result<(), KvError> {
-        let mut s = self
+        let mut s = self.remove(seq)?;
+        self.release_from(&mut s.blocks, 0);
+        Ok(())
+    }
+
+    /// Takes `seq` off the books (and out of the idle order); its blocks are still held.
+    fn remove(&mut self, seq: SeqId) -> Result<Sequence, KvError> {
+        let s = self
             .seqs
             .remove(&seq)
             .ok_or(KvError::UnknownSequence(seq))?;
         if let Some(at) = s.idle_since {
             self.idle.remove(&at);
         }
-        self.release_from(&mut s.blocks, 0);
-        Ok(())
+        Ok(s)
     }
 
     /// Forgets `seq` as [`KvManager::free`] does, and makes the blocks it held alone unfindable
@@ -549,13 +555,7 @@ impl KvManager {
     /// that wrote it gave no finite logit). Blocks other sequences share stay as they are: they
     /// hold them, computed by whichever sequence came first.
     pub fn discard(&mut self, seq: SeqId) -> Result<(), KvError> {
-        let mut s = self
-            .seqs
-            .remove(&seq)
-            .ok_or(KvError::UnknownSequence(seq))?;
-        if let Some(at) = s.idle_since {
-            self.idle.remove(&at);
-        }
+        let mut s = self.remove(seq)?;
         for &b in &s.blocks {
             if self.cache.refs(b) == 1 {
                 self.cache.invalidate(b);

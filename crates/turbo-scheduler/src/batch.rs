@@ -614,13 +614,7 @@ impl<B: Backend> PersistentBatch<B> {
         if let Err(e) = self.drain(&mut report, &mut StepClock::start()) {
             self.abandon_in_flight(&e)?;
         }
-        let ids: Vec<RequestId> = self
-            .slots
-            .iter()
-            .flatten()
-            .chain(self.waiting.iter())
-            .map(|l| l.id)
-            .collect();
+        let ids: Vec<RequestId> = self.lives().map(|l| l.id).collect();
         for &id in &ids {
             self.cancel(id)?;
         }
@@ -642,10 +636,14 @@ impl<B: Backend> PersistentBatch<B> {
         Ok(true)
     }
 
+    /// The requests in the batch: running, then waiting.
+    fn lives(&self) -> impl Iterator<Item = &Live> {
+        self.slots.iter().flatten().chain(self.waiting.iter())
+    }
+
     /// Whether a request of `seq` is running or waiting.
     fn seq_in_batch(&self, seq: SeqId) -> bool {
-        let of_seq = |l: &Live| l.seq == seq;
-        self.slots.iter().flatten().any(of_seq) || self.waiting.iter().any(of_seq)
+        self.lives().any(|l| l.seq == seq)
     }
 
     /// Makes room for a new session name: forgets the least recently used session that has no
@@ -653,13 +651,7 @@ impl<B: Backend> PersistentBatch<B> {
     /// whole conversation, prefills it again). Sessions are never ended by clients that just stop
     /// using them, so without this bound their names and token lists would pile up forever.
     fn forget_oldest_idle_session(&mut self) {
-        let in_batch: HashSet<SeqId> = self
-            .slots
-            .iter()
-            .flatten()
-            .chain(self.waiting.iter())
-            .map(|l| l.seq)
-            .collect();
+        let in_batch: HashSet<SeqId> = self.lives().map(|l| l.seq).collect();
         let oldest = self
             .sessions
             .iter()
