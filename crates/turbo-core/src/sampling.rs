@@ -188,6 +188,14 @@ pub fn apply_penalties(logits: &mut [f32], params: &SampleParams, row: PenaltyRo
 /// The token `params` choose from `logits` (penalized in place), by the module's definition.
 pub fn sample_row(logits: &mut [f32], params: &SampleParams, penalized: PenaltyRow<'_>) -> u32 {
     apply_penalties(logits, params, penalized);
+    if params.temperature == 0.0 {
+        // One pass: the argmax's own logit says whether any is above -inf (NaN > x is false).
+        let best = argmax(logits);
+        return match logits.get(best as usize) {
+            Some(&l) if l > f32::NEG_INFINITY => best,
+            _ => NO_FINITE_LOGIT,
+        };
+    }
     let max = logits
         .iter()
         .copied()
@@ -195,9 +203,6 @@ pub fn sample_row(logits: &mut [f32], params: &SampleParams, penalized: PenaltyR
         .fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {
         return NO_FINITE_LOGIT;
-    }
-    if params.temperature == 0.0 {
-        return argmax(logits);
     }
     if !max.is_finite() {
         // No finite ranking to weigh (a +inf logit): the first best.

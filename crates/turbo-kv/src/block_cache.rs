@@ -184,12 +184,6 @@ impl BlockCache {
         self.forget(id);
     }
 
-    /// Makes a block that only its one holder references unfindable by hash, as
-    /// [`Self::unregister`] does, for KV that must not be reused: once released it is free.
-    pub(crate) fn invalidate(&mut self, id: u32) {
-        self.unregister(id);
-    }
-
     fn forget(&mut self, id: u32) {
         if let Some(c) = self.blocks[id as usize].content.take() {
             if self.by_hash.get(&c.hash) == Some(&id) {

@@ -558,7 +558,7 @@ impl KvManager {
         let mut s = self.remove(seq)?;
         for &b in &s.blocks {
             if self.cache.refs(b) == 1 {
-                self.cache.invalidate(b);
+                self.cache.unregister(b);
             }
         }
         self.release_from(&mut s.blocks, 0);

@@ -159,14 +159,16 @@ fn located(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
 /// where serde keeps no path: an error without one is looked for in them on their own.
 fn parse<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
+    let has_path =
+        |e: &serde_path_to_error::Error<serde_json::Error>| e.path().iter().next().is_some();
     let parsed = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        if !e.path().to_string().trim_start_matches('.').is_empty() {
+        if has_path(&e) {
             return located(e);
         }
         let shared = serde_json::from_slice::<serde_json::Value>(bytes)
             .ok()
             .and_then(|body| serde_path_to_error::deserialize::<_, crate::api::Common>(body).err())
-            .filter(|s| !s.path().to_string().trim_start_matches('.').is_empty());
+            .filter(has_path);
         located(shared.unwrap_or(e))
     })?;
     // Nothing but whitespace after the request.
