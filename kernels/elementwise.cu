@@ -156,6 +156,51 @@ __device__ __forceinline__ void ew_kvq_store_row(const float (&x)[2][4], int hea
     if (lane == 0) *scale = s;
 }
 
+// kv_quant::hadamard_rotate of one row of head_dim values (a power of two, at most 256) held by a
+// warp as ew_kvq_store_row takes it (lane l holds elements 4q..4q+3 in x[i] for q = l + 32i):
+// stages at strides 1, 2 (inside a lane's quad), 4..64 (between lanes l and l ^ (stride / 4)),
+// 128 (between x[0] and x[1]), each pair (lo, hi) becoming (lo + hi, lo - hi), one f32 rounding
+// each, in the CPU's order, so the bits are the CPU's. Warp-wide: every lane calls it.
+__device__ __forceinline__ void ew_hadamard_row(float (&x)[2][4], int head_dim) {
+    const int lane = threadIdx.x % TURBO_WARP, quads = head_dim / 4;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (head_dim >= 2) {
+            for (int j = 0; j < 4; j += 2) {
+                const float lo = x[i][j], hi = x[i][j + 1];
+                x[i][j] = __fadd_rn(lo, hi);
+                x[i][j + 1] = __fsub_rn(lo, hi);
+            }
+        }
+        if (head_dim >= 4) {
+            for (int j = 0; j < 2; j++) {
+                const float lo = x[i][j], hi = x[i][j + 2];
+                x[i][j] = __fadd_rn(lo, hi);
+                x[i][j + 2] = __fsub_rn(lo, hi);
+            }
+        }
+    }
+    for (int m = 1; m < quads && m < TURBO_WARP; m <<= 1) {
+        const bool high = (lane & m) != 0;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float other = __shfl_xor_sync(0xffffffffu, x[i][j], m);
+                x[i][j] = high ? __fsub_rn(other, x[i][j]) : __fadd_rn(x[i][j], other);
+            }
+        }
+    }
+    if (quads > TURBO_WARP) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float lo = x[0][j], hi = x[1][j];
+            x[0][j] = __fadd_rn(lo, hi);
+            x[1][j] = __fsub_rn(lo, hi);
+        }
+    }
+}
+
 // The codes (returned) and the scale (*scale) of (slot, KV head) in a quantized layer range.
 __device__ __forceinline__ unsigned char* ew_kvq_row(unsigned char* range, unsigned slot, int head, int block_size,
                                                      int n_kv_heads, int head_dim, float** scale) {
@@ -167,16 +212,20 @@ __device__ __forceinline__ unsigned char* ew_kvq_row(unsigned char* range, unsig
 // qkv_rope_kv_bf16 into a quantized cache (common.cuh's layout; k_cache and v_cache are one
 // layer's ranges): q receives the same rotated queries; each rotated key pair is rounded to bf16
 // as qkv_rope_kv_bf16 stores it, then every (token, KV head) row of keys and of values is
-// quantized (ew_kvq_store_row) into slot slots[t] (a slot >= cache_slots is skipped). A warp per
-// task: 32 query pairs, or one KV row (its quantization needs the whole row's max). Grid
-// (tokens, blocks per token), as the bf16 kernel's, so a one-token step still fills several SMs.
-// head_dim a multiple of 4, at most 256.
+// quantized (ew_kvq_store_row) into slot slots[t] (a slot >= cache_slots is skipped). With
+// `hadamard` (KvDtype::rotates_keys: head_dim a power of two), each key row is multiplied by the
+// Hadamard matrix before it is quantized (ew_hadamard_row), and each query head, rounded to bf16
+// after RoPE as the keys are, is rotated the same way, multiplied by 1 / head_dim and rounded
+// again, so that q·k is kept. A warp per task: 32 query pairs (one query head when rotating), or
+// one KV row (its quantization needs the whole row's max). Grid (tokens, blocks per token), as
+// the bf16 kernel's, so a one-token step still fills several SMs. head_dim a multiple of 4, at
+// most 256.
 template <int KIND>
 __device__ __forceinline__ void ew_qkv_rope_kv_quant(const __nv_bfloat16* qkv, __nv_bfloat16* q,
                                                      unsigned char* k_cache, unsigned char* v_cache,
                                                      const unsigned* positions, const unsigned* slots,
                                                      const float* inv_freq, int q_cols, int n_kv_heads, int head_dim,
-                                                     int block_size, long long cache_slots) {
+                                                     int block_size, long long cache_slots, int hadamard) {
     const int t = blockIdx.x, lane = threadIdx.x % TURBO_WARP, warps = blockDim.x / TURBO_WARP;
     const int half = head_dim / 2, kv_cols = n_kv_heads * head_dim, qp = q_cols / 2;
     const float pos = (float)positions[t];
@@ -184,12 +233,13 @@ __device__ __forceinline__ void ew_qkv_rope_kv_quant(const __nv_bfloat16* qkv, _
     const bool store = (long long)slot < cache_slots;
     const __nv_bfloat16* src = qkv + (size_t)t * (size_t)(q_cols + 2 * kv_cols);
     const __nv_bfloat162* qs = reinterpret_cast<const __nv_bfloat162*>(src);
-    __nv_bfloat162* qd = reinterpret_cast<__nv_bfloat162*>(q + (size_t)t * (size_t)q_cols);
-    const int q_tasks = (qp + TURBO_WARP - 1) / TURBO_WARP;
+    __nv_bfloat16* q_row = q + (size_t)t * (size_t)q_cols;
+    __nv_bfloat162* qd = reinterpret_cast<__nv_bfloat162*>(q_row);
+    const int q_tasks = hadamard ? q_cols / head_dim : (qp + TURBO_WARP - 1) / TURBO_WARP;
     const int tasks = q_tasks + (store ? 2 * n_kv_heads : 0);
     // task is the same for the whole warp, so every branch below is warp-uniform.
     for (int task = blockIdx.y * warps + (int)threadIdx.x / TURBO_WARP; task < tasks; task += gridDim.y * warps) {
-        if (task < q_tasks) {
+        if (task < q_tasks && !hadamard) {
             const int p = task * TURBO_WARP + lane;
             if (p < qp) {
                 const float2 r = rope_rotate(__bfloat1622float2(qs[p]), pos, inv_freq[p % half]);
@@ -197,10 +247,12 @@ __device__ __forceinline__ void ew_qkv_rope_kv_quant(const __nv_bfloat16* qkv, _
             }
             continue;
         }
+        const bool query = task < q_tasks;
         const int r = task - q_tasks;
-        const bool values = r >= n_kv_heads;
-        const int head = values ? r - n_kv_heads : r;
-        const __nv_bfloat16* row = src + q_cols + (values ? kv_cols : 0) + head * head_dim;
+        const bool values = !query && r >= n_kv_heads;
+        const int head = query ? task : values ? r - n_kv_heads : r;
+        const __nv_bfloat16* row =
+            src + (query ? head * head_dim : q_cols + (values ? kv_cols : 0) + head * head_dim);
         float x[2][4] = {};
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -218,6 +270,19 @@ __device__ __forceinline__ void ew_qkv_rope_kv_quant(const __nv_bfloat16* qkv, _
                 }
             }
         }
+        if (hadamard && !values) ew_hadamard_row(x, head_dim);
+        if (query) {
+            const float scale = 1.f / (float)head_dim;  // a power of two: exact
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int quad = lane + TURBO_WARP * i;
+                if (quad >= head_dim / 4) continue;
+                __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(q_row + head * head_dim + 4 * quad);
+                out[0] = __floats2bfloat162_rn(__fmul_rn(x[i][0], scale), __fmul_rn(x[i][1], scale));
+                out[1] = __floats2bfloat162_rn(__fmul_rn(x[i][2], scale), __fmul_rn(x[i][3], scale));
+            }
+            continue;
+        }
         float* scale;
         unsigned char* codes =
             ew_kvq_row(values ? v_cache : k_cache, slot, head, block_size, n_kv_heads, head_dim, &scale);
@@ -229,9 +294,9 @@ __device__ __forceinline__ void ew_qkv_rope_kv_quant(const __nv_bfloat16* qkv, _
     extern "C" __global__ void NAME(const __nv_bfloat16* qkv, __nv_bfloat16* q, unsigned char* k_cache,         \
                                     unsigned char* v_cache, const unsigned* positions, const unsigned* slots,   \
                                     const float* inv_freq, int q_cols, int n_kv_heads, int head_dim,           \
-                                    int block_size, long long cache_slots) {                                   \
+                                    int block_size, long long cache_slots, int hadamard) {                     \
         ew_qkv_rope_kv_quant<KIND>(qkv, q, k_cache, v_cache, positions, slots, inv_freq, q_cols, n_kv_heads,   \
-                                   head_dim, block_size, cache_slots);                                          \
+                                   head_dim, block_size, cache_slots, hadamard);                                \
     }
 EW_QKV_ROPE_KV_QUANT(qkv_rope_kv_q8, KV_INT8)
 EW_QKV_ROPE_KV_QUANT(qkv_rope_kv_f8, KV_FP8)

@@ -670,10 +670,24 @@ pub trait Backend: Send + Sync {
         v: &Self::Tensor,
         batch: &Self::Batch,
     ) -> Result<()>;
+    /// Multiplies each `head_dim`-wide row of `x` by the Hadamard matrix
+    /// ([`turbo_attention::kv_quant::hadamard_rotate`]), then by `scale`: how
+    /// [`Backend::qkv_rope_write`] takes queries and keys into the basis of a cache whose dtype
+    /// [`KvDtype::rotates_keys`](turbo_attention::KvDtype::rotates_keys).
+    fn hadamard_heads(&self, x: &mut Self::Tensor, head_dim: usize, scale: f32) -> Result<()> {
+        let _ = (x, head_dim, scale);
+        Err(BackendError::Unsupported(format!(
+            "Hadamard rotations are not implemented on {}",
+            self.name()
+        )))
+    }
     /// The attention block's step after the fused QKV product (`qkv` rows are `[q | k | v]`):
     /// `q` receives the rotated queries, and the rotated keys and the values are stored at the
     /// batch's slots of `layer`. `k` and `v` are scratch a backend may use (this default splits
-    /// into them, rotates and writes; a GPU does it all in one kernel).
+    /// into them, rotates and writes; a GPU does it all in one kernel). A cache whose dtype
+    /// [`rotates_keys`](turbo_attention::KvDtype::rotates_keys) gets its keys in the Hadamard
+    /// basis, and `q` comes out in it too (scaled so that every `q·k` is kept):
+    /// [`Backend::attention`] and the eviction scores take queries as this step leaves them.
     #[allow(clippy::too_many_arguments)]
     fn qkv_rope_write(
         &self,
@@ -689,6 +703,11 @@ pub trait Backend: Send + Sync {
         self.split3(qkv, q, k, v)?;
         self.rope(q, head_dim, batch)?;
         self.rope(k, head_dim, batch)?;
+        if self.kv_spec(cache).dtype.rotates_keys(head_dim) {
+            let query_scale = turbo_attention::kv_quant::rotated_query_scale(head_dim);
+            self.hadamard_heads(q, head_dim, query_scale)?;
+            self.hadamard_heads(k, head_dim, 1.0)?;
+        }
         self.write_kv(cache, layer, k, v, batch)
     }
     /// The attention block's first half: [`Backend::norm_linear`] with the fused QKV weight,

@@ -14,7 +14,7 @@ use half::bf16;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use turbo_attention::kv_quant::quantize_row;
+use turbo_attention::kv_quant::{hadamard_rotate, quantize_row, rotated_query_scale};
 use turbo_attention::KvDtype;
 use turbo_kernels::ops::elementwise::{self, CompactShape, QuantGeometry};
 use turbo_kernels::CudaDevice;
@@ -272,7 +272,9 @@ fn write_kv_quant_equals_the_cpu_quantizer() {
 
 /// `qkv_rope_kv_quant` writes the same queries as `qkv_rope_kv` (bf16 cache) on the same inputs,
 /// and caches equal to `quantize_row` of that bf16 cache's rows: the rotation is the bf16
-/// kernel's, rounded to bf16 the same way, before quantizing.
+/// kernel's, rounded to bf16 the same way, before quantizing. Where the dtype rotates keys (INT8
+/// at power-of-two head dimensions), the keys are `hadamard_rotate` of those rows and the queries
+/// `hadamard_rotate` of the bf16 kernel's, times `1 / head_dim`, rounded to bf16: bit for bit.
 #[test]
 fn qkv_rope_kv_quant_equals_bf16_then_the_cpu_quantizer() {
     require_gpu!();
@@ -346,16 +348,34 @@ fn qkv_rope_kv_quant_equals_bf16_then_the_cpu_quantizer() {
                 let bits = |s: &CudaSlice<bf16>| -> Vec<u16> {
                     download(&dev, s).iter().map(|x| x.to_bits()).collect()
                 };
-                assert_eq!(bits(&q), bits(&q_ref), "{what}: queries");
+                // A cache that rotates keys takes the bf16 kernel's rows to the Hadamard basis
+                // (queries also times 1 / head_dim, rounded to bf16 again).
+                let rotates = dtype.rotates_keys(head_dim);
+                let rotated = |row: &[bf16], scale: f32| -> Vec<f32> {
+                    let mut x: Vec<f32> = row.iter().map(|b| b.to_f32()).collect();
+                    if rotates {
+                        hadamard_rotate(&mut x);
+                        x.iter_mut().for_each(|v| *v *= scale);
+                    }
+                    x
+                };
+                let want_q: Vec<u16> = download(&dev, &q_ref)
+                    .chunks(head_dim)
+                    .flat_map(|head| rotated(head, rotated_query_scale(head_dim)))
+                    .map(|v| bf16::from_f32(v).to_bits())
+                    .collect();
+                assert_eq!(bits(&q), want_q, "{what}: queries");
                 let (k_rows, v_rows) = (download(&dev, &k_ref), download(&dev, &v_ref));
                 for &slot in slots.iter().filter(|&&s| is_stored(&g, s)) {
                     for h in 0..g.n_kv_heads {
                         let at = slot as usize * kv_cols + h * head_dim;
-                        for (rows, image) in [(&k_rows, &mut want_k), (&v_rows, &mut want_v)] {
-                            let x: Vec<f32> =
-                                rows[at..at + head_dim].iter().map(|b| b.to_f32()).collect();
-                            put_row(dtype, &g, image, slot as usize, h, &x);
-                        }
+                        let k = rotated(&k_rows[at..at + head_dim], 1.0);
+                        put_row(dtype, &g, &mut want_k, slot as usize, h, &k);
+                        let v: Vec<f32> = v_rows[at..at + head_dim]
+                            .iter()
+                            .map(|b| b.to_f32())
+                            .collect();
+                        put_row(dtype, &g, &mut want_v, slot as usize, h, &v);
                     }
                 }
                 let got_k = to_bytes(&download(&dev, &k_cache));

@@ -334,6 +334,24 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn hadamard_heads(&self, x: &mut HostTensor, head_dim: usize, scale: f32) -> Result<()> {
+        if !head_dim.is_power_of_two() || !x.cols.is_multiple_of(head_dim) {
+            return Err(BackendError::Unsupported(format!(
+                "a Hadamard rotation of {head_dim}-wide heads over rows of {}",
+                x.cols
+            )));
+        }
+        self.pool.install(|| {
+            x.data.par_chunks_mut(head_dim).for_each(|row| {
+                turbo_attention::kv_quant::hadamard_rotate(row);
+                if scale != 1.0 {
+                    row.iter_mut().for_each(|v| *v *= scale);
+                }
+            })
+        });
+        Ok(())
+    }
+
     fn silu_mul(&self, gate: &mut HostTensor, up: &HostTensor) -> Result<()> {
         ops::silu_mul(&mut gate.data, &up.data);
         Ok(())

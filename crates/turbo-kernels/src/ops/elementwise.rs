@@ -233,7 +233,10 @@ fn quant_kernel(
 /// (token, KV head) row as `turbo_attention::kv_quant::quantize_row` does, bit for bit, and stored
 /// at slot `slots[t]` of the layer ranges `k_cache` and `v_cache` ([`QuantGeometry`]; a slot
 /// beyond `max_blocks · block_size` is skipped). One launch, as for bf16: quantizing needs each
-/// row's maximum, so a warp takes a whole row.
+/// row's maximum, so a warp takes a whole row. Where the dtype
+/// [`rotates_keys`](KvDtype::rotates_keys), each key row is taken to the Hadamard basis before it
+/// is quantized (`kv_quant::hadamard_rotate`'s bits), and each query head, rounded to bf16 after
+/// RoPE, is rotated too, times `1 / head_dim`, and rounded again.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_rope_kv_quant(
     dev: &CudaDevice,
@@ -300,8 +303,16 @@ pub fn qkv_rope_kv_quant(
     b.arg(&hd_i);
     b.arg(&bs_i);
     b.arg(&cache_slots);
-    // A warp per 32 query pairs and per KV row (the kernel strides over any remainder).
-    let warp_tasks = (q_cols / 2).div_ceil(32) + 2 * geometry.n_kv_heads;
+    let hadamard = dtype.rotates_keys(head_dim);
+    let hadamard_i = hadamard as i32;
+    b.arg(&hadamard_i);
+    // A warp per 32 query pairs (per query head when rotating) and per KV row (the kernel
+    // strides over any remainder).
+    let query_tasks = match hadamard {
+        true => q_cols / head_dim,
+        false => (q_cols / 2).div_ceil(32),
+    };
+    let warp_tasks = query_tasks + 2 * geometry.n_kv_heads;
     let per_token = warp_tasks.div_ceil(THREADS as usize / 32).min(65_535) as u32;
     // SAFETY: the arguments match the kernel's signature, the buffer sizes and the geometry were
     // checked, and the kernel bounds every slot by cache_slots.
