@@ -38,6 +38,12 @@
 #define WG_TILE (2 * WG_PANEL)           // bytes of one 128 x 128 bf16 tile
 #define WG_STAGES 2  // stages of the K ring and of the V ring (3 measured slower: above)
 #define WG_SMEM (WG_TILE * (1 + 2 * WG_STAGES) + 8 * WG_BARS)  // Q, the rings, the barriers (below)
+// A quantized cache (KV_INT8, KV_FP8) adds, before the barriers: each K stage's key and value
+// scales (WG_KEYS of each, f32), and the producer's staging area for one tile's 8-bit codes of K
+// and of V and their scales.
+#define WG_SCALES (2 * WG_KEYS * 4)                       // bytes of one K stage's scales
+#define WG_STAGING (2 * WG_KEYS * WG_HD + 2 * WG_KEYS * 4)  // codes of K and V, then their scales
+#define WG_SMEM_QUANT (WG_TILE * (1 + 2 * WG_STAGES) + WG_STAGES * WG_SCALES + WG_STAGING + 8 * WG_BARS)
 
 extern __shared__ __align__(1024) unsigned char wg_smem[];
 
@@ -51,6 +57,32 @@ __device__ __forceinline__ uint32_t wg_smem_addr(const void* p) {
 __device__ __forceinline__ void wg_cp_async16(uint32_t dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
+}
+// The same for 4 bytes.
+__device__ __forceinline__ void wg_cp_async4(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ float2 wg_lds_f2(uint32_t addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ uint4 wg_lds_u4(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ void wg_sts_u4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ void wg_sts_f32(uint32_t addr, float v) {
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ float wg_lds_f32(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+    return v;
 }
 
 // Byte offset of 16-byte chunk c (0..15, 8 dimensions each) of row r in a swizzled tile.
@@ -171,7 +203,17 @@ __device__ __forceinline__ void wg_fence_async_proxy() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-template <bool SHARED>
+// KIND (common.cuh): KV_BF16 caches are gathered straight into the rings by cp.async. With an
+// 8-bit cache (KV_INT8, KV_FP8) the producer gathers each tile's codes and scales into a staging
+// area, then writes the codes into the ring's stage as bf16 (kvq_decode4_bf16x2: INT8 codes
+// exactly, FP8 values times u^-2, u = kvq_bf16_half_unit) and the tile's key and value scales
+// (times u) beside its K stage. The consumers multiply each key's column of S by its scale (so
+// scores are in units of 1 / u, which the log2 factor and the lse take back), and each key's
+// softmax weight, once summed into l, by its value scale before P is packed (so O is in units of
+// 1 / u, taken back when it is normalized): no dequantised copy and no extra pass. A K stage
+// holds its tile's value scales, so the consumers release it after the softmax instead of
+// before.
+template <bool SHARED, int KIND>
 __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict__ q,
                                                 const __nv_bfloat16* __restrict__ k_cache,
                                                 const __nv_bfloat16* __restrict__ v_cache,
@@ -185,8 +227,12 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
                                                 float* __restrict__ part_o, float* __restrict__ part_lse) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const uint32_t sQ = wg_smem_addr(wg_smem);
+    constexpr bool QUANT = KIND != KV_BF16;
     const uint32_t sK = sQ + WG_TILE, sV = sK + WG_STAGES * WG_TILE;  // stage s at + s · WG_TILE
-    const uint32_t bars = sV + WG_STAGES * WG_TILE;
+    // Quantized caches: K stage s's key scales at sScales + s · WG_SCALES, its value scales
+    // WG_KEYS · 4 bytes later; the staging area's K codes [row][WG_HD], V codes, K scales, V scales.
+    const uint32_t sScales = sV + WG_STAGES * WG_TILE, sStaging = sScales + WG_STAGES * WG_SCALES;
+    const uint32_t bars = QUANT ? sStaging + WG_STAGING : sV + WG_STAGES * WG_TILE;
     auto bar = [&](int i) { return bars + 8u * (uint32_t)i; };
 
     // Prefill: one head, rows token0 + r at positions pos0 + r, keys [0, pos0 + n_rows).
@@ -287,16 +333,98 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
             }
         };
         find_rows(0);
-        for (int j = 0; j < n_tiles; j++) {
-            const int s = j % WG_STAGES;
-            const uint32_t refill_parity = (uint32_t)(j / WG_STAGES - 1) & 1u;
-            if (j >= WG_STAGES) wg_bar_wait(bar(WG_BAR_EMPTY_K + s), refill_parity);
-            copy_tile(k_cache, sK + (uint32_t)s * WG_TILE);
-            wg_bar_arrive_copies(bar(WG_BAR_FULL_K + s));
-            if (j >= WG_STAGES) wg_bar_wait(bar(WG_BAR_EMPTY_V + s), refill_parity);
-            copy_tile(v_cache, sV + (uint32_t)s * WG_TILE);
-            wg_bar_arrive_copies(bar(WG_BAR_FULL_V + s));
-            if (j + 1 < n_tiles) find_rows(j + 1);
+        if constexpr (QUANT) {
+            // This thread stages codes [16 cq, 16 cq + 16) of its rows (and, cq == 0, their
+            // scales), then converts exactly those: no other producer thread reads them.
+            const int cq = tid & 7;
+            const int kvh = head / group;
+            const unsigned char* kq = reinterpret_cast<const unsigned char*>(k_cache);
+            const unsigned char* vq = reinterpret_cast<const unsigned char*>(v_cache);
+            // Stages the K and V codes and scales of the tile whose rows are in rows[] (each
+            // row's addresses computed once for both: the producer's instructions are what a
+            // quantized tile waits on).
+            auto stage_codes = [&] {
+#pragma unroll
+                for (int p = 0; p < PASSES; p++) {
+                    const int r = (tid >> 3) + 16 * p;
+                    const bool valid = rows[p] != ~0u;
+                    size_t code = 0, sc = 0;
+                    if (valid) {
+                        const uint32_t b = block_shift >= 0 ? rows[p] >> block_shift : rows[p] / (uint32_t)block_size;
+                        const uint32_t slot = rows[p] - b * (uint32_t)block_size;
+                        code = kvq_code_at(b, slot, kvh, block_size, n_kv_heads, WG_HD) + (size_t)cq * 16;
+                        sc = kvq_scale_at(b, slot, kvh, block_size, n_kv_heads, WG_HD);
+                    }
+                    const uint32_t at = sStaging + (uint32_t)(r * WG_HD + cq * 16);
+                    wg_cp_async16(at, kq + code, valid);
+                    wg_cp_async16(at + WG_KEYS * WG_HD, vq + code, valid);
+                    if (cq == 0) {
+                        const uint32_t sat = sStaging + 2 * WG_KEYS * WG_HD + 4u * (uint32_t)r;
+                        wg_cp_async4(sat, kq + sc, valid);
+                        wg_cp_async4(sat + 4 * WG_KEYS, vq + sc, valid);
+                    }
+                }
+            };
+            // The staged codes of K (values: V) as bf16 into a ring stage.
+            auto convert = [&](bool values, uint32_t stage) {
+                // Two rows at a time: the producer has 40 registers.
+#pragma unroll 2
+                for (int p = 0; p < PASSES; p++) {
+                    const int r = (tid >> 3) + 16 * p;
+                    const uint4 w = wg_lds_u4(sStaging + (uint32_t)((values ? WG_KEYS * WG_HD : 0) + r * WG_HD + cq * 16));
+                    uint32_t b[8];
+                    kvq_decode4_bf16x2<KIND>(w.x, b[0], b[1]);
+                    kvq_decode4_bf16x2<KIND>(w.y, b[2], b[3]);
+                    kvq_decode4_bf16x2<KIND>(w.z, b[4], b[5]);
+                    kvq_decode4_bf16x2<KIND>(w.w, b[6], b[7]);
+                    wg_sts_u4(stage + wg_chunk(r, 2 * cq), b[0], b[1], b[2], b[3]);
+                    wg_sts_u4(stage + wg_chunk(r, 2 * cq + 1), b[4], b[5], b[6], b[7]);
+                }
+            };
+            constexpr float u = kvq_bf16_half_unit<KIND>();
+            // Tile j + 1's codes and scales are staged once tile j is converted; each tile waits
+            // for all of its own. (Orders that staged K and V apart, in two passes, measured
+            // slower.)
+            stage_codes();
+            for (int j = 0; j < n_tiles; j++) {
+                const int s = j % WG_STAGES;
+                const uint32_t refill_parity = (uint32_t)(j / WG_STAGES - 1) & 1u;
+                asm volatile("cp.async.wait_all;\n" ::: "memory");
+                if (j >= WG_STAGES) wg_bar_wait(bar(WG_BAR_EMPTY_K + s), refill_parity);
+                convert(false, sK + (uint32_t)s * WG_TILE);
+                // The tile's key and value scales go beside its K stage (the consumers read both
+                // during its softmax).
+                if (cq == 0) {
+#pragma unroll
+                    for (int p = 0; p < PASSES; p++) {
+                        const uint32_t r4 = 4u * (uint32_t)((tid >> 3) + 16 * p);
+                        const uint32_t from = sStaging + 2 * WG_KEYS * WG_HD + r4;
+                        const uint32_t to = sScales + (uint32_t)s * WG_SCALES + r4;
+                        wg_sts_f32(to, wg_lds_f32(from) * u);
+                        wg_sts_f32(to + 4 * WG_KEYS, wg_lds_f32(from + 4 * WG_KEYS) * u);
+                    }
+                }
+                wg_bar_arrive(bar(WG_BAR_FULL_K + s));
+                if (j >= WG_STAGES) wg_bar_wait(bar(WG_BAR_EMPTY_V + s), refill_parity);
+                convert(true, sV + (uint32_t)s * WG_TILE);
+                wg_bar_arrive(bar(WG_BAR_FULL_V + s));
+                if (j + 1 < n_tiles) {
+                    find_rows(j + 1);
+                    stage_codes();
+                }
+            }
+        } else {
+            for (int j = 0; j < n_tiles; j++) {
+                const int s = j % WG_STAGES;
+                const uint32_t refill_parity = (uint32_t)(j / WG_STAGES - 1) & 1u;
+                if (j >= WG_STAGES) wg_bar_wait(bar(WG_BAR_EMPTY_K + s), refill_parity);
+                copy_tile(k_cache, sK + (uint32_t)s * WG_TILE);
+                wg_bar_arrive_copies(bar(WG_BAR_FULL_K + s));
+                if (j >= WG_STAGES) wg_bar_wait(bar(WG_BAR_EMPTY_V + s), refill_parity);
+                copy_tile(v_cache, sV + (uint32_t)s * WG_TILE);
+                wg_bar_arrive_copies(bar(WG_BAR_FULL_V + s));
+                if (j + 1 < n_tiles) find_rows(j + 1);
+            }
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         return;
@@ -321,7 +449,9 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
         if (lane == 0) wg_bar_arrive(bar(first_bar + j % WG_STAGES));
     };
 
-    const float sl2 = scale * 1.4426950408889634f;  // scores to the log2 domain
+    // Scores to the log2 domain (a quantized cache's scores are in units of 1 / u).
+    constexpr float u = QUANT ? kvq_bf16_half_unit<KIND>() : 1.f;
+    const float sl2 = scale * u * 1.4426950408889634f;
     // This thread's rows: g (h = 0) and g + 8 (h = 1) of its warp's 16 rows.
     const int row_base = 64 * cw + 16 * wq + g;
     auto row_pos = [&](int h) { return pos0 + (uint32_t)(row_base + 8 * h); };
@@ -355,8 +485,21 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
     };
     // Masks S(j) and turns it into P(j) with the rows' new maxima; returns in corr the factors
     // that take O (and l) from the old maxima to the new.
+    // A quantized cache: tile j's key and value scales (times u) for this thread's keys 8i + 2t
+    // and 8i + 2t + 1, in its K stage.
+    auto tile_scales = [&](int j) { return sScales + (uint32_t)(j % WG_STAGES) * WG_SCALES + 8u * (uint32_t)t; };
     auto softmax = [&](int j, float (&corr)[2]) -> bool {
         const uint32_t key0 = k0 + (uint32_t)j * WG_KEYS;
+        if constexpr (QUANT) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                const float2 ks = wg_lds_f2(tile_scales(j) + 32u * (uint32_t)i);
+                s[4 * i] *= ks.x;
+                s[4 * i + 1] *= ks.y;
+                s[4 * i + 2] *= ks.x;
+                s[4 * i + 3] *= ks.y;
+            }
+        }
         // Keys past each row's position (tiles reaching past the warp's first row) or, SHARED,
         // at or past k1 (the last tile). s[4i + e]: n-tile i, row g + 8 (e >> 1), key
         // key0 + 8i + 2t + (e & 1).
@@ -407,6 +550,11 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
                 s[4 * i + 2 * h] = wg_exp2(fmaf(s[4 * i + 2 * h], sl2, -mus));
                 s[4 * i + 2 * h + 1] = wg_exp2(fmaf(s[4 * i + 2 * h + 1], sl2, -mus));
                 sum += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
+                if constexpr (QUANT) {
+                    const float2 vs = wg_lds_f2(tile_scales(j) + 4u * WG_KEYS + 32u * (uint32_t)i);
+                    s[4 * i + 2 * h] *= vs.x;
+                    s[4 * i + 2 * h + 1] *= vs.y;
+                }
             }
             l[h] = l[h] * corr[h] + sum;
         }
@@ -445,8 +593,9 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
     your_turn();
     wg_wait<0>();
     wg_fence_regs(s);
-    release(WG_BAR_EMPTY_K, 0);
+    if constexpr (!QUANT) release(WG_BAR_EMPTY_K, 0);
     bool rescale = softmax(0, corr);
+    if constexpr (QUANT) release(WG_BAR_EMPTY_K, 0);
     rescale_and_pack(rescale, corr);
     for (int j = 1; j < n_tiles; j++) {
         wait_full(WG_BAR_FULL_K, j);
@@ -458,8 +607,9 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
         your_turn();
         wg_wait<1>();  // S(j); P(j - 1)·V(j - 1) may still run
         wg_fence_regs(s);
-        release(WG_BAR_EMPTY_K, j);
+        if constexpr (!QUANT) release(WG_BAR_EMPTY_K, j);
         rescale = softmax(j, corr);
+        if constexpr (QUANT) release(WG_BAR_EMPTY_K, j);
         wg_wait<0>();
         wg_fence_regs(o);
         release(WG_BAR_EMPTY_V, j - 1);
@@ -482,8 +632,8 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         const uint32_t r = (uint32_t)(row_base + 8 * h);
         if (r < n_rows) {
-            const float inv = 1.f / sum;
-            const float lse = m[h] * scale + logf(sum);
+            const float inv = u / sum;  // O is in units of 1 / u
+            const float lse = m[h] * (scale * u) + logf(sum);
             uint32_t token;
             int hr;
             row_of(r, token, hr);
@@ -508,25 +658,31 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
     }
 }
 
-// The host launches these with WG_THREADS threads and WG_SMEM bytes of dynamic shared memory
-// (crates/turbo-kernels/src/ops/attention.rs must agree).
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_prefill_wg_d128(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
-    const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,
-    const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads, int group,
-    int n_kv_heads, int block_size, int block_shift, float scale, __nv_bfloat16* __restrict__ out,
-    float* __restrict__ lse_out) {
-    attn_prefill_wg<false>(q, k_cache, v_cache, tables, seq_table_start, items, n_heads, group, n_kv_heads,
-                           block_size, block_shift, scale, out, lse_out, nullptr, nullptr, nullptr, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_shared_wg_d128(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
-    const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,
-    const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads, int group,
-    int n_kv_heads, int block_size, int block_shift, float scale, const uint32_t* __restrict__ shared_tokens,
-    const uint32_t* __restrict__ token_state, float* __restrict__ part_o, float* __restrict__ part_lse) {
-    attn_prefill_wg<true>(q, k_cache, v_cache, tables, seq_table_start, items, n_heads, group, n_kv_heads,
-                          block_size, block_shift, scale, nullptr, nullptr, shared_tokens, token_state, part_o,
-                          part_lse);
-}
+// The host launches these with WG_THREADS threads and WG_SMEM (bf16) or WG_SMEM_QUANT (the q8 and
+// f8 kernels, which read INT8 and FP8 caches with the same arguments) bytes of dynamic shared
+// memory (crates/turbo-kernels/src/ops/attention.rs must agree).
+#define ATTN_WG_KERNELS(KIND, NAME)                                                                             \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_prefill_wg_##NAME##128(                    \
+        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                        \
+        const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                        \
+        const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads,         \
+        int group, int n_kv_heads, int block_size, int block_shift, float scale,                               \
+        __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {                                        \
+        attn_prefill_wg<false, KIND>(q, k_cache, v_cache, tables, seq_table_start, items, n_heads, group,      \
+                                     n_kv_heads, block_size, block_shift, scale, out, lse_out, nullptr,         \
+                                     nullptr, nullptr, nullptr);                                                \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_shared_wg_##NAME##128(                     \
+        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                        \
+        const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                        \
+        const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads,         \
+        int group, int n_kv_heads, int block_size, int block_shift, float scale,                               \
+        const uint32_t* __restrict__ shared_tokens, const uint32_t* __restrict__ token_state,                  \
+        float* __restrict__ part_o, float* __restrict__ part_lse) {                                            \
+        attn_prefill_wg<true, KIND>(q, k_cache, v_cache, tables, seq_table_start, items, n_heads, group,       \
+                                    n_kv_heads, block_size, block_shift, scale, nullptr, nullptr,               \
+                                    shared_tokens, token_state, part_o, part_lse);                             \
+    }
+ATTN_WG_KERNELS(KV_BF16, d)
+ATTN_WG_KERNELS(KV_INT8, q8_d)
+ATTN_WG_KERNELS(KV_FP8, f8_d)

@@ -261,12 +261,25 @@ fn bench(c: &mut Criterion) {
         );
     }
 
-    // Prefill attention: one causal sequence of 2048 or 8192 tokens, 32 heads, d 128.
-    for n in [2048usize, 8192] {
+    // Prefill attention: one causal sequence of 2048 or 8192 tokens, 32 heads, d 128; with an
+    // INT8 and an FP8 cache too (names ending in _int8 / _fp8).
+    for (n, dtype) in [2048usize, 8192]
+        .into_iter()
+        .flat_map(|n| [KvDtype::Full, KvDtype::Int8, KvDtype::Fp8].map(|d| (n, d)))
+    {
         let (heads, d, bs) = (32usize, 128usize, 16usize);
         let table: Vec<u32> = (0..(n / bs) as u32).collect();
-        let k = random_bf16(&s, n * heads * d, 4);
-        let v = random_bf16(&s, n * heads * d, 5);
+        let layout = attention::KvLayout {
+            block_size: bs,
+            n_kv_heads: heads,
+            head_dim: d,
+            dtype,
+        };
+        let cache = |seed| match dtype {
+            KvDtype::Full => random_bf16(&s, n * heads * d, seed),
+            _ => random_quantized(&s, layout, n / bs, seed),
+        };
+        let (k, v) = (cache(4), cache(5));
         let q = random_bf16(&s, n * heads * d, 6);
         let mut out = s.alloc_zeros::<bf16>(n * heads * d).unwrap();
         let spans = [QuerySpan {
@@ -275,11 +288,10 @@ fn bench(c: &mut Criterion) {
             kv_len: n,
             block_table: &table,
         }];
-        let layout = attention::KvLayout {
-            block_size: bs,
-            n_kv_heads: heads,
-            head_dim: d,
-            dtype: KvDtype::Full,
+        let suffix = match dtype {
+            KvDtype::Full => "",
+            KvDtype::Int8 => "_int8",
+            KvDtype::Fp8 => "_fp8",
         };
         // Causal: half of full attention's 4·n²·d·heads FLOP ("elements" below are FLOP).
         g.throughput(Throughput::Elements((2 * n * n * d * heads) as u64));
@@ -299,7 +311,7 @@ fn bench(c: &mut Criterion) {
                 attention::AttentionPlan::new(&dev, layout, heads, n, &spans, n / bs, options)
                     .unwrap();
             eprintln!("{name}: {:?}", plan.prefill_kernels().0);
-            g.bench_function(format!("{name}_causal_s{n}_h32_d128"), |b| {
+            g.bench_function(format!("{name}_causal_s{n}_h32_d128{suffix}"), |b| {
                 b.iter_custom(|iters| {
                     time_gpu(&dev, iters, || {
                         plan.run(&dev, &q, &k, &v, 0.088, &mut out, None, 0)

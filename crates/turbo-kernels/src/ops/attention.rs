@@ -11,8 +11,9 @@
 //!   in, f32 accumulation). On an sm_90 device with head_dim 128 it is the warpgroup-MMA kernel of
 //!   `kernels/attention_sm90a.cu` (wgmma, 128-key tiles gathered by a producer warpgroup, two
 //!   consumer warpgroups taking turns on the tensor cores, the softmax of one tile overlapping the
-//!   P·V product of the one before); elsewhere the `mma.sync` kernels of `kernels/attention.cu`
-//!   (see [`PrefillKernel`]).
+//!   P·V product of the one before; over an 8-bit cache the producer converts each tile's codes
+//!   to bf16 and the consumers apply the scales to S and P); elsewhere the `mma.sync` kernels of
+//!   `kernels/attention.cu` (see [`PrefillKernel`]).
 //! - Every other row (decode rows, short spans) goes to a row kernel: one CTA computes one query
 //!   row over one range of its keys, for all the query heads of a KV head at once with tensor cores
 //!   (head_dim 64 and 128: each K and V row read once per KV head) or for one query head with CUDA
@@ -315,21 +316,33 @@ fn prefill_shape(
     choice: PrefillKernel,
     dtype: KvDtype,
 ) -> Option<PrefillShape> {
-    // The warpgroup kernel reads bf16 caches only: quantized ones take the mma.sync kernels.
-    if head_dim == 128
-        && choice == PrefillKernel::Auto
-        && dtype == KvDtype::Full
-        && dev.supports_module("attention_sm90a")
-    {
+    if head_dim == 128 && choice == PrefillKernel::Auto && dev.supports_module("attention_sm90a") {
         // A producer warpgroup and two consumer warpgroups of 64 rows; Q and two stages of K
-        // and V, 128 x 128 bf16 each, and the stages' nine barriers (`WG_SMEM`).
+        // and V, 128 x 128 bf16 each, and the stages' nine barriers (`WG_SMEM`). An 8-bit cache
+        // adds each K stage's key and value scales and a staging area for one tile's codes and
+        // scales (`WG_SMEM_QUANT`).
+        let tiles = 5 * 128 * 128 * 2 + 9 * 8;
+        let quant = 2 * (2 * 128 * 4) + (2 * 128 * 128 + 2 * 128 * 4);
+        let (prefill, shared, smem) = match dtype {
+            KvDtype::Full => ("attn_prefill_wg_d128", "attn_shared_wg_d128", tiles),
+            KvDtype::Int8 => (
+                "attn_prefill_wg_q8_d128",
+                "attn_shared_wg_q8_d128",
+                tiles + quant,
+            ),
+            KvDtype::Fp8 => (
+                "attn_prefill_wg_f8_d128",
+                "attn_shared_wg_f8_d128",
+                tiles + quant,
+            ),
+        };
         return Some(PrefillShape {
             module: "attention_sm90a",
-            prefill: "attn_prefill_wg_d128",
-            shared: "attn_shared_wg_d128",
+            prefill,
+            shared,
             threads: 384,
             rows: 128,
-            smem: 5 * 128 * 128 * 2 + 9 * 8,
+            smem,
             ctas_per_sm: 1,
         });
     }
