@@ -61,6 +61,15 @@ impl KvDtype {
         }
     }
 
+    /// What a cache of this dtype stores, given the backend's unquantized element size (4 on
+    /// the CPU, 2 on a GPU): `f32` or `bf16` for the unquantized cache, else the dtype's name.
+    pub fn storage_name(self, full_element_bytes: usize) -> &'static str {
+        match (self, full_element_bytes) {
+            (KvDtype::Full, 4) => "f32",
+            _ => self.name(),
+        }
+    }
+
     pub fn is_quantized(self) -> bool {
         self != KvDtype::Full
     }

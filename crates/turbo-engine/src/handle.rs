@@ -80,6 +80,9 @@ pub struct EngineInfo {
     pub num_blocks: usize,
     /// How the KV cache stores keys and values (`bf16`, `int8`, `fp8`).
     pub kv_dtype: turbo_core::KvDtype,
+    /// The element the cache holds on this backend: the dtype's name, or `f32` for the
+    /// unquantized cache on the CPU.
+    pub kv_storage: &'static str,
     pub max_batch: usize,
     pub max_pending: usize,
     /// What a request may ask (context, vocabulary, KV cache size).
@@ -532,6 +535,9 @@ impl ModelTask for EngineThread {
                 block_size: info.block_size,
                 num_blocks,
                 kv_dtype: model.kv_dtype(),
+                kv_storage: model
+                    .kv_dtype()
+                    .storage_name(model.backend().kv_element_bytes()),
                 max_batch: config.max_batch,
                 max_pending: config.max_pending,
                 limits: RequestLimits {

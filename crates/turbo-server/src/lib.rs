@@ -268,7 +268,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let text = state
         .metrics
-        .render(&state.engine.stats(), state.engine.info().kv_dtype);
+        .render(&state.engine.stats(), state.engine.info().kv_storage);
     (
         [(
             header::CONTENT_TYPE,

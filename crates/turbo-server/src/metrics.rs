@@ -165,9 +165,9 @@ impl Metrics {
             .inc();
     }
 
-    /// The Prometheus text exposition, with the engine's state as of `stats` and its KV cache's
-    /// dtype.
-    pub fn render(&self, stats: &EngineStats, kv_dtype: turbo_engine::KvDtype) -> String {
+    /// The Prometheus text exposition, with the engine's state as of `stats` and what its KV
+    /// cache stores (`EngineInfo::kv_storage`: `f32` or `bf16` unquantized, `int8`, `fp8`).
+    pub fn render(&self, stats: &EngineStats, kv_storage: &str) -> String {
         let b = &stats.batch;
         let set = |g: &Gauge, v: usize| g.set(i64::try_from(v).unwrap_or(i64::MAX));
         set(&self.running, b.running);
@@ -179,7 +179,7 @@ impl Metrics {
         set(&self.kv_total, b.kv_blocks_total);
         set(&self.idle_sessions, b.idle_sessions);
         self.kv_dtype
-            .get_or_create(&vec![("dtype".to_string(), kv_dtype.to_string())])
+            .get_or_create(&vec![("dtype".to_string(), kv_storage.to_string())])
             .set(1);
         let seen = self
             .preemptions_seen

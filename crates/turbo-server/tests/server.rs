@@ -632,6 +632,11 @@ fn models_and_metrics() {
         ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }
+        // The CPU's unquantized cache holds f32.
+        assert!(
+            text.contains("turbo_kv_cache_dtype{dtype=\"f32\"} 1"),
+            "kv_cache_dtype in:\n{text}"
+        );
     });
 }
 
