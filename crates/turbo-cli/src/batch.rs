@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use turbo_engine::limits::MAX_REQUESTS_FILE_BYTES;
 use turbo_engine::requests_file::{parse_requests, ParsedLine, RequestLine};
-use turbo_engine::{Engine, EngineConfig};
+use turbo_engine::{ChatMessage, Engine, EngineConfig};
 use turbo_scheduler::{FinishReason, Request, SamplingParams, StepPhases, StepTiming};
 
 /// Options of batch mode.
@@ -29,6 +29,8 @@ pub struct BatchArgs {
     pub eviction: KvPolicyArgs,
     /// Where to write the per-step timeline, if anywhere.
     pub step_profile: Option<PathBuf>,
+    /// Each line's prompt is a user message in the model's chat template.
+    pub chat: bool,
 }
 
 /// The tokens a step may hold, from `--max-batched-tokens`: below `--max-batch` it is raised to
@@ -280,7 +282,11 @@ fn read_requests_file(path: &std::path::Path) -> Result<Vec<u8>> {
 
 /// The engine request of one line, with the flags for what the line leaves out.
 fn make_request(engine: &Engine, args: &BatchArgs, line: RequestLine) -> Result<Request> {
-    let mut request = Request::new(engine.text_prompt(&line.prompt)?);
+    let prompt = match args.chat {
+        true => engine.chat_prompt(&[ChatMessage::new("user", line.prompt.clone())])?,
+        false => engine.text_prompt(&line.prompt)?,
+    };
+    let mut request = Request::new(prompt);
     request.sampling = SamplingParams {
         temperature: line.temperature.unwrap_or(args.sampling.temperature),
         seed: line.seed.unwrap_or(args.sampling.seed),

@@ -101,10 +101,18 @@ pub struct Row {
     pub budget: f64,
     pub kv_tokens: usize,
     pub nll: f64,
+    /// `exp(nll)`; JSON has no infinity, so one past f64's range is written as null and read
+    /// back as infinity.
+    #[serde(deserialize_with = "null_as_infinity")]
     pub ppl: f64,
     pub greedy_agree: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rouge_l: Option<f64>,
+}
+
+fn null_as_infinity<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    use serde::Deserialize;
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::INFINITY))
 }
 
 /// What one request produced.
@@ -284,21 +292,17 @@ fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
         "--prompt-tokens + --eval-tokens = {} is more than the model's context of {context}",
         args.prompt_tokens.saturating_add(args.eval_tokens)
     );
-    print_header(args.json)?;
-    let mut rows = Vec::new();
+    // Every text is read and tokenized before any is evaluated: a missing, short or unreadable
+    // one fails the command before the others' time is spent.
+    let (n, k) = (args.prompt_tokens, args.eval_tokens);
+    let mut texts = Vec::with_capacity(args.text.len());
     for path in &args.text {
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
         // Only the text's first prompt + eval tokens are used: its head is read, never more
         // (as many bytes as that many tokens can stand for).
         let info = engine.info();
-        let bytes_per_token = (info.max_prompt_bytes / info.context_length.max(1) as u64).max(1);
-        let limit = bytes_per_token.saturating_mul((args.prompt_tokens + args.eval_tokens) as u64);
+        let limit = info.max_bytes_per_token.saturating_mul((n + k) as u64);
         let content = read_head(path, limit.min(info.max_prompt_bytes))?;
         let ids = engine.text_prompt(&content)?;
-        let (n, k) = (args.prompt_tokens, args.eval_tokens);
         if ids.len() < n + k {
             bail!(
                 "{} has {} tokens, fewer than --prompt-tokens + --eval-tokens = {}",
@@ -307,6 +311,15 @@ fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
                 n + k
             );
         }
+        texts.push((path, ids));
+    }
+    print_header(args.json)?;
+    let mut rows = Vec::new();
+    for (path, ids) in texts {
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let (prompt, forced) = match args.task {
             Task::Continue => (ids[..n].to_vec(), ids[n..n + k].to_vec()),
             Task::Summarize => {

@@ -50,7 +50,8 @@ pub struct GenerateArgs {
     /// Stop when this text is generated (repeatable); it is not included in the output.
     #[arg(long)]
     stop: Vec<String>,
-    /// Wrap the prompt as a user message in the model's chat template.
+    /// Wrap the prompt (with --prompts-file, each line's prompt) as a user message in the
+    /// model's chat template.
     #[arg(long)]
     chat: bool,
     /// Keep generating past end-of-sequence tokens.
@@ -115,6 +116,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             kv: args.kv.clone(),
             eviction: args.eviction.clone(),
             step_profile: args.step_profile.clone(),
+            chat: args.chat,
         };
         return crate::batch::run(&args.model, batch);
     }

@@ -126,11 +126,18 @@ fn usage_error(e: clap::Error) -> ExitCode {
         let _ = e.print();
         return ExitCode::SUCCESS;
     }
+    // Clap's first paragraph, as one line: a missing argument's name is on the lines after
+    // "the following required arguments were not provided:".
     let rendered = e.render().to_string();
-    let line = rendered
+    let paragraph: Vec<&str> = rendered
         .lines()
-        .next()
-        .unwrap_or("error: invalid arguments");
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let line = match paragraph.is_empty() {
+        true => "error: invalid arguments".to_string(),
+        false => paragraph.join(" "),
+    };
     eprintln!("{line} (see --help)");
     ExitCode::from(2)
 }

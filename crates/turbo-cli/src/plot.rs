@@ -142,7 +142,22 @@ pub fn means(rows: &[Row]) -> Result<Means> {
                 points,
             }
         })
-        .collect();
+        .collect::<Vec<Curve>>();
+    // A perplexity beyond f64's range (written as null), or a ratio that overflows, has no
+    // place on an axis.
+    for curve in &curves {
+        for p in &curve.points {
+            ensure!(
+                p.ppl_vs_full.is_finite() && p.greedy_agree.is_finite(),
+                "policy {} at budget {}: perplexity against full attention's is {}%, greedy \
+                 agreement {}: not plottable",
+                curve.policy,
+                p.budget,
+                p.ppl_vs_full,
+                p.greedy_agree
+            );
+        }
+    }
     Ok(Means {
         task: first.task.clone(),
         texts: full.len(),
@@ -507,7 +522,16 @@ fn draw_panel(area: &Area, means: &Means, panel: &Panel) -> Result<Vec<String>> 
     let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
         (lo.min(v), hi.max(v))
     });
-    let span = if hi > lo { hi - lo } else { 1.0 };
+    ensure!(
+        lo.is_finite() && hi.is_finite(),
+        "{}: values from {lo} to {hi} cannot be plotted",
+        panel.title
+    );
+    let span = if hi - lo > 0.0 && (hi - lo).is_finite() {
+        hi - lo
+    } else {
+        1.0
+    };
     let (y_lo, y_hi) = (
         lo - 0.06 * span,
         hi + if off.is_empty() { 0.08 } else { 0.22 } * span,
@@ -773,6 +797,20 @@ mod tests {
         ];
         mixed[1].task = "summarize".to_string();
         assert!(msg(&mixed).contains("mix tasks"));
+        // Perplexities whose ratio leaves f64's range (a run whose NLL overflowed writes its
+        // perplexity as null, read back as infinity) are refused, not drawn on an endless axis.
+        for ppl in [1e307, f64::INFINITY] {
+            let huge = [
+                row("a", "full", 1.0, 1.0, 1.0),
+                row("a", "window", 0.5, ppl, 0.5),
+            ];
+            assert!(msg(&huge).contains("not plottable"), "{}", msg(&huge));
+        }
+        let null: crate::eval_kv::Row = serde_json::from_str(
+            r#"{"text":"a","task":"continue","policy":"h2o","budget":0.5,"kv_tokens":1,"nll":1e300,"ppl":null,"greedy_agree":0.5}"#,
+        )
+        .unwrap();
+        assert_eq!(null.ppl, f64::INFINITY);
     }
 
     /// Width and height from a PNG's header: the 8-byte signature, then the IHDR chunk

@@ -550,6 +550,33 @@ fn prompts_file_runs_every_request_in_input_order() {
     }
     assert!(text(&out.stderr).contains("requests/s"));
 
+    // --chat wraps each line's prompt as a user message, as it does a single prompt's.
+    std::fs::write(&file, "{\"prompt\": \"hello\", \"max_tokens\": 1}\n").unwrap();
+    let chat_args: Vec<&str> = args.iter().copied().chain(["--chat"]).collect();
+    let out = turbo(&chat_args, None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let row: serde_json::Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    let single = turbo(
+        &[
+            "generate",
+            "--device",
+            "cpu",
+            "--model",
+            p(&model),
+            "--prompt",
+            "hello",
+            "--chat",
+            "--json",
+            "--max-tokens",
+            "1",
+        ],
+        None,
+    );
+    assert!(single.status.success(), "{}", text(&single.stderr));
+    let single: serde_json::Value = serde_json::from_str(text(&single.stdout).trim()).unwrap();
+    assert_eq!(row["prompt_token_ids"], single["prompt_token_ids"]);
+    assert_ne!(row["prompt_token_ids"], rows[0]["prompt_token_ids"]);
+
     // A malformed line fails alone, with its line number; the command fails at the end.
     std::fs::write(&file, "{\"prompt\": \"ok\", \"max_tokens\": 1}\nnot json\n").unwrap();
     let out = turbo(&args, None);

@@ -90,6 +90,9 @@ pub struct EngineInfo {
     /// Longest prompt text, in bytes, worth tokenizing: any longer text is more tokens than
     /// the context holds (see [`max_prompt_bytes`]), so it is refused before tokenizing.
     pub max_prompt_bytes: u64,
+    /// The most bytes of text one token can stand for (see [`max_prompt_bytes`]): a reader that
+    /// wants the first N tokens of a text needs at most N times this many bytes of it.
+    pub max_bytes_per_token: u64,
 }
 
 /// A snapshot of the engine, published after every step.
@@ -547,6 +550,7 @@ impl ModelTask for EngineThread {
                     num_blocks,
                 },
                 max_prompt_bytes: max_prompt_bytes(&tokenizer, info.context_length),
+                max_bytes_per_token: max_bytes_per_token(&tokenizer),
             };
             let mut batch = PersistentBatch::new(model, tokenizer.clone(), batch_config)?;
             batch.set_overlap(batch.overlaps() && config.model.overlap_steps);
@@ -662,14 +666,18 @@ fn model_id(path: &std::path::Path) -> String {
 /// more than the longest token's bytes, with a factor of 4 for normalizers that shrink text
 /// (NFKC folding, dropped characters), capped at [`crate::limits::MAX_PROMPT_BYTES`].
 fn max_prompt_bytes(tokenizer: &TextTokenizer, context: usize) -> u64 {
+    (context as u64)
+        .saturating_mul(max_bytes_per_token(tokenizer))
+        .min(crate::limits::MAX_PROMPT_BYTES)
+}
+
+/// Four times the longest token's bytes (see [`max_prompt_bytes`]).
+fn max_bytes_per_token(tokenizer: &TextTokenizer) -> u64 {
     let longest = (0..tokenizer.vocab_size() as u32)
         .filter_map(|id| tokenizer.token_bytes(id).ok())
         .map(|b| b.len() as u64)
         .max()
         .unwrap_or(1)
         .max(1);
-    (context as u64)
-        .saturating_mul(longest)
-        .saturating_mul(4)
-        .min(crate::limits::MAX_PROMPT_BYTES)
+    longest.saturating_mul(4)
 }

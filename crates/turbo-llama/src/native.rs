@@ -34,7 +34,7 @@ struct Manifest {
 
 pub(crate) fn load(dir: &Path) -> Result<LoadedModel> {
     let path = dir.join(MANIFEST);
-    let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+    let text = turbo_tokenizer::read_model_text(&path).map_err(io_err(&path))?;
     let manifest: Manifest = serde_json::from_str(&text)
         .map_err(|e| LlamaError::Format(format!("{}: {e}", path.display())))?;
     if manifest.format != FORMAT

@@ -98,6 +98,11 @@ impl LoadedModel {
             .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
             .collect();
         match ggufs.as_slice() {
+            // Opening a FIFO would block, and a device has nothing to map.
+            [one] if !one.is_file() => Err(LlamaError::Format(format!(
+                "{}: not a regular file (a directory, device or pipe)",
+                one.display()
+            ))),
             [one] => load_gguf(one),
             [] => Err(LlamaError::Format(format!(
                 "{}: not a model: expected a .gguf file, or a directory with config.json (HF) or {} (Turbo native)",
@@ -548,6 +553,13 @@ impl SafetensorsSet {
         let mut metadata = BTreeMap::new();
         let mut origin: BTreeMap<String, &Path> = BTreeMap::new();
         for path in files {
+            // Opening a FIFO would block, and a device has nothing to map.
+            if !path.is_file() {
+                return Err(LlamaError::Format(format!(
+                    "{}: not a regular file (a directory, device or pipe)",
+                    path.display()
+                )));
+            }
             let file = std::fs::File::open(path).map_err(io_err(path))?;
             // SAFETY: the map is read-only; model files are not expected to change while loaded.
             let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(io_err(path))?);
@@ -693,7 +705,7 @@ fn hf_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
+        let text = turbo_tokenizer::read_model_text(&index).map_err(io_err(&index))?;
         let json: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| LlamaError::Format(format!("{}: {e}", index.display())))?;
         let map = json
@@ -742,7 +754,7 @@ fn hf_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 
 fn load_hf(dir: &Path) -> Result<LoadedModel> {
     let config_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&config_path).map_err(io_err(&config_path))?;
+    let text = turbo_tokenizer::read_model_text(&config_path).map_err(io_err(&config_path))?;
     let hf: HfConfig = serde_json::from_str(&text)
         .map_err(|e| LlamaError::Config(format!("{}: {e}", config_path.display())))?;
     let config = hf
@@ -774,16 +786,16 @@ fn load_hf(dir: &Path) -> Result<LoadedModel> {
 /// `tokenizer_config.json` (a string, or a list of named templates of which "default" is used).
 pub(crate) fn hf_chat_template(dir: &Path) -> Result<Option<String>> {
     let jinja = dir.join("chat_template.jinja");
-    if jinja.is_file() {
+    if jinja.exists() {
         return Ok(Some(
-            std::fs::read_to_string(&jinja).map_err(io_err(&jinja))?,
+            turbo_tokenizer::read_model_text(&jinja).map_err(io_err(&jinja))?,
         ));
     }
     let path = dir.join("tokenizer_config.json");
-    if !path.is_file() {
+    if !path.exists() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+    let text = turbo_tokenizer::read_model_text(&path).map_err(io_err(&path))?;
     let json: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| LlamaError::Format(format!("{}: {e}", path.display())))?;
     Ok(match json.get("chat_template") {

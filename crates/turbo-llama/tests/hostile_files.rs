@@ -698,3 +698,46 @@ fn native_layer_count_must_match_the_blocks_present() {
     std::fs::write(&manifest, json.to_string()).unwrap();
     assert!(config_err(&native).contains("the RMS norm epsilon is 0"));
 }
+
+/// A model directory's files that are not regular files (a device that never ends, a pipe that
+/// would block the open) are refused by name before anything is read from them.
+#[cfg(unix)]
+#[test]
+fn special_files_in_a_model_directory_are_refused_quickly() {
+    let dir = tempfile::tempdir().unwrap();
+    let refused = |path: &Path, name: &str| {
+        let msg = load_err(path).to_string();
+        assert!(
+            msg.contains(name) && msg.contains("not a regular file"),
+            "{name}: {msg}"
+        );
+    };
+    for name in [
+        "tokenizer_config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+    ] {
+        let model = hf(dir.path(), |_| {}, |_| {});
+        let _ = std::fs::remove_file(model.join(name));
+        std::os::unix::fs::symlink("/dev/zero", model.join(name)).unwrap();
+        refused(&model, name);
+    }
+    let model = hf(dir.path(), |_| {}, |_| {});
+    std::fs::remove_file(model.join("model.safetensors")).unwrap();
+    mkfifo(&model.join("model.safetensors"));
+    refused(&model, "model.safetensors");
+    let only = dir.path().join("only");
+    std::fs::create_dir(&only).unwrap();
+    mkfifo(&only.join("a.gguf"));
+    refused(&only, "a.gguf");
+}
+
+#[cfg(unix)]
+fn mkfifo(path: &Path) {
+    let status = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(status.success(), "mkfifo {}", path.display());
+}

@@ -5,7 +5,9 @@
 
 pub mod chat;
 mod contain;
+pub mod files;
 pub mod tokenizer;
 
 pub use chat::{ChatError, ChatMessage, ChatTemplate, MAX_RENDERED_ITEMS};
+pub use files::{read_model_text, MODEL_TEXT_LIMIT};
 pub use tokenizer::{GgufVocab, TextStream, TextTokenizer, TokenizerError};

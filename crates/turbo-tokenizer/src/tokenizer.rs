@@ -352,13 +352,14 @@ impl TextTokenizer {
     /// post-processor (e.g. Llama-3's template adds `<|begin_of_text|>`).
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
         let tok_path = dir.join("tokenizer.json");
-        if !tok_path.is_file() {
+        if !tok_path.exists() {
             return Err(TokenizerError::MissingFile(tok_path));
         }
-        let text = std::fs::read_to_string(&tok_path).map_err(|error| TokenizerError::Io {
-            path: tok_path.clone(),
-            error,
-        })?;
+        let text =
+            crate::files::read_model_text(&tok_path).map_err(|error| TokenizerError::Io {
+                path: tok_path.clone(),
+                error,
+            })?;
         // The tokenizers crate panics on some malformed files (a subword prefix longer than a
         // merge's part, a truncated decoder): contained, that is an error of the file.
         let mut inner = crate::contain::contained(|| Tokenizer::from_str(&text))
@@ -723,7 +724,7 @@ fn bpe_token_without_merges(inner: &Tokenizer, text: &str) -> Option<String> {
 
 /// Reads a JSON file that may be absent; a present but unreadable/corrupt file is an error.
 fn read_optional_json(path: &Path) -> Result<Option<serde_json::Value>> {
-    let text = match std::fs::read_to_string(path) {
+    let text = match crate::files::read_model_text(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(error) => {
