@@ -913,22 +913,13 @@ __device__ __forceinline__ void attn_prefill(const __nv_bfloat16* __restrict__ q
 // The q8 and f8 kernels read INT8 and FP8 caches (same arguments).
 #define ATTN_PREFILL_KERNEL_OF(HD, WARPS, MT, BN, MIN_CTAS, KIND, NAME)                                   \
     extern "C" __global__ void __launch_bounds__(WARPS * TURBO_WARP, MIN_CTAS) attn_prefill_##NAME##HD(   \
-        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
-        const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
-        const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads,   \
-        int group, int n_kv_heads, int block_size, int block_shift, float scale,                         \
-        __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {                                  \
+        ATTN_PREFILL_ARGS, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {              \
         attn_prefill<HD, WARPS, MT, BN, false, KIND>(q, k_cache, v_cache, tables, seq_table_start, items,      \
                                                n_heads, group, n_kv_heads, block_size, block_shift, scale,  \
                                                out, lse_out, nullptr, nullptr, nullptr, nullptr);        \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(WARPS * TURBO_WARP, MIN_CTAS) attn_shared_##NAME##HD(    \
-        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                  \
-        const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                  \
-        const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads,   \
-        int group, int n_kv_heads, int block_size, int block_shift, float scale,                         \
-        const uint32_t* __restrict__ shared_tokens, const uint32_t* __restrict__ token_state,            \
-        float* __restrict__ part_o, float* __restrict__ part_lse) {                                      \
+        ATTN_PREFILL_ARGS, ATTN_SHARED_ARGS) {                                                            \
         attn_prefill<HD, WARPS, MT, BN, true, KIND>(q, k_cache, v_cache, tables, seq_table_start, items,       \
                                               n_heads, group, n_kv_heads, block_size, block_shift, scale,   \
                                               nullptr, nullptr, shared_tokens, token_state, part_o,      \

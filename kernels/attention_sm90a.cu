@@ -663,22 +663,13 @@ __device__ __forceinline__ void attn_prefill_wg(const __nv_bfloat16* __restrict_
 // memory (crates/turbo-kernels/src/ops/attention.rs must agree).
 #define ATTN_WG_KERNELS(KIND, NAME)                                                                             \
     extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_prefill_wg_##NAME##128(                    \
-        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                        \
-        const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                        \
-        const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads,         \
-        int group, int n_kv_heads, int block_size, int block_shift, float scale,                               \
-        __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {                                        \
+        ATTN_PREFILL_ARGS, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {                    \
         attn_prefill_wg<false, KIND>(q, k_cache, v_cache, tables, seq_table_start, items, n_heads, group,      \
                                      n_kv_heads, block_size, block_shift, scale, out, lse_out, nullptr,         \
                                      nullptr, nullptr, nullptr);                                                \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_shared_wg_##NAME##128(                     \
-        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,                        \
-        const __nv_bfloat16* __restrict__ v_cache, const uint32_t* __restrict__ tables,                        \
-        const uint32_t* __restrict__ seq_table_start, const uint32_t* __restrict__ items, int n_heads,         \
-        int group, int n_kv_heads, int block_size, int block_shift, float scale,                               \
-        const uint32_t* __restrict__ shared_tokens, const uint32_t* __restrict__ token_state,                  \
-        float* __restrict__ part_o, float* __restrict__ part_lse) {                                            \
+        ATTN_PREFILL_ARGS, ATTN_SHARED_ARGS) {                                                                  \
         attn_prefill_wg<true, KIND>(q, k_cache, v_cache, tables, seq_table_start, items, n_heads, group,       \
                                     n_kv_heads, block_size, block_shift, scale, nullptr, nullptr,               \
                                     shared_tokens, token_state, part_o, part_lse);                             \

@@ -496,3 +496,15 @@ __device__ __forceinline__ void gemv_qkv_rope_store(const float (&dot)[M][2], co
         }
     }
 }
+
+// The leading arguments of every prefill and cascade-prefix kernel (attention.cu's mma.sync
+// kernels, attention_sm90a.cu's warpgroup ones): the host launches them all alike.
+#define ATTN_PREFILL_ARGS                                                                              \
+    const __nv_bfloat16 *__restrict__ q, const __nv_bfloat16 *__restrict__ k_cache,                  \
+        const __nv_bfloat16 *__restrict__ v_cache, const uint32_t *__restrict__ tables,              \
+        const uint32_t *__restrict__ seq_table_start, const uint32_t *__restrict__ items, int n_heads, \
+        int group, int n_kv_heads, int block_size, int block_shift, float scale
+// The cascade-prefix kernels' remaining arguments.
+#define ATTN_SHARED_ARGS                                                                                  \
+    const uint32_t *__restrict__ shared_tokens, const uint32_t *__restrict__ token_state,               \
+        float *__restrict__ part_o, float *__restrict__ part_lse

@@ -493,6 +493,26 @@ fn broken_chat_template() {
     assert!(out.status.success(), "{}", text(&out.stderr));
 }
 
+/// `generate --json` of one token of `prompt` on the CPU, with `extra` flags.
+fn one_token_json(model: &Path, prompt: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "generate",
+        "--device",
+        "cpu",
+        "--model",
+        p(model),
+        "--prompt",
+        prompt,
+        "--json",
+        "--max-tokens",
+        "1",
+    ];
+    args.extend_from_slice(extra);
+    let out = turbo(&args, None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    serde_json::from_str(text(&out.stdout).trim()).unwrap()
+}
+
 #[test]
 fn prompts_file_runs_every_request_in_input_order() {
     let (dir, model) = gguf_fixture(64);
@@ -528,22 +548,7 @@ fn prompts_file_runs_every_request_in_input_order() {
         rows.iter()
             .zip([("hello", 3usize), ("the quick brown fox", 5), ("hi", 1)])
     {
-        let single = turbo(
-            &[
-                "generate",
-                "--device",
-                "cpu",
-                "--model",
-                p(&model),
-                "--prompt",
-                prompt,
-                "--json",
-                "--max-tokens",
-                "1",
-            ],
-            None,
-        );
-        let single: serde_json::Value = serde_json::from_str(text(&single.stdout).trim()).unwrap();
+        let single = one_token_json(&model, prompt, &[]);
         assert_eq!(row["prompt_token_ids"], single["prompt_token_ids"]);
         assert!(row["token_ids"].as_array().unwrap().len() <= max);
         assert!(row["timings"]["prefill_ms"].as_f64().is_some());
@@ -556,24 +561,7 @@ fn prompts_file_runs_every_request_in_input_order() {
     let out = turbo(&chat_args, None);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let row: serde_json::Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
-    let single = turbo(
-        &[
-            "generate",
-            "--device",
-            "cpu",
-            "--model",
-            p(&model),
-            "--prompt",
-            "hello",
-            "--chat",
-            "--json",
-            "--max-tokens",
-            "1",
-        ],
-        None,
-    );
-    assert!(single.status.success(), "{}", text(&single.stderr));
-    let single: serde_json::Value = serde_json::from_str(text(&single.stdout).trim()).unwrap();
+    let single = one_token_json(&model, "hello", &["--chat"]);
     assert_eq!(row["prompt_token_ids"], single["prompt_token_ids"]);
     assert_ne!(row["prompt_token_ids"], rows[0]["prompt_token_ids"]);
 
