@@ -177,6 +177,23 @@ fn prompt_longer_than_context() {
     let prompt = vec!["word"; 100].join(" ");
     let args = ["generate", "--model", p(&path), "--prompt", &prompt];
     expect_error(&args, "context");
+    // Text within the byte bound of a long context but far past it in tokens is refused after
+    // counting its first pieces, not tokenized whole (which would take GBs).
+    let (_dir, path) = gguf_fixture(1 << 16);
+    let prompt = vec!["word"; 200_000].join(" ");
+    let prompt_file = _dir.path().join("long.txt");
+    std::fs::write(&prompt_file, &prompt).unwrap();
+    let args = [
+        "generate",
+        "--device",
+        "cpu",
+        "--model",
+        p(&path),
+        "--prompt-file",
+        p(&prompt_file),
+    ];
+    let line = expect_error(&args, "the prompt has more than");
+    assert!(line.contains("context of 65536"), "{line}");
 }
 
 #[test]

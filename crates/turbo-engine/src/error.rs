@@ -37,6 +37,10 @@ pub enum EngineError {
         limit: u64,
         context: usize,
     },
+    #[error(
+        "the prompt has more than {at_least} tokens, more than the model's context of {context}"
+    )]
+    PromptTooManyTokens { at_least: usize, context: usize },
     #[error("the engine thread stopped before the model was loaded")]
     Stopped,
 }

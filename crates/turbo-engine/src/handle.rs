@@ -259,6 +259,7 @@ impl Engine {
                 context: self.info.context_length,
             });
         }
+        self.check_prompt_tokens(messages.iter().map(|m| m.content.as_str()))?;
         Ok(self.template()?.encode(&self.tokenizer, messages, true)?)
     }
 
@@ -266,7 +267,33 @@ impl Engine {
     /// than any prompt the context holds is refused before tokenizing.
     pub fn text_prompt(&self, text: &str) -> Result<Vec<u32>, EngineError> {
         self.check_prompt_bytes(text.len() as u64)?;
+        self.check_prompt_tokens(std::iter::once(text))?;
         Ok(self.tokenizer.encode_with_bos(text)?)
+    }
+
+    /// Refuses long text whose tokens are sure to pass the context, counting them a piece at a
+    /// time ([`COUNTED_IN_PIECES_ABOVE`]): tokenizing costs the tokenizer hundreds of bytes of
+    /// memory per byte of text, so a few MB of prompt would take GBs to be refused afterwards.
+    fn check_prompt_tokens<'a>(
+        &self,
+        texts: impl Iterator<Item = &'a str> + Clone,
+    ) -> Result<(), EngineError> {
+        let total: usize = texts.clone().map(str::len).sum();
+        if total <= COUNTED_IN_PIECES_ABOVE {
+            return Ok(());
+        }
+        let context = self.info.context_length;
+        let (mut tokens, mut pieces) = (0usize, 0usize);
+        for piece in texts.flat_map(|t| text_pieces(t, COUNTED_IN_PIECES_ABOVE)) {
+            tokens += self.tokenizer.encode(piece)?.len();
+            pieces += 1;
+            // Each cut may have added a few tokens that the whole text would not have.
+            let at_least = tokens.saturating_sub(PIECE_BOUNDARY_TOKENS * pieces);
+            if at_least > context {
+                return Err(EngineError::PromptTooManyTokens { at_least, context });
+            }
+        }
+        Ok(())
     }
 
     /// Refuses prompt text of `bytes` bytes when it cannot fit the context.
@@ -572,6 +599,11 @@ impl ModelTask for EngineThread {
         })();
         let mut batch = match made {
             Ok((batch, handle_parts)) => {
+                // The cache's size and free blocks are known before the first request.
+                *shared.stats.lock().unwrap_or_else(PoisonError::into_inner) = EngineStats {
+                    batch: batch.stats(),
+                    ..EngineStats::default()
+                };
                 if ready.send(Ok(handle_parts)).is_err() {
                     return;
                 }
@@ -662,6 +694,36 @@ fn model_id(path: &std::path::Path) -> String {
         .unwrap_or(name)
 }
 
+/// Prompt text longer than this (bytes) is counted a piece of this size at a time before it is
+/// tokenized whole ([`Engine::check_prompt_tokens`]).
+const COUNTED_IN_PIECES_ABOVE: usize = 64 << 10;
+/// The most tokens that cutting text between two pieces may add: the cut splits at most the
+/// tokens of one word (usually it falls before a space, where the pre-tokenizer splits too).
+const PIECE_BOUNDARY_TOKENS: usize = 8;
+
+/// `text` in consecutive pieces of at most `size` bytes (one char more where a char is longer),
+/// each cut just before a whitespace character where the piece has one.
+fn text_pieces(text: &str, size: usize) -> impl Iterator<Item = &str> + '_ {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut end = rest.len().min(size);
+        while !rest.is_char_boundary(end) {
+            end += 1;
+        }
+        if end < rest.len() {
+            if let Some(cut) = rest[..end].rfind(char::is_whitespace).filter(|&c| c > 0) {
+                end = cut;
+            }
+        }
+        let (piece, tail) = rest.split_at(end);
+        rest = tail;
+        Some(piece)
+    })
+}
+
 /// Longest prompt text that can still fit a context of `context` tokens: no token stands for
 /// more than the longest token's bytes, with a factor of 4 for normalizers that shrink text
 /// (NFKC folding, dropped characters), capped at [`crate::limits::MAX_PROMPT_BYTES`].
@@ -680,4 +742,28 @@ fn max_bytes_per_token(tokenizer: &TextTokenizer) -> u64 {
         .unwrap_or(1)
         .max(1);
     longest.saturating_mul(4)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_pieces_cover_the_text_and_cut_before_whitespace() {
+        let text = "héllo wörld, a b  c\n".repeat(1000) + &"x".repeat(300);
+        for size in [1, 7, 64, 1000, 1 << 20] {
+            let pieces: Vec<&str> = text_pieces(&text, size).collect();
+            assert_eq!(pieces.concat(), text, "size {size}");
+            // A piece passes the size only to end on a char boundary.
+            assert!(pieces.iter().all(|p| !p.is_empty() && p.len() < size + 4));
+        }
+        // Where a piece holds whitespace, the next one starts at it (the run of x's at the end
+        // has none, and is cut where the size says).
+        let pieces: Vec<&str> = text_pieces(&text, 64).collect();
+        let spaced = &pieces[1..pieces.len() - 5];
+        assert!(
+            spaced.iter().all(|p| p.starts_with(char::is_whitespace)),
+            "{spaced:?}"
+        );
+    }
 }

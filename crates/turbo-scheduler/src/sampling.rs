@@ -44,6 +44,9 @@ impl Default for SamplingParams {
     }
 }
 
+/// The repetition penalties a request may ask for (1 is none; HF's definition).
+pub const REPETITION_PENALTY_RANGE: std::ops::RangeInclusive<f32> = 0.001..=1000.0;
+
 impl SamplingParams {
     pub fn greedy() -> Self {
         Self::default()
@@ -62,9 +65,13 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
-        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+        // A penalty divides (or multiplies) logits: far from 1 it takes them past f32's range,
+        // and the step's distribution would be made of infinities.
+        if !(REPETITION_PENALTY_RANGE).contains(&self.repetition_penalty) {
             return Err(format!(
-                "repetition_penalty must be > 0, got {}",
+                "repetition_penalty must be in [{}, {}], got {}",
+                REPETITION_PENALTY_RANGE.start(),
+                REPETITION_PENALTY_RANGE.end(),
                 self.repetition_penalty
             ));
         }
@@ -240,6 +247,21 @@ mod tests {
         let mut s = Sampler::new(params);
         assert_eq!(s.next_params().uniform, 0.0);
         assert_eq!(s.next_params(), s.next_params());
+    }
+
+    #[test]
+    fn repetition_penalties_far_from_one_are_refused() {
+        let with = |p: f32| SamplingParams {
+            repetition_penalty: p,
+            ..SamplingParams::default()
+        };
+        for p in [1.0, 0.5, 2.0, 0.001, 1000.0] {
+            assert!(with(p).validate().is_ok(), "{p}");
+        }
+        for p in [1e-45, 0.0, -1.0, 1e4, f32::INFINITY, f32::NAN] {
+            let msg = with(p).validate().unwrap_err();
+            assert!(msg.contains("repetition_penalty must be in"), "{p}: {msg}");
+        }
     }
 
     #[test]

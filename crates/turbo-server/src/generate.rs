@@ -200,7 +200,8 @@ fn encode(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
 /// code, as a prompt of too many tokens does; anything else names the parameter.
 fn prompt_error(e: turbo_engine::EngineError, param: &'static str) -> ApiError {
     match e {
-        turbo_engine::EngineError::PromptTextTooLong { .. } => {
+        turbo_engine::EngineError::PromptTextTooLong { .. }
+        | turbo_engine::EngineError::PromptTooManyTokens { .. } => {
             ApiError::invalid(e.to_string()).code("context_length_exceeded")
         }
         e => ApiError::invalid(e.to_string()).param(param),

@@ -607,6 +607,16 @@ fn models_and_metrics() {
         let (status, missing) = get(&server.url, "/v1/models/no-such-model").await;
         assert_eq!(status, 404);
         assert_eq!(error_of(&missing)["code"], "model_not_found", "{missing}");
+        // A fresh server's cache size is on /metrics before any request.
+        let fresh = Server::start(engine(2, 8), ServerConfig::default());
+        let idle = get_text(&fresh.url, "/metrics").await;
+        for name in ["turbo_kv_blocks_total", "turbo_kv_blocks_free"] {
+            assert_eq!(
+                metric(&idle, name),
+                fresh.engine.info().num_blocks as f64,
+                "{name}"
+            );
+        }
         let (s, _) = post(
             &server.url,
             "/v1/completions",

@@ -237,6 +237,9 @@ impl TokenLogprobs {
             ranked.select_nth_unstable_by(top - 1, by_rank);
         }
         ranked.truncate(top);
+        // The vocabulary-sized buffer is not kept: a request holds its tokens' logprobs until
+        // it ends (thousands of them), and each would otherwise keep the whole row's capacity.
+        ranked.shrink_to_fit();
         ranked.sort_unstable_by(by_rank);
         TokenLogprobs {
             token,
@@ -327,5 +330,22 @@ impl RequestHandle {
             }
         }
         Err(RequestError::Disconnected)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A token's logprobs keep its top alternatives only, not a vocabulary-sized buffer: a
+    /// request holds one per generated token until it ends.
+    #[test]
+    fn token_logprobs_hold_only_their_top_entries() {
+        let logits: Vec<f32> = (0..49_152).map(|i| (i % 97) as f32 * 0.1).collect();
+        let lp = TokenLogprobs::from_logits(&logits, 5, 3);
+        assert_eq!(lp.top.len(), 3);
+        assert!(lp.top.capacity() < 64, "capacity {}", lp.top.capacity());
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+        assert!(lp.logprob <= 0.0 && lp.top[0].1 <= 0.0);
     }
 }
