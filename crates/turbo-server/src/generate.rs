@@ -659,17 +659,23 @@ impl Collector {
                 let mut at = offset;
                 let (mut tokens, mut lps, mut tops, mut offsets) =
                     (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                // The legacy format names tokens by their text: one that is not whole UTF-8
+                // (a piece of a character) is `bytes:\xNN...`, as OpenAI writes it, so that
+                // such tokens keep distinct names.
+                let name = |id: u32| legacy_token_name(&token(id).1);
                 for e in entries {
-                    let (text, bytes) = token(e.token);
+                    let bytes = token(e.token).1;
                     offsets.push(at);
                     at += bytes.len();
                     lps.push(finite(e.logprob));
-                    // The sampled token is always listed, as OpenAI's legacy API does.
+                    // The sampled token is always listed, as OpenAI's legacy API does. Two
+                    // tokens of the same name keep the likelier one's logprob (ranked first).
                     let mut top = serde_json::Map::new();
                     for &(id, lp) in &e.top {
-                        top.insert(token(id).0, finite(lp).into());
+                        top.entry(name(id)).or_insert(finite(lp).into());
                     }
-                    top.insert(text.clone(), finite(e.logprob).into());
+                    let text = name(e.token);
+                    top.entry(text.clone()).or_insert(finite(e.logprob).into());
                     tokens.push(text);
                     tops.push(Value::Object(top));
                 }
@@ -766,5 +772,33 @@ mod parse_tests {
         assert_eq!(p, Some("messages"));
         let (m, _) = error(r#"{"prompt": "x"} {"prompt": "y"}"#, false);
         assert!(m.contains("trailing"), "{m}");
+    }
+}
+
+/// A token's name in the completions API's logprobs: its text, or, where its bytes are not whole
+/// UTF-8, `bytes:` and each byte as `\xNN` (OpenAI's form).
+fn legacy_token_name(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => text.to_string(),
+        Err(_) => {
+            let mut name = String::from("bytes:");
+            for b in bytes {
+                name.push_str(&format!("\\x{b:02x}"));
+            }
+            name
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::legacy_token_name;
+
+    #[test]
+    fn tokens_that_are_not_whole_utf8_are_named_by_their_bytes() {
+        assert_eq!(legacy_token_name(b" Paris"), " Paris");
+        assert_eq!(legacy_token_name("é".as_bytes()), "é");
+        assert_eq!(legacy_token_name(&[0xf0, 0x9f]), "bytes:\\xf0\\x9f");
+        assert_ne!(legacy_token_name(&[0xf0]), legacy_token_name(&[0x9f]));
     }
 }
