@@ -302,7 +302,9 @@ fn evaluate(args: &EvalKvArgs) -> Result<Vec<Row>> {
         let info = engine.info();
         let limit = info.max_bytes_per_token.saturating_mul((n + k) as u64);
         let content = read_head(path, limit.min(info.max_prompt_bytes))?;
-        let ids = engine.text_prompt(&content)?;
+        // The head may hold more tokens than the context (only the first n + k are kept), so
+        // it is tokenized directly rather than as a prompt, which would be refused.
+        let ids = engine.tokenizer().encode_with_bos(&content)?;
         if ids.len() < n + k {
             bail!(
                 "{} has {} tokens, fewer than --prompt-tokens + --eval-tokens = {}",

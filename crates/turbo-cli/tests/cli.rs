@@ -196,6 +196,43 @@ fn prompt_longer_than_context() {
     assert!(line.contains("context of 65536"), "{line}");
 }
 
+/// eval-kv reads a text's head, which may hold more tokens than the context, and keeps the
+/// first prompt + eval tokens of it: a long text is not refused as a prompt would be.
+#[test]
+fn eval_kv_reads_the_head_of_a_text_longer_than_the_context() {
+    let (dir, path) = gguf_fixture(4096);
+    let long = dir.path().join("long.txt");
+    std::fs::write(&long, vec!["word"; 200_000].join(" ")).unwrap();
+    let out = turbo(
+        &[
+            "eval-kv",
+            "--device",
+            "cpu",
+            "--model",
+            p(&path),
+            "--text",
+            p(&long),
+            "--prompt-tokens",
+            "3000",
+            "--eval-tokens",
+            "4",
+            "--policies",
+            "window",
+            "--budgets",
+            "0.5",
+            "--json",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout).lines().count(),
+        2,
+        "{}",
+        text(&out.stdout)
+    );
+}
+
 #[test]
 fn missing_prompt_file() {
     let (dir, path) = gguf_fixture(64);
