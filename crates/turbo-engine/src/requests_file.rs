@@ -32,6 +32,8 @@ pub struct ParsedLine {
 /// UTF-8, malformed JSON, unknown fields and values of the wrong type fail only their line.
 /// Lines end with `\n` (a trailing `\r` is dropped).
 pub fn parse_requests(bytes: &[u8]) -> Vec<ParsedLine> {
+    // A UTF-8 byte-order mark (editors on Windows write one) is not part of the first line.
+    let bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
     bytes
         .split(|&b| b == b'\n')
         .enumerate()
@@ -68,6 +70,14 @@ fn parse_line(line: &[u8]) -> Result<RequestLine, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_byte_order_mark_is_not_part_of_the_first_line() {
+        let parsed = parse_requests(b"\xEF\xBB\xBF{\"prompt\": \"a\"}\n{\"prompt\": \"b\"}\n");
+        assert_eq!(parsed.len(), 2);
+        assert_eq!(parsed[0].number, 1);
+        assert_eq!(parsed[0].request.as_ref().unwrap().prompt, "a");
+    }
 
     #[test]
     fn each_line_fails_alone_with_its_number() {
