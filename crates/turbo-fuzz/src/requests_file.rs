@@ -34,6 +34,8 @@ pub fn run(data: &[u8]) {
     if parsed.iter().any(|p| p.request.is_ok()) {
         crate::accept();
     }
+    // A UTF-8 byte-order mark before the first line is not part of it.
+    let data = data.strip_prefix(&[0xEF, 0xBB, 0xBF]).unwrap_or(data);
     let lines: Vec<&[u8]> = data.split(|&b| b == b'\n').collect();
     let expected: Vec<usize> = lines
         .iter()
