@@ -126,6 +126,14 @@ struct Shared {
 }
 
 impl Shared {
+    /// Publishes `batch`'s state for [`Engine::stats`].
+    fn publish<B: Backend>(&self, batch: &PersistentBatch<B>) {
+        *self.stats.lock().unwrap_or_else(PoisonError::into_inner) = EngineStats {
+            batch: batch.stats(),
+            ..EngineStats::default()
+        };
+    }
+
     fn stats(&self) -> EngineStats {
         let mut stats = self
             .stats
@@ -600,10 +608,7 @@ impl ModelTask for EngineThread {
         let mut batch = match made {
             Ok((batch, handle_parts)) => {
                 // The cache's size and free blocks are known before the first request.
-                *shared.stats.lock().unwrap_or_else(PoisonError::into_inner) = EngineStats {
-                    batch: batch.stats(),
-                    ..EngineStats::default()
-                };
+                shared.publish(&batch);
                 if ready.send(Ok(handle_parts)).is_err() {
                     return;
                 }
@@ -647,10 +652,7 @@ fn serve<B: Backend>(batch: &mut PersistentBatch<B>, inbox: &Receiver<Command>, 
                 tracing::error!("step failed: {e}");
             }
         }
-        *shared.stats.lock().unwrap_or_else(PoisonError::into_inner) = EngineStats {
-            batch: batch.stats(),
-            ..EngineStats::default()
-        };
+        shared.publish(batch);
         let steps = batch.take_step_profile();
         if !steps.is_empty() {
             let mut profile = shared

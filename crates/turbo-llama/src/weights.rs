@@ -71,6 +71,15 @@ pub struct LoadedModel {
     pub chat_template: Option<String>,
 }
 
+/// A weight file that is not a regular file: opening a FIFO would block, and a device has
+/// nothing to map.
+fn not_a_regular_file(path: &Path) -> LlamaError {
+    LlamaError::Format(format!(
+        "{}: not a regular file (a directory, device or pipe)",
+        path.display()
+    ))
+}
+
 impl LoadedModel {
     /// Loads a GGUF file, a directory holding one, an HF directory, or a native directory.
     pub fn load(path: impl AsRef<Path>) -> Result<LoadedModel> {
@@ -98,11 +107,7 @@ impl LoadedModel {
             .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
             .collect();
         match ggufs.as_slice() {
-            // Opening a FIFO would block, and a device has nothing to map.
-            [one] if !one.is_file() => Err(LlamaError::Format(format!(
-                "{}: not a regular file (a directory, device or pipe)",
-                one.display()
-            ))),
+            [one] if !one.is_file() => Err(not_a_regular_file(one)),
             [one] => load_gguf(one),
             [] => Err(LlamaError::Format(format!(
                 "{}: not a model: expected a .gguf file, or a directory with config.json (HF) or {} (Turbo native)",
@@ -553,12 +558,8 @@ impl SafetensorsSet {
         let mut metadata = BTreeMap::new();
         let mut origin: BTreeMap<String, &Path> = BTreeMap::new();
         for path in files {
-            // Opening a FIFO would block, and a device has nothing to map.
             if !path.is_file() {
-                return Err(LlamaError::Format(format!(
-                    "{}: not a regular file (a directory, device or pipe)",
-                    path.display()
-                )));
+                return Err(not_a_regular_file(path));
             }
             let file = std::fs::File::open(path).map_err(io_err(path))?;
             // SAFETY: the map is read-only; model files are not expected to change while loaded.

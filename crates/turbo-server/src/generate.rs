@@ -634,7 +634,7 @@ impl Collector {
     fn render_logprobs(&self, entries: &[TokenLogprobs], offset: usize) -> Option<Value> {
         self.meta.logprobs?;
         let tokenizer = self.state.engine.tokenizer();
-        // A token's bytes, and its text (an incomplete UTF-8 character as U+FFFD).
+        // A token's text (an incomplete UTF-8 character as U+FFFD), and its bytes.
         let token = |id: u32| {
             let bytes = tokenizer.token_bytes(id).unwrap_or_default();
             (String::from_utf8_lossy(&bytes).into_owned(), bytes)
@@ -662,9 +662,9 @@ impl Collector {
                 // The legacy format names tokens by their text: one that is not whole UTF-8
                 // (a piece of a character) is `bytes:\xNN...`, as OpenAI writes it, so that
                 // such tokens keep distinct names.
-                let name = |id: u32| legacy_token_name(&token(id).1);
+                let bytes_of = |id: u32| tokenizer.token_bytes(id).unwrap_or_default();
                 for e in entries {
-                    let bytes = token(e.token).1;
+                    let bytes = bytes_of(e.token);
                     offsets.push(at);
                     at += bytes.len();
                     lps.push(finite(e.logprob));
@@ -672,9 +672,10 @@ impl Collector {
                     // tokens of the same name keep the likelier one's logprob (ranked first).
                     let mut top = serde_json::Map::new();
                     for &(id, lp) in &e.top {
-                        top.entry(name(id)).or_insert(finite(lp).into());
+                        top.entry(legacy_token_name(&bytes_of(id)))
+                            .or_insert(finite(lp).into());
                     }
-                    let text = name(e.token);
+                    let text = legacy_token_name(&bytes);
                     top.entry(text.clone()).or_insert(finite(e.logprob).into());
                     tokens.push(text);
                     tops.push(Value::Object(top));
